@@ -1,0 +1,210 @@
+"""One pass over the data with worker threads: dispatch, in-order delivery, shutdown.
+
+How an epoch behaves; where the code disagrees with this, the code is wrong.
+
+1. Dispatch follows torch's ``_MultiProcessingDataLoaderIter`` exactly: batch ``i`` goes to the
+   next live worker in round-robin order, at most ``prefetch_factor * num_workers`` batches are
+   in flight, and one new batch is dispatched for each one delivered. So an IterableDataset's
+   output order, and which worker id fetched which batch, are torch's.
+2. Delivery is in sampler order (``in_order=True``) through a reorder table keyed by batch
+   number, or as completed (``in_order=False``).
+3. When the batch the training loop needs was dispatched to a worker that has not started it
+   (its thread has not been scheduled yet), the training thread runs it itself, as that worker:
+   with the worker's ``WorkerInfo`` installed and the worker's ``busy`` lock held, so the
+   worker's tasks still run one at a time and in order. Waiting instead would cost a thread
+   hand-off per batch, which for cheap GIL-holding items costs more than the item. Map-style
+   datasets only: an IterableDataset's iterator lives in its worker.
+4. Drained: the last batch is delivered, the workers are joined (unless persistent), and
+   ``StopIteration`` is raised.
+5. Worker error: raised by ``__next__`` at that batch's turn, with the worker id, the batch's
+   indices and the original traceback; as in torch, the epoch goes on if ``next()`` is called
+   again.
+6. Abandoned (``break``, ``del``, garbage collection, ``KeyboardInterrupt``, interpreter exit):
+   nothing new is fetched and every thread is joined. The workers never reference this object,
+   so dropping it is enough for the finalizer to run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.worker import _IterableDatasetStopIteration
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from threadloader import _worker_info
+from threadloader._queues import QueueClosed
+from threadloader._workers import Result, Task, WorkerPool, WorkerSpec
+
+if TYPE_CHECKING:
+    from threadloader.loader import ThreadDataLoader
+
+
+class ThreadedDataLoaderIter(_BaseDataLoaderIter):
+    """The iterator ``iter(ThreadDataLoader(..., num_workers=N))`` returns for N > 0.
+
+    Subclasses torch's ``_BaseDataLoaderIter`` so that ``__next__`` (length warning for
+    IterableDatasets, profiler range), seed drawing and pin-memory warnings are torch's own.
+    """
+
+    def __init__(self, loader: ThreadDataLoader[Any]) -> None:
+        super().__init__(loader)
+        self._prefetch_factor: int = loader.prefetch_factor or 0
+        self._in_order: bool = loader.in_order
+        self._run_here = loader._dataset_kind == _DatasetKind.Map
+        spec = WorkerSpec(
+            dataset_kind=self._dataset_kind,
+            dataset=self._dataset,
+            auto_collation=self._auto_collation,
+            collate_fn=self._collate_fn,
+            drop_last=self._drop_last,
+            worker_init_fn=loader.worker_init_fn,
+            num_workers=self._num_workers,
+            pin_memory_device=self._pin_memory_device if self._pin_memory else None,
+        )
+        self._pool = WorkerPool(
+            spec,
+            base_seed=int(self._base_seed),
+            max_tasks=max(1, self._prefetch_factor * self._num_workers),
+            name=f"threadloader-{id(self):x}",
+        )
+        # The finalizer holds the pool, never self: break, del and GC all end the threads.
+        self._finalizer = weakref.finalize(self, self._pool.close)
+        self._generation = 0
+        self._reset(loader, first_iter=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} delivered={self._rcvd_idx} dispatched={self._send_idx} "
+            f"in_flight={self._tasks_outstanding} {self._pool!r}>"
+        )
+
+    def close(self) -> None:
+        """Stop and join the worker threads now. Idempotent; later ``next()`` calls raise."""
+        self._finalizer()
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        if not first_iter:
+            self._generation = self._pool.new_epoch()
+        self._send_idx = 0  # number of the next batch to dispatch
+        self._rcvd_idx = 0  # number of the next batch to deliver (in order)
+        # batch number -> (worker_id, task) while in flight, (worker_id, task, data) once parked
+        self._task_info: dict[int, tuple[Any, ...]] = {}
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    def _try_put_index(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        if self._tasks_outstanding >= max_tasks:
+            raise AssertionError("more batches in flight than num_workers * prefetch_factor")
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):  # the next live worker, round robin (torch's order)
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id] and (
+                self._in_order
+                or self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status)
+            ):
+                break
+        else:
+            return
+        task = Task(self._send_idx, index, self._generation)
+        self._pool.workers[worker_id].tasks.put(task)
+        self._task_info[self._send_idx] = (worker_id, task)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _next_data(self) -> Any:
+        try:
+            return self._next_batch()
+        except KeyboardInterrupt:
+            self.close()  # Ctrl-C while waiting: the epoch is over, the threads must not linger
+            raise
+
+    def _next_batch(self) -> Any:
+        while True:
+            # Skip batches dispatched to workers whose IterableDataset ran out before them.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info is not None:
+                    if len(info) == 3 or self._workers_status[info[0]]:
+                        break
+                    del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self.close()
+                raise StopIteration
+
+            info = self._task_info[self._rcvd_idx]
+            if len(info) == 3:  # arrived earlier, parked in the reorder table
+                del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+                return self._process_data(info[2], info[0])
+
+            result = self._get_result(info)
+            self._tasks_outstanding -= 1
+            if isinstance(result.data, _IterableDatasetStopIteration):
+                self._workers_status[result.data.worker_id] = False
+                self._try_put_index()
+                continue
+            if result.idx != self._rcvd_idx:
+                if not self._in_order:
+                    del self._task_info[result.idx]
+                    return self._process_data(result.data, result.worker_id)
+                self._task_info[result.idx] += (result.data,)
+                continue
+            del self._task_info[result.idx]
+            self._rcvd_idx += 1
+            return self._process_data(result.data, result.worker_id)
+
+    def _get_result(self, needed: tuple[Any, ...]) -> Result:
+        """The next result of this epoch: run the needed batch here if no worker started it."""
+        if self._run_here:
+            result = self._run_if_not_started(*needed)
+            if result is not None:
+                return result
+        timeout = self._timeout if self._timeout > 0 else None
+        while True:
+            try:
+                result = self._pool.results.get(timeout)
+            except TimeoutError:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            except QueueClosed:
+                raise RuntimeError(
+                    "this threadloader iterator was closed (KeyboardInterrupt or close()); "
+                    "start a new epoch with iter(loader)"
+                ) from None
+            if result.generation == self._generation:
+                return result
+
+    def _run_if_not_started(self, worker_id: int, task: Task) -> Result | None:
+        worker = self._pool.workers[worker_id]
+        if not worker.busy.acquire(blocking=False):
+            return None  # the worker is running something: let it
+        try:
+            if not worker.ready or not worker.tasks.take_head_if(task):
+                return None
+            with _worker_info.acting_as(worker.info):
+                data = worker.run(task)
+            return Result(task.idx, worker_id, task.generation, data)
+        finally:
+            worker.busy.release()
+
+    def _process_data(self, data: Any, worker_id: int) -> Any:
+        self._workers_num_tasks[worker_id] -= 1
+        self._try_put_index()
+        if isinstance(data, ExceptionWrapper):
+            data.reraise()
+        return data

@@ -1,0 +1,120 @@
+"""The two bounded hand-offs of an epoch: tasks to one worker, results to the training thread.
+
+Both are a deque under a ``threading.Condition``, with one wake-up per item (``notify()``, never
+``notify_all()``): each has exactly one reader. Neither ``put`` ever blocks. Their bound is the
+iterator's invariant, checked here: at most ``num_workers * prefetch_factor`` tasks are in flight,
+so no queue holds more than that plus the control messages of one epoch change. A put past the
+bound is a bug in the dispatcher, and raises instead of growing memory silently.
+
+Correctness never relies on the GIL: every read and write of a deque happens under its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class QueueClosed(Exception):
+    """Raised by a read from a queue that was closed while (or before) waiting."""
+
+
+class BoundedQueue(Generic[T]):
+    """A single-reader FIFO with a hard capacity and an explicit close.
+
+    Args:
+        capacity: most items the queue may hold at once; a put beyond it raises.
+        name: used in error messages and ``repr`` so a stack dump reads on its own.
+    """
+
+    def __init__(self, capacity: int, name: str) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._items: deque[T] = deque()
+        self._capacity = capacity
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<BoundedQueue {self._name} {len(self._items)}/{self._capacity} {state}>"
+
+    def put(self, item: T) -> None:
+        """Append ``item`` and wake the reader. Items put after ``close()`` are dropped.
+
+        Raises:
+            RuntimeError: the queue is full, which means the dispatcher broke its bound.
+        """
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._items) >= self._capacity:
+                raise RuntimeError(f"{self._name}: capacity {self._capacity} exceeded")
+            self._items.append(item)
+            self._cond.notify()
+
+    def get(self, timeout: float | None = None) -> T:
+        """Remove and return the oldest item, waiting for one.
+
+        Args:
+            timeout: seconds to wait at most; ``None`` waits until an item or ``close()``.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout``.
+            QueueClosed: the queue was closed and is empty.
+        """
+        with self._cond:
+            if timeout is None:
+                while not self._items:
+                    if self._closed:
+                        raise QueueClosed(self._name)
+                    self._cond.wait()
+            else:
+                deadline = time.monotonic() + timeout
+                while not self._items:
+                    if self._closed:
+                        raise QueueClosed(self._name)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(self._name)
+                    self._cond.wait(remaining)
+            return self._items.popleft()
+
+    def get_nowait(self) -> T | None:
+        """The oldest item, or None when the queue is empty (closed or not)."""
+        with self._cond:
+            return self._items.popleft() if self._items else None
+
+    def take_head_if(self, wanted: object) -> bool:
+        """Remove the oldest item if it ``is`` ``wanted``; return whether it was removed.
+
+        Lets the training thread take a task a worker has not started yet (see _iterator).
+        """
+        with self._cond:
+            if self._items and self._items[0] is wanted:
+                self._items.popleft()
+                return True
+            return False
+
+    def replace_all(self, item: T) -> None:
+        """Drop every unread item and put ``item`` in their place (an epoch restart)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._items.clear()
+            self._items.append(item)
+            self._cond.notify()
+
+    def close(self) -> list[T]:
+        """Refuse further puts, wake the reader, and return the items that were never read."""
+        with self._cond:
+            self._closed = True
+            left = list(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+            return left

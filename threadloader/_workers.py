@@ -1,0 +1,305 @@
+"""Worker threads: what one worker is, what its thread runs, and the pool that owns them all.
+
+A worker is torch's worker process turned into a thread of the training process:
+
+- it gets a ``WorkerInfo`` of its own (``worker_method="thread"``, ``rng`` set), installed in a
+  thread-local that torch's ``get_worker_info()`` consults (see ``_worker_info``);
+- its seed is ``base_seed + worker_id`` as in torch, but it seeds *its own* generators
+  (``random.Random``, ``torch.Generator``, numpy ``Generator``) instead of the process-global
+  ones, which all threads share; it never calls ``torch.set_num_threads`` either;
+- map-style datasets are shared by every worker (that is the memory win); an IterableDataset is
+  shallow-copied per worker, so a ``worker_init_fn`` can configure each copy as torch's docs show.
+
+The pool owns every thread it starts and joins them in ``close()``, which is idempotent and safe
+from a finalizer, from an interpreter-exit hook and from one of its own threads.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
+from torch.utils.data._utils.worker import (
+    _RNG,
+    WorkerInfo,
+    _generate_state,
+    _IterableDatasetStopIteration,
+)
+
+from threadloader import _worker_info
+from threadloader._queues import BoundedQueue, QueueClosed
+
+#: Seconds ``close()`` waits in all for threads to finish their current task. A thread still
+#: inside a slow ``__getitem__`` after that is left to finish it on its own (it is a daemon and
+#: will fetch nothing more): shutdown must not hang on user code.
+JOIN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """One unit of work: the batch numbered ``idx`` in this epoch, and what to fetch for it."""
+
+    idx: int
+    index: Any  # a list of indices (auto-collation), one index, or None (IterableDataset)
+    generation: int
+
+
+@dataclass(frozen=True)
+class _NewEpoch:
+    """Control message for persistent workers: start over on a fresh dataset iterator."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a worker hands back: batch ``idx`` of ``generation``, produced by ``worker_id``."""
+
+    idx: int
+    worker_id: int
+    generation: int
+    data: Any  # the batch, an ExceptionWrapper, or _IterableDatasetStopIteration
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything the workers of one loader share; read-only once the pool starts."""
+
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Callable[[Any], Any]
+    drop_last: bool
+    worker_init_fn: Callable[[int], None] | None
+    num_workers: int
+    pin_memory_device: str | None  # None: do not pin
+
+
+def _make_worker_info(spec: WorkerSpec, worker_id: int, base_seed: int, dataset: Any) -> WorkerInfo:
+    seed = base_seed + worker_id
+    rng = _RNG(
+        random_generator=random.Random(seed),
+        torch_generator=torch.Generator().manual_seed(seed),
+        numpy_generator=np.random.default_rng(_generate_state(base_seed, worker_id)),
+    )
+    return WorkerInfo(
+        id=worker_id,
+        num_workers=spec.num_workers,
+        seed=seed,
+        dataset=dataset,
+        rng=rng,
+        worker_method="thread",
+    )
+
+
+class Worker:
+    """One worker: its info, its task queue, and the lock held while one of its tasks runs.
+
+    ``busy`` serialises the worker's tasks whoever runs them: the worker thread, or the training
+    thread when it takes a task the worker has not started (``_iterator``). Per-worker state (the
+    dataset iterator, the worker's generators) is therefore never used by two threads at once,
+    and a worker's tasks run in dispatch order, so its random draws are reproducible.
+    """
+
+    def __init__(self, spec: WorkerSpec, worker_id: int, base_seed: int, capacity: int) -> None:
+        self.id = worker_id
+        self.spec = spec
+        is_iterable = spec.dataset_kind == _DatasetKind.Iterable
+        dataset = copy.copy(spec.dataset) if is_iterable else spec.dataset
+        self.info = _make_worker_info(spec, worker_id, base_seed, dataset)
+        self.tasks: BoundedQueue[Task | _NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
+        self.busy = threading.Lock()
+        self.ready = False  # worker_init_fn ran and the fetcher exists (set under `busy`)
+        self.generation = 0
+        self._fetcher: Any = None
+        self._pending_error: ExceptionWrapper | None = None
+        self._ended = False  # the IterableDataset ran out this epoch
+
+    def _where(self) -> str:
+        return f"in threadloader worker thread {self.id}"
+
+    def start_epoch(self, generation: int) -> None:
+        """(Re)create the dataset fetcher; errors surface with this worker's next task."""
+        self.generation = generation
+        self._ended = False
+        try:
+            self._fetcher = _DatasetKind.create_fetcher(
+                self.spec.dataset_kind,
+                self.info.dataset,
+                self.spec.auto_collation,
+                self.spec.collate_fn,
+                self.spec.drop_last,
+            )
+        except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+            self._pending_error = ExceptionWrapper(where=self._where())
+
+    def initialize(self) -> None:
+        """Run ``worker_init_fn`` and create the fetcher, as torch's worker does at start."""
+        try:
+            if self.spec.worker_init_fn is not None:
+                self.spec.worker_init_fn(self.id)
+        except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+            self._pending_error = ExceptionWrapper(where=self._where())
+        else:
+            self.start_epoch(self.generation)
+        self.ready = True
+
+    def run(self, task: Task) -> Any:
+        """Fetch, collate (and pin) ``task``'s batch; the caller holds ``busy``.
+
+        Returns:
+            The batch; an ``ExceptionWrapper`` naming this worker and the batch's indices;
+            ``_IterableDatasetStopIteration`` when the IterableDataset just ran out; or
+            ``None`` when it had already run out (torch's worker sends nothing then either).
+        """
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            return error
+        if self._ended:
+            return None
+        try:
+            data = self._fetcher.fetch(task.index)
+            if self.spec.pin_memory_device is not None:
+                data = _torch_pin_memory(data, self.spec.pin_memory_device)
+            return data
+        except StopIteration:
+            if self.spec.dataset_kind != _DatasetKind.Iterable:
+                return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
+            self._ended = True
+            return _IterableDatasetStopIteration(self.id)
+        except BaseException:  # noqa: BLE001  # a SystemExit must not silently kill the thread
+            return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
+
+
+def _indices(task: Task) -> str:
+    if task.index is None:
+        return ""
+    text = repr(task.index)
+    return f", indices {text if len(text) <= 200 else text[:197] + '...'}"
+
+
+def _worker_loop(worker: Worker, results: BoundedQueue[Result]) -> None:
+    """What one worker thread runs: take a task, run it, hand the result back; until closed."""
+    _worker_info.set_for_thread(worker.info)
+    with worker.busy:
+        worker.initialize()
+    while True:
+        try:
+            msg = worker.tasks.get()
+        except QueueClosed:
+            return
+        with worker.busy:
+            if isinstance(msg, _NewEpoch):
+                worker.start_epoch(msg.generation)
+                continue
+            if msg.generation != worker.generation:
+                continue  # left over from an epoch the training loop abandoned
+            data = worker.run(msg)
+            if data is not None:
+                results.put(Result(msg.idx, worker.id, msg.generation, data))
+        del msg, data  # a blocked get() must not pin the last batch (CPython's thread.py)
+
+
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_all_at_exit() -> None:
+    for pool in list(_live_pools):
+        pool.close()
+
+
+def _register_exit_hook() -> None:
+    # threading._register_atexit runs inside threading._shutdown(), *before* the interpreter joins
+    # non-daemon threads; a plain atexit hook runs after that join, i.e. too late to matter.
+    # Private API, pinned by tests/test_shutdown.py.
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if not _exit_hook_registered:
+            threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
+            _exit_hook_registered = True
+
+
+class WorkerPool:
+    """The worker threads of one iterator: started together, closed and joined together.
+
+    Args:
+        spec: what the workers share.
+        base_seed: torch's per-iterator seed; worker ``i`` gets ``base_seed + i``.
+        max_tasks: the dispatcher's bound on tasks in flight (``num_workers * prefetch_factor``).
+        name: thread-name prefix, e.g. ``threadloader-7f3a``, so a stack dump reads on its own.
+    """
+
+    def __init__(self, spec: WorkerSpec, base_seed: int, max_tasks: int, name: str) -> None:
+        n = spec.num_workers
+        # Bounds (see _queues): each worker holds at most max_tasks tasks plus one _NewEpoch;
+        # results hold at most the tasks in flight plus one stale result per worker.
+        self.results: BoundedQueue[Result] = BoundedQueue(max_tasks + 2 * n, f"{name}-results")
+        self.workers = [Worker(spec, i, base_seed, max_tasks + 1) for i in range(n)]
+        self.generation = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        _register_exit_hook()
+        _live_pools.add(self)
+        try:
+            for w in self.workers:
+                t = threading.Thread(
+                    target=_worker_loop,
+                    args=(w, self.results),
+                    name=f"{name}-worker{w.id}",
+                    daemon=True,  # never block exit; _close_all_at_exit joins them first
+                )
+                t.start()
+                self._threads.append(t)
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        alive = sum(t.is_alive() for t in self._threads)
+        return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def new_epoch(self) -> int:
+        """Drop every task not started, and restart each worker's fetcher (persistent workers).
+
+        Returns:
+            The new generation: results of earlier generations are stale.
+        """
+        self.generation += 1
+        for w in self.workers:
+            w.tasks.replace_all(_NewEpoch(self.generation))
+        return self.generation
+
+    def close(self, join_timeout: float = JOIN_TIMEOUT_S) -> None:
+        """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for w in self.workers:
+            w.tasks.close()
+        self.results.close()
+        me = threading.current_thread()
+        deadline = time.monotonic() + join_timeout
+        for t in self._threads:
+            if t is not me:
+                t.join(max(0.0, deadline - time.monotonic()))
+        _live_pools.discard(self)
+

@@ -1,0 +1,137 @@
+"""ThreadDataLoader: torch's DataLoader, with worker threads instead of worker processes."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
+
+from threadloader import _worker_info
+from threadloader._iterator import ThreadedDataLoaderIter
+
+T_co = TypeVar("T_co", covariant=True)
+
+#: Above this many worker threads per core we warn, as torch warns above one process per core.
+#: Threads that mostly wait (object storage, HTTP) are cheap: dozens per core are legitimate.
+THREADS_PER_CORE_WARNING = 32
+
+_worker_info.install()
+
+
+class ThreadDataLoader(DataLoader[T_co]):
+    """A ``torch.utils.data.DataLoader`` whose workers are threads in the training process.
+
+    Every argument keeps DataLoader's name, position, default, validation and error message
+    (``__init__`` is torch's); batches, their order, seeds and ``get_worker_info()`` are what
+    DataLoader gives for the same inputs. What changes is where workers run:
+
+    - ``num_workers=0`` is torch's single-process loading, unchanged.
+    - ``num_workers=N`` starts N threads, not N processes. Map-style datasets are shared by all
+      of them, not copied into each: no copy-on-read growth, no pickling of batches, no
+      shared-memory files. Each worker fetches and collates whole batches, as torch's do.
+    - ``multiprocessing_context`` is validated as torch does, then unused: there are no
+      worker processes to start.
+    - A worker seeds its own generators (``get_worker_info().rng``, and
+      ``torch.random.thread_safe_generator()`` returns its ``torch.Generator``) rather than the
+      process-global ``random``/``numpy``/``torch`` RNGs, which threads share.
+
+    Args:
+        dataset: as DataLoader. An IterableDataset is shallow-copied once per worker.
+        batch_size: as DataLoader.
+        shuffle: as DataLoader.
+        sampler: as DataLoader.
+        batch_sampler: as DataLoader.
+        num_workers: number of worker *threads*; 0 loads in the calling thread.
+        collate_fn: as DataLoader; runs in the worker thread.
+        pin_memory: as DataLoader; pinning happens in the worker thread.
+        drop_last: as DataLoader.
+        timeout: as DataLoader: seconds to wait for a batch before ``RuntimeError``.
+        worker_init_fn: as DataLoader; called once in each worker thread with its id.
+        multiprocessing_context: validated as DataLoader does; unused.
+        generator: as DataLoader: drives the sampler and each epoch's ``base_seed``.
+        prefetch_factor: batches in flight per worker (default 2 with workers).
+        persistent_workers: keep the worker threads across epochs.
+        pin_memory_device: as DataLoader (deprecated there).
+        in_order: as DataLoader: deliver in sampler order, or as batches complete.
+
+    Raises:
+        ValueError: for every argument combination DataLoader rejects, with its message.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        if self.num_workers == 0:
+            return _SingleProcessDataLoaderIter(self)
+        self.check_worker_number_rationality()
+        return ThreadedDataLoaderIter(self)
+
+    def check_worker_number_rationality(self) -> None:
+        """Warn when the number of worker threads is far beyond what the machine can use.
+
+        torch warns above one worker *process* per CPU. Threads are cheap and, for
+        latency-bound data, are mostly waiting, so we warn only above
+        ``THREADS_PER_CORE_WARNING`` threads per CPU the process may use.
+        """
+        if not self.num_workers:
+            return
+        cpus = _usable_cpus()
+        limit = THREADS_PER_CORE_WARNING * cpus
+        if self.num_workers > limit:
+            warnings.warn(
+                f"This ThreadDataLoader will create {self.num_workers} worker threads, more than "
+                f"{THREADS_PER_CORE_WARNING} per usable CPU ({cpus} CPUs). Threads beyond what "
+                "the data source can keep busy only add switching overhead; lower num_workers "
+                "if throughput does not improve.",
+                stacklevel=2,
+            )
+
+
+def _usable_cpus() -> int:
+    affinity: Sequence[int] | None = None
+    if hasattr(os, "sched_getaffinity"):
+        affinity = list(os.sched_getaffinity(0))
+    return len(affinity) if affinity else (os.cpu_count() or 1)

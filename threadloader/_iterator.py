@@ -36,6 +36,7 @@ from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
+from threadloader._concurrency import ConcurrencyController
 from threadloader._queues import QueueClosed
 from threadloader._workers import Result, Task, WorkerPool, WorkerSpec
 
@@ -73,6 +74,9 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         )
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
         self._finalizer = weakref.finalize(self, self._pool.close)
+        self._concurrency = ConcurrencyController(
+            self._num_workers, minimum=0 if self._run_here else 1
+        )
         self._generation = 0
         self._reset(loader, first_iter=True)
 
@@ -196,13 +200,19 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         try:
             if not worker.ready or not worker.tasks.take_head_if(task):
                 return None
-            with _worker_info.acting_as(worker.info):
+            previous = _worker_info.swap(worker.info)
+            try:
                 data = worker.run(task)
+            finally:
+                _worker_info.swap(previous)
             return Result(task.idx, worker_id, task.generation, data)
         finally:
             worker.busy.release()
 
     def _process_data(self, data: Any, worker_id: int) -> Any:
+        limit = self._concurrency.on_batch()
+        if limit is not None:
+            self._pool.gate.set_limit(limit)
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):

@@ -85,10 +85,18 @@ class BoundedQueue(Generic[T]):
                     self._cond.wait(remaining)
             return self._items.popleft()
 
-    def get_nowait(self) -> T | None:
-        """The oldest item, or None when the queue is empty (closed or not)."""
+    def peek(self) -> T:
+        """The oldest item, left in place; waits for one.
+
+        Raises:
+            QueueClosed: the queue was closed and is empty.
+        """
         with self._cond:
-            return self._items.popleft() if self._items else None
+            while not self._items:
+                if self._closed:
+                    raise QueueClosed(self._name)
+                self._cond.wait()
+            return self._items[0]
 
     def take_head_if(self, wanted: object) -> bool:
         """Remove the oldest item if it ``is`` ``wanted``; return whether it was removed.

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from torch.utils.data._utils import collate as _torch_collate
 from torch.utils.data._utils import worker as _torch_worker
@@ -72,15 +70,11 @@ def current() -> WorkerInfo | None:
     return getattr(_local, "info", None)
 
 
-@contextmanager
-def acting_as(info: WorkerInfo | None) -> Iterator[None]:
-    """Install ``info`` as the calling thread's WorkerInfo for the duration of the block."""
+def swap(info: WorkerInfo | None) -> WorkerInfo | None:
+    """Install ``info`` for the calling thread and return what was installed before."""
     previous = getattr(_local, "info", None)
     _local.info = info
-    try:
-        yield
-    finally:
-        _local.info = previous
+    return previous
 
 
 def set_for_thread(info: WorkerInfo | None) -> None:

@@ -38,6 +38,7 @@ from torch.utils.data._utils.worker import (
 )
 
 from threadloader import _worker_info
+from threadloader._concurrency import Gate
 from threadloader._queues import BoundedQueue, QueueClosed
 
 #: Seconds ``close()`` waits in all for threads to finish their current task. A thread still
@@ -189,26 +190,41 @@ def _indices(task: Task) -> str:
     return f", indices {text if len(text) <= 200 else text[:197] + '...'}"
 
 
-def _worker_loop(worker: Worker, results: BoundedQueue[Result]) -> None:
-    """What one worker thread runs: take a task, run it, hand the result back; until closed."""
+def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
+    """What one worker thread runs: wait for a task and a gate slot, run it, hand it back.
+
+    The task stays at the head of the worker's queue until the worker holds a gate slot and its
+    ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
+    """
     _worker_info.set_for_thread(worker.info)
     with worker.busy:
         worker.initialize()
     while True:
+        if not gate.wait_open():
+            return
         try:
-            msg = worker.tasks.get()
+            msg = worker.tasks.peek()
         except QueueClosed:
             return
-        with worker.busy:
-            if isinstance(msg, _NewEpoch):
-                worker.start_epoch(msg.generation)
-                continue
-            if msg.generation != worker.generation:
-                continue  # left over from an epoch the training loop abandoned
-            data = worker.run(msg)
-            if data is not None:
-                results.put(Result(msg.idx, worker.id, msg.generation, data))
-        del msg, data  # a blocked get() must not pin the last batch (CPython's thread.py)
+        if isinstance(msg, _NewEpoch):
+            with worker.busy:
+                if worker.tasks.take_head_if(msg):
+                    worker.start_epoch(msg.generation)
+            continue
+        if not gate.enter():
+            return
+        try:
+            with worker.busy:
+                if not worker.tasks.take_head_if(msg):
+                    continue  # the training thread ran it, or a new epoch dropped it
+                if msg.generation == worker.generation:
+                    data = worker.run(msg)
+                    if data is not None:
+                        results.put(Result(msg.idx, worker.id, msg.generation, data))
+                    del data
+        finally:
+            gate.exit()
+        del msg  # a blocked peek() must not pin the last batch's task (CPython's thread.py)
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
@@ -248,6 +264,7 @@ class WorkerPool:
         # results hold at most the tasks in flight plus one stale result per worker.
         self.results: BoundedQueue[Result] = BoundedQueue(max_tasks + 2 * n, f"{name}-results")
         self.workers = [Worker(spec, i, base_seed, max_tasks + 1) for i in range(n)]
+        self.gate = Gate(n)
         self.generation = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -258,7 +275,7 @@ class WorkerPool:
             for w in self.workers:
                 t = threading.Thread(
                     target=_worker_loop,
-                    args=(w, self.results),
+                    args=(w, self.gate, self.results),
                     name=f"{name}-worker{w.id}",
                     daemon=True,  # never block exit; _close_all_at_exit joins them first
                 )
@@ -295,6 +312,7 @@ class WorkerPool:
             self._closed = True
         for w in self.workers:
             w.tasks.close()
+        self.gate.close()
         self.results.close()
         me = threading.current_thread()
         deadline = time.monotonic() + join_timeout
@@ -302,4 +320,3 @@ class WorkerPool:
             if t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))
         _live_pools.discard(self)
-

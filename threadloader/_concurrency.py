@@ -1,0 +1,163 @@
+"""How many worker threads may fetch at once: a gate, and the controller that sets its limit.
+
+Worker threads only pay off when the dataset lets them overlap: decoding JPEGs or copying large
+arrays releases the GIL and scales with threads; slicing token windows or running Python
+transforms holds it, and then several threads contending for the GIL are slower than one
+(measured on 2 cores: two threads each fetching 16-window batches took 880 us a batch, one
+thread alone 250 us). The loader cannot know in advance which kind a dataset is, so it measures.
+
+The controller watches the rate at which the training loop receives batches and hill-climbs the
+number of worker threads allowed to fetch at once: it probes one fewer, keeps the lower limit
+when the rate holds up (fewer threads also leave more of the GIL to the training loop), probes
+one more from time to time, and keeps the higher limit only when the rate clearly improves.
+With a limit of 0 (map-style datasets only) the training thread fetches every batch itself when
+it asks for it: num_workers=0 speed, with no thread hand-off at all. Batches and their order never
+depend on the limit: it only decides *which thread* runs a worker's next task, not which task.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+#: A window is at least this long and this many batches before its rate counts.
+WINDOW_S = 0.05
+WINDOW_BATCHES = 8
+#: Keep a lower limit when its rate is at least this fraction of the current one.
+KEEP_LOWER = 0.95
+#: Keep a higher limit only when its rate is at least this multiple of the current one.
+KEEP_HIGHER = 1.08
+#: Windows between probes once the limit has settled.
+SETTLE_WINDOWS = 40
+
+
+class Gate:
+    """Lets at most ``limit`` worker threads run a task at once; the limit may change any time.
+
+    Args:
+        limit: initial number of concurrent tasks allowed.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._limit = limit
+        self._active = 0
+        self._closed = False
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def enter(self) -> bool:
+        """Wait for a free slot and take it; False (no slot taken) once the gate is closed."""
+        with self._cond:
+            while self._active >= self._limit and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def wait_open(self) -> bool:
+        """Wait while the limit is 0, without taking a slot; False once the gate is closed.
+
+        Idle workers park here rather than on their task queue, so that while the training
+        thread runs every batch itself, dispatching a task wakes no thread.
+        """
+        with self._cond:
+            while self._limit == 0 and not self._closed:
+                self._cond.wait()
+            return not self._closed
+
+    def exit(self) -> None:
+        """Give back a slot taken by ``enter``."""
+        with self._cond:
+            self._active -= 1
+            self._cond.notify()
+
+    def set_limit(self, limit: int) -> None:
+        with self._cond:
+            self._limit = limit
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Release every thread waiting in ``enter`` (it returns False)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class ConcurrencyController:
+    """Hill-climbs the gate's limit on the rate at which batches reach the training loop.
+
+    Called only from the training thread, so it needs no lock.
+
+    Args:
+        maximum: the number of worker threads.
+        minimum: the lowest limit allowed: 0 when the training thread can run tasks itself
+            (map-style datasets), else 1.
+        clock: a monotonic clock in seconds (tests pass a fake one).
+    """
+
+    def __init__(self, maximum: int, minimum: int, clock: object = time.monotonic) -> None:
+        self.maximum = maximum
+        self.minimum = min(minimum, maximum)
+        self.limit = maximum
+        self._clock = clock
+        self._window_start: float | None = None
+        self._window_batches = 0
+        self._rates: dict[int, float] = {}
+        self._settled_at = self.limit  # the limit we return to after a probe
+        self._probing = False
+        self._windows_since_probe = 0
+        self._direction = -1  # probe down first: fewer threads is the cheaper answer
+
+    def on_batch(self) -> int | None:
+        """Count one delivered batch; returns the new limit when it changes, else None."""
+        now = self._clock()  # type: ignore[operator]
+        if self._window_start is None:
+            self._window_start = now
+            return None
+        self._window_batches += 1
+        elapsed = now - self._window_start
+        if elapsed < WINDOW_S or self._window_batches < WINDOW_BATCHES:
+            return None
+        rate = self._window_batches / elapsed
+        self._window_start, self._window_batches = now, 0
+        return self._decide(rate)
+
+    def _decide(self, rate: float) -> int | None:
+        self._rates[self.limit] = rate
+        if self._probing:
+            self._probing = False
+            base = self._rates.get(self._settled_at, 0.0)
+            lower = self.limit < self._settled_at
+            keep = rate >= base * (KEEP_LOWER if lower else KEEP_HIGHER)
+            if keep:
+                self._settled_at = self.limit
+                return self._probe(-1 if lower else +1)  # keep walking the same way
+            self._direction = +1 if lower else -1
+            self._windows_since_probe = 0
+            return self._set(self._settled_at)
+        self._windows_since_probe += 1
+        if self._windows_since_probe >= SETTLE_WINDOWS or len(self._rates) == 1:
+            self._windows_since_probe = 0
+            changed = self._probe(self._direction)
+            if changed is None:
+                changed = self._probe(-self._direction)
+            return changed
+        return None
+
+    def _probe(self, direction: int) -> int | None:
+        target = self.limit + direction
+        if not self.minimum <= target <= self.maximum:
+            return None
+        self._probing = True
+        self._direction = direction
+        return self._set(target)
+
+    def _set(self, limit: int) -> int | None:
+        if limit == self.limit:
+            return None
+        self.limit = limit
+        return limit

@@ -8,6 +8,7 @@ worker::
 """
 
 from threadloader.loader import ThreadDataLoader
+from threadloader.samplers import DistributedShuffleSampler, ShuffleSampler
 
-__all__ = ["ThreadDataLoader"]
+__all__ = ["DistributedShuffleSampler", "ShuffleSampler", "ThreadDataLoader"]
 assert sorted(__all__) == __all__

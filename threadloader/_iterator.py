@@ -18,7 +18,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    ``StopIteration`` is raised.
 5. Worker error: raised by ``__next__`` at that batch's turn, with the worker id, the batch's
    indices and the original traceback; as in torch, the epoch goes on if ``next()`` is called
-   again.
+   again. A ``timeout`` expiring ends the epoch instead (torch would let ``next()`` wait again):
+   its threads are released at once, since the error's traceback keeps this iterator alive.
 6. Abandoned (``break``, ``del``, garbage collection, ``KeyboardInterrupt``, interpreter exit):
    nothing new is fetched and every thread is joined. The workers never reference this object,
    so dropping it is enough for the finalizer to run.
@@ -28,9 +29,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from torch._utils import ExceptionWrapper
+from torch._utils import ExceptionWrapper, KeyErrorMessage
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
@@ -55,7 +56,9 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         super().__init__(loader)
         self._prefetch_factor: int = loader.prefetch_factor or 0
         self._in_order: bool = loader.in_order
-        self._run_here = loader._dataset_kind == _DatasetKind.Map
+        # The training thread may run a map-style batch itself (point 3 above), except under a
+        # timeout: a batch that takes too long must raise, as torch's does, not block here.
+        self._run_here = loader._dataset_kind == _DatasetKind.Map and not loader.timeout
         spec = WorkerSpec(
             dataset_kind=self._dataset_kind,
             dataset=self._dataset,
@@ -184,6 +187,10 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
             try:
                 result = self._pool.results.get(timeout)
             except TimeoutError:
+                # A worker is stuck in user code: end the epoch without waiting for it (it exits
+                # when that call returns), so the caller is not blocked past its own timeout.
+                self._finalizer.detach()
+                self._pool.close(wait=False)
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
             except QueueClosed:
                 raise RuntimeError(
@@ -216,5 +223,30 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
         if isinstance(data, ExceptionWrapper):
-            data.reraise()
+            _reraise(data)
         return data
+
+
+def _reraise(wrapper: ExceptionWrapper) -> NoReturn:
+    """Raise what ``ExceptionWrapper.reraise()`` raises: same type, torch's message format.
+
+    torch's version keeps the new exception in a local of its own frame, which the exception's
+    traceback references: a reference cycle that keeps this iterator, and so its worker
+    threads, alive until the cyclic garbage collector happens to run. Here the local is deleted
+    on the way out, so dropping the exception is enough to drop the iterator.
+    """
+    msg = f"Caught {wrapper.exc_type.__name__} {wrapper.where}.\nOriginal {wrapper.exc_msg}"
+    exc: BaseException
+    if wrapper.exc_type is KeyError:
+        exc = KeyError(KeyErrorMessage(msg))
+    elif getattr(wrapper.exc_type, "message", None):
+        exc = wrapper.exc_type(message=msg)
+    else:
+        try:
+            exc = wrapper.exc_type(msg)
+        except Exception:  # noqa: BLE001  # a constructor needing other arguments: torch's fallback
+            exc = RuntimeError(msg)
+    try:
+        raise exc
+    finally:
+        del exc

@@ -304,8 +304,14 @@ class WorkerPool:
             w.tasks.replace_all(_NewEpoch(self.generation))
         return self.generation
 
-    def close(self, join_timeout: float = JOIN_TIMEOUT_S) -> None:
-        """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook."""
+    def close(self, wait: bool = True) -> None:
+        """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook.
+
+        Args:
+            wait: join the threads, for at most ``JOIN_TIMEOUT_S`` in all. A thread still inside
+                user code after that (or at once, with ``wait=False``) finishes that call on its
+                own and exits, having nothing left to fetch.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -315,7 +321,7 @@ class WorkerPool:
         self.gate.close()
         self.results.close()
         me = threading.current_thread()
-        deadline = time.monotonic() + join_timeout
+        deadline = time.monotonic() + (JOIN_TIMEOUT_S if wait else 0.0)
         for t in self._threads:
             if t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))

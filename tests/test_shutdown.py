@@ -1,0 +1,255 @@
+"""No worker thread outlives its use, however an epoch ends.
+
+Each test names its trigger: exhaustion, ``break``, ``del``, garbage collection, a worker
+exception, ``KeyboardInterrupt`` while waiting, a worker stuck in slow user code, interpreter exit.
+"""
+
+from __future__ import annotations
+
+import gc
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from threadloader import ThreadDataLoader, _workers
+
+_preexisting: set[threading.Thread] = set()
+
+
+def _ours() -> list[threading.Thread]:
+    """Live threadloader threads started by the current test."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("threadloader-") and t not in _preexisting
+    ]
+
+
+def _wait_for_no_threads(timeout: float = 10.0) -> list[threading.Thread]:
+    deadline = time.monotonic() + timeout
+    while _ours() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _ours()
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind():
+    # Threads another test file left finishing a slow call are not this test's.
+    _wait_for_no_threads(timeout=2.0)
+    _preexisting.clear()
+    _preexisting.update(_ours())
+    yield
+    assert _wait_for_no_threads() == []
+
+
+class Squares(Dataset[torch.Tensor]):
+    def __init__(self, n: int = 64, delay: float = 0.0) -> None:
+        self.n, self.delay = n, delay
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.delay:
+            time.sleep(self.delay)
+        return torch.tensor(i * i)
+
+
+class Failing(Squares):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 9:
+            raise ValueError("item 9 is corrupt")
+        return super().__getitem__(i)
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self):
+        yield from range(40)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_threads_end_after_exhaustion(num_workers: int) -> None:
+    """Iterating to the end joins every worker thread before StopIteration is raised."""
+    it = iter(ThreadDataLoader(Squares(), batch_size=4, num_workers=num_workers))
+    assert len(_ours()) == num_workers
+    assert len(list(it)) == 16
+    assert _ours() == []  # joined synchronously, not eventually
+
+
+def test_threads_end_after_break() -> None:
+    """Leaving a for loop early drops the iterator, whose finalizer joins the threads at once."""
+    for _batch in ThreadDataLoader(Squares(), batch_size=4, num_workers=2):
+        break
+    assert _ours() == []
+
+
+def test_threads_end_after_del() -> None:
+    """Deleting a half-consumed iterator joins its threads."""
+    it = iter(ThreadDataLoader(Squares(), batch_size=4, num_workers=2))
+    next(it)
+    del it
+    assert _ours() == []
+
+
+def test_threads_end_when_iterator_is_garbage_collected() -> None:
+    """An iterator kept alive only by a reference cycle is closed by the garbage collector."""
+    it = iter(ThreadDataLoader(Squares(), batch_size=4, num_workers=2))
+    next(it)
+    holder: dict[str, object] = {}
+    holder["self"], holder["it"] = holder, it
+    del it, holder
+    assert len(_ours()) == 2
+    gc.collect()
+    assert _ours() == []
+
+
+def test_threads_end_after_worker_exception_and_exhaustion() -> None:
+    """A worker error is raised in the training thread; the epoch goes on and ends cleanly."""
+    it = iter(ThreadDataLoader(Failing(), batch_size=4, num_workers=2))
+    outcomes = []
+    while True:
+        try:
+            outcomes.append(next(it).tolist())
+        except ValueError:
+            outcomes.append("error")
+        except StopIteration:
+            break
+    assert outcomes.count("error") == 1 and len(outcomes) == 16
+    assert _ours() == []
+
+
+def test_threads_end_when_iterator_is_dropped_after_worker_exception() -> None:
+    """Dropping the iterator right after a worker error joins every thread."""
+    with pytest.raises(ValueError, match="item 9 is corrupt"):
+        for _ in ThreadDataLoader(Failing(), batch_size=4, num_workers=2):
+            pass
+    assert _wait_for_no_threads() == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_keyboard_interrupt_while_waiting_ends_the_threads() -> None:
+    """Ctrl-C while next() waits for a slow batch raises KeyboardInterrupt and joins the threads."""
+    loader = ThreadDataLoader(Squares(delay=0.2), batch_size=8, num_workers=2)
+    it = iter(loader)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        timer.join()
+    assert _ours() == []
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(it)
+
+
+def test_worker_stuck_in_slow_getitem_does_not_hang_shutdown(monkeypatch) -> None:
+    """Closing waits at most JOIN_TIMEOUT_S for a worker inside slow user code, then returns."""
+    release = threading.Event()
+
+    class Stuck(Squares):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i >= 4:
+                release.wait(60)
+            return torch.tensor(i)
+
+    monkeypatch.setattr(_workers, "JOIN_TIMEOUT_S", 0.3)
+    it = iter(ThreadDataLoader(Stuck(), batch_size=4, num_workers=2))
+    next(it)
+    time.sleep(0.1)  # let the workers enter the stuck batches
+    started = time.monotonic()
+    del it
+    assert time.monotonic() - started < 5  # bounded by JOIN_TIMEOUT_S, not by the dataset
+    release.set()  # the stuck threads finish their call, find nothing to do, and exit
+    assert _wait_for_no_threads() == []
+
+
+def test_many_iterators_created_and_dropped_leave_no_thread() -> None:
+    """1,000 iterators created, partly consumed and dropped leave the thread count at baseline."""
+    loader = ThreadDataLoader(Squares(16), batch_size=4, num_workers=2)
+    for i in range(1000):
+        it = iter(loader)
+        if i % 2:
+            next(it)
+        del it
+    assert _ours() == []
+
+
+def test_persistent_workers_survive_epochs_and_end_with_the_loader() -> None:
+    """persistent_workers keeps the same threads across epochs; dropping the loader ends them."""
+    loader = ThreadDataLoader(Squares(), batch_size=4, num_workers=2, persistent_workers=True)
+    list(loader)
+    first = set(_ours())
+    for _ in range(2):
+        for _batch in loader:
+            break  # an abandoned epoch does not end persistent workers either
+        assert set(_ours()) == first
+    del loader
+    gc.collect()
+    assert _ours() == []
+
+
+def test_iterable_dataset_threads_end_after_exhaustion() -> None:
+    """Workers of an IterableDataset end when every worker's copy is exhausted."""
+    batches = list(ThreadDataLoader(Stream(), batch_size=5, num_workers=3))
+    assert len(batches) == 24  # each worker yields the whole stream: torch's behaviour
+    assert _ours() == []
+
+
+def test_close_from_a_worker_thread_does_not_deadlock() -> None:
+    """A finalizer run by GC inside a worker thread closes the pool without joining itself."""
+    closed_in_worker = threading.Event()
+
+    class CollectsGarbage(Squares):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i == 8:
+                gc.collect()
+                closed_in_worker.set()
+            return torch.tensor(i)
+
+    it = iter(ThreadDataLoader(CollectsGarbage(), batch_size=4, num_workers=1))
+    holder: list[object] = [it]
+    holder.append(holder)
+    it._concurrency.minimum = it._concurrency.maximum  # keep the worker fetching, not the caller
+    next(it)
+    del it, holder
+    assert closed_in_worker.wait(10)
+    assert _wait_for_no_threads() == []
+
+
+def test_register_atexit_api_available() -> None:
+    """The private stdlib hook that runs before non-daemon threads are joined still exists."""
+    assert callable(threading._register_atexit)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exit_with_a_live_iterator_does_not_hang(persistent: bool) -> None:
+    """A loader still referenced at interpreter exit (no break, no del) lets the process exit."""
+    code = textwrap.dedent(
+        f"""
+        import time, torch
+        from torch.utils.data import Dataset
+        from threadloader import ThreadDataLoader
+        class Slow(Dataset):
+            def __len__(self): return 10_000
+            def __getitem__(self, i):
+                time.sleep(0.01)
+                return torch.tensor(i)
+        loader = ThreadDataLoader(Slow(), batch_size=2, num_workers=2,
+                                  persistent_workers={persistent})
+        it = iter(loader)
+        next(it)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stderr == b""

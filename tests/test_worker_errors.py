@@ -1,0 +1,340 @@
+"""An exception in a worker is raised from next() in the training thread, as torch raises it.
+
+torch wraps a worker's exception (``ExceptionWrapper``) and raises the same type from ``__next__``
+with a message naming the worker and carrying the original traceback; the iterator stays usable,
+so the next ``next()`` gives the following batch. Each test runs the same scenario through torch's
+process DataLoader and compares what happened.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    Outcome,
+    assert_outcomes_match,
+    call_with_args,
+    outcomes,
+    torch_loader,
+    torch_outcomes,
+    worker_ids_named,
+)
+from torch.utils.data import IterableDataset
+
+from threadloader import ThreadDataLoader
+
+BAD_INDEX = 5
+
+
+class FailsAtFive:
+    """Map-style of 12 ints; fetching index 5 raises ValueError; records who fetched it."""
+
+    def __init__(self) -> None:
+        self.failed_in: list[int] = []
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        if index == BAD_INDEX:
+            info = torch.utils.data.get_worker_info()
+            self.failed_in.append(-1 if info is None else info.id)
+            explode_in_getitem(index)
+        return index
+
+
+def explode_in_getitem(index: int) -> None:
+    raise ValueError(f"cannot read item {index}")
+
+
+class StreamFailsInWorkerOne(IterableDataset[Any]):
+    """Worker w yields 10w .. 10w+3, except worker 1, which raises after its second item."""
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        worker = 0 if info is None else info.id
+        for k in range(4):
+            if worker == 1 and k == 2:
+                explode_in_iter(worker)
+            yield 10 * worker + k
+
+
+def explode_in_iter(worker: int) -> None:
+    raise ValueError(f"stream of worker {worker} broke")
+
+
+def collate_fails_on_five(items: list[int]) -> torch.Tensor:
+    """collate_fn raising on the batch that holds item 5."""
+    if BAD_INDEX in items:
+        explode_in_collate(items)
+    return torch.tensor(items)
+
+
+def explode_in_collate(items: list[int]) -> None:
+    raise ValueError(f"cannot collate {items}")
+
+
+def init_fails_in_worker_one(worker_id: int) -> None:
+    """worker_init_fn raising in worker 1 only."""
+    if worker_id == 1:
+        explode_in_init(worker_id)
+
+
+def explode_in_init(worker_id: int) -> None:
+    raise ValueError(f"worker {worker_id} could not start")
+
+
+def _all_outcomes(loader: Any, limit: int = 30, stop_at_error: bool = False) -> list[Outcome]:
+    iterator = iter(loader)
+    try:
+        return outcomes(iterator, limit, stop_at_error)
+    finally:
+        del iterator
+
+
+def _assert_wraps_original(error: BaseException, message: str, raiser: str) -> None:
+    text = str(error)
+    assert message in text, text
+    assert "Traceback (most recent call last)" in text, text
+    assert raiser in text, text  # the original frame is in the quoted traceback
+    assert __file__.rsplit("/", 1)[-1] in text, text
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_getitem_error_is_raised_from_next_with_worker_and_traceback(num_workers: int) -> None:
+    """A __getitem__ exception reaches next() as torch's type, naming the worker, with traceback."""
+    dataset = FailsAtFive()
+    found = _all_outcomes(ThreadDataLoader(dataset, batch_size=2, num_workers=num_workers))
+    errors = [o.error for o in found if o.error is not None]
+    assert len(errors) == 1
+    assert type(errors[0]) is ValueError
+    _assert_wraps_original(errors[0], "cannot read item 5", "explode_in_getitem")
+    assert dataset.failed_in[0] in range(num_workers)
+    assert dataset.failed_in[0] in worker_ids_named(str(errors[0]).splitlines()[0])
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+@pytest.mark.parametrize("batch_size", [1, 2, None])
+def test_next_after_a_getitem_error_continues_like_dataloader(
+    batch_size: int | None, num_workers: int
+) -> None:
+    """After a failed batch, next() goes on with the following batches, exactly as torch's does."""
+    kwargs = {"batch_size": batch_size, "num_workers": num_workers}
+    theirs = torch_outcomes(FailsAtFive(), limit=30, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(FailsAtFive(), **kwargs))
+    assert_outcomes_match(ours, theirs, ["cannot read item 5"])
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+@pytest.mark.parametrize("batch_size", [1, 3, None])
+def test_iterable_error_ends_that_shard_and_others_continue_like_dataloader(
+    batch_size: int | None, num_workers: int
+) -> None:
+    """An exception inside IterableDataset iteration is raised once; other workers go on as torch's."""
+    kwargs = {"batch_size": batch_size, "num_workers": num_workers}
+    theirs = torch_outcomes(StreamFailsInWorkerOne(), limit=30, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(StreamFailsInWorkerOne(), **kwargs))
+    assert_outcomes_match(ours, theirs, ["stream of worker 1 broke"])
+    error = next(o.error for o in ours if o.error is not None)
+    _assert_wraps_original(error, "stream of worker 1 broke", "explode_in_iter")
+    assert 1 in worker_ids_named(str(error).splitlines()[0])
+
+
+class RaisesWhenIterCalled(IterableDataset[Any]):
+    """__iter__ itself (not the iteration) raises in every worker."""
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        raise RuntimeError(f"no stream for worker {None if info is None else info.id}")
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_error_calling_iter_on_the_dataset_is_raised_from_first_next(num_workers: int) -> None:
+    """An exception from IterableDataset.__iter__ is raised by the first next(), type preserved."""
+    reference = torch_outcomes(RaisesWhenIterCalled(), limit=1, num_workers=num_workers)
+    iterator = iter(ThreadDataLoader(RaisesWhenIterCalled(), num_workers=num_workers))
+    error = call_with_args(next, iterator)
+    del iterator
+    assert reference[0].error is not None
+    assert type(error) is type(reference[0].error)
+    _assert_wraps_original(error, "no stream for worker 0", "__iter__")
+    assert 0 in worker_ids_named(str(error).splitlines()[0])
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_collate_fn_error_is_raised_from_next_and_iteration_continues(num_workers: int) -> None:
+    """A collate_fn exception is raised from next() with its traceback; later batches follow."""
+    kwargs = {"batch_size": 2, "num_workers": num_workers, "collate_fn": collate_fails_on_five}
+    theirs = torch_outcomes(list(range(12)), limit=30, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(list(range(12)), **kwargs))
+    assert_outcomes_match(ours, theirs, ["cannot collate [4, 5]"])
+    error = next(o.error for o in ours if o.error is not None)
+    _assert_wraps_original(error, "cannot collate [4, 5]", "explode_in_collate")
+    assert any(w in range(num_workers) for w in worker_ids_named(str(error).splitlines()[0]))
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_worker_init_fn_error_is_raised_for_that_workers_first_batch(num_workers: int) -> None:
+    """A worker_init_fn failure in worker 1 is raised by next() at worker 1's first batch, as torch's."""
+    kwargs = {
+        "batch_size": 2,
+        "num_workers": num_workers,
+        "worker_init_fn": init_fails_in_worker_one,
+    }
+    theirs = torch_outcomes(list(range(12)), limit=2, **kwargs)
+    iterator = iter(ThreadDataLoader(list(range(12)), **kwargs))
+    ours = outcomes(iterator, 2)
+    del iterator
+    assert_outcomes_match(ours, theirs, ["worker 1 could not start"])
+    error = ours[1].error
+    assert error is not None
+    _assert_wraps_original(error, "worker 1 could not start", "explode_in_init")
+    assert 1 in worker_ids_named(str(error).splitlines()[0])
+
+
+class NeedsTwoArguments(Exception):
+    """An exception whose __init__ cannot be called with one message string."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+        self.code = code
+        self.detail = detail
+
+
+class WithMessageField(Exception):
+    """An exception built from a `message=` keyword, which torch's reraise passes."""
+
+    message = "default"
+
+    def __init__(self, *, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RaisesGiven:
+    """Map-style of 4; item 2 raises the exception made by `make`."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        if index == 2:
+            raise _make_exception(self.kind)
+        return index
+
+
+def _make_exception(kind: str) -> Exception:
+    if kind == "KeyError":
+        return KeyError("missing key 'alpha'")
+    if kind == "two arguments":
+        return NeedsTwoArguments(7, "disk quota exceeded")
+    return WithMessageField(message="payload was not json")
+
+
+ORIGINAL_TEXT = {
+    "KeyError": "missing key 'alpha'",
+    "two arguments": "disk quota exceeded",
+    "message field": "payload was not json",
+}
+
+
+@pytest.mark.parametrize("kind", ORIGINAL_TEXT)
+def test_unusual_exception_classes_reraise_sensibly(kind: str) -> None:
+    """KeyError, an exception needing two arguments, one built from message=: raised readably."""
+    kwargs = {"batch_size": 1, "num_workers": 2}
+    reference = torch_outcomes(RaisesGiven(kind), limit=5, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(RaisesGiven(kind), **kwargs))
+    assert [o.error is None for o in ours] == [o.error is None for o in reference]
+    theirs_error = next(o.error for o in reference if o.error is not None)
+    error = next(o.error for o in ours if o.error is not None)
+    # torch falls back to RuntimeError for a class it cannot build from one message; keeping the
+    # original class is at least as good.
+    assert type(error) in (type(theirs_error), type(_make_exception(kind)))
+    text = str(error)
+    assert ORIGINAL_TEXT[kind] in text
+    assert "Traceback (most recent call last)" in text
+    assert "\\n" not in text  # a KeyError's message reads as text, not as an escaped repr
+    assert worker_ids_named(text.splitlines()[0])
+
+
+@pytest.mark.parametrize("where", ["getitem", "collate", "iter"])
+def test_without_workers_the_original_exception_propagates_like_torch(where: str) -> None:
+    """With num_workers=0 an error is raised unwrapped, same type and message as torch's."""
+    if where == "getitem":
+        make, kwargs = FailsAtFive, {"batch_size": 2}
+    elif where == "collate":
+        make, kwargs = (
+            (lambda: list(range(12))),
+            {"batch_size": 2, "collate_fn": collate_fails_on_five},
+        )
+    else:
+        make, kwargs = StreamFailsInWorkerOne, {"batch_size": 2}
+    theirs = torch_outcomes(make(), limit=30, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(make(), **kwargs))
+    assert_outcomes_match(ours, theirs)
+    for mine, ref in zip(ours, theirs, strict=True):
+        assert str(mine.error) == str(ref.error)
+
+
+class SlowItem:
+    """Map-style of ``n`` items, each holding the GIL for ``cheap_s``; the last one takes 0.6 s."""
+
+    def __init__(self, n: int, cheap_s: float) -> None:
+        self.n = n
+        self.cheap_s = cheap_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.n - 1:
+            time.sleep(0.6)
+        end = time.perf_counter() + self.cheap_s
+        while time.perf_counter() < end:  # like slicing token windows: no GIL release
+            pass
+        return index
+
+
+# After many cheap batches a loader may have decided to fetch in the training thread; a
+# timeout must still fire then.
+SLOW_AFTER = {"a few batches": (4, 0.0), "many cheap batches": (600, 0.0005)}
+
+
+@pytest.mark.parametrize("after", SLOW_AFTER)
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_slow_batch_raises_torchs_timeout_error(num_workers: int, after: str) -> None:
+    """A batch later than `timeout` raises torch's RuntimeError 'DataLoader timed out after ...'."""
+    kwargs = {"batch_size": 1, "num_workers": num_workers, "timeout": 0.2}
+    limit = SLOW_AFTER[after][0]
+    theirs = torch_outcomes(SlowItem(*SLOW_AFTER[after]), limit=limit, stop_at_error=True, **kwargs)
+    before = threading.active_count()
+    loader = ThreadDataLoader(SlowItem(*SLOW_AFTER[after]), **kwargs)
+    ours = _all_outcomes(loader, limit=limit, stop_at_error=True)
+    assert theirs[-1].error is not None, "torch did not time out; the scenario is wrong"
+    assert_outcomes_match(ours, theirs)
+    assert str(ours[-1].error) == str(theirs[-1].error)
+    deadline = time.monotonic() + 5  # the slow item finishes; no thread may stay behind
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+
+
+def test_timeout_does_not_fire_when_batches_arrive_in_time() -> None:
+    """A generous timeout changes nothing: torch's batches arrive."""
+    kwargs = {"batch_size": 2, "num_workers": 2, "timeout": 30.0}
+    theirs = torch_outcomes(list(range(10)), limit=10, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(list(range(10)), **kwargs))
+    assert_outcomes_match(ours, theirs)
+
+
+def test_torch_reference_loader_is_still_usable_here() -> None:
+    """Sanity: torch's process loader runs in this test process (the references above rely on it)."""
+    assert [int(b) for b in torch_loader(list(range(4)), num_workers=2)] == [0, 1, 2, 3]

@@ -39,21 +39,33 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from threadloader import _worker_info
 from threadloader._concurrency import ConcurrencyController
 from threadloader._queues import QueueClosed
+from threadloader._state import (
+    Progress,
+    ProgressMixin,
+    Resume,
+    begin_pass,
+    dataset_is_stateful,
+    warn_replay,
+)
 from threadloader._workers import Result, Task, WorkerPool, WorkerSpec
 
 if TYPE_CHECKING:
     from threadloader.loader import ThreadDataLoader
 
 
-class ThreadedDataLoaderIter(_BaseDataLoaderIter):
+class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
     """The iterator ``iter(ThreadDataLoader(..., num_workers=N))`` returns for N > 0.
 
     Subclasses torch's ``_BaseDataLoaderIter`` so that ``__next__`` (length warning for
     IterableDatasets, profiler range), seed drawing and pin-memory warnings are torch's own.
     """
 
-    def __init__(self, loader: ThreadDataLoader[Any]) -> None:
+    def __init__(self, loader: ThreadDataLoader[Any], resume: Resume | None = None) -> None:
+        self._progress = Progress()
         super().__init__(loader)
+        self._resume = resume
+        if resume is not None:
+            self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's
         self._prefetch_factor: int = loader.prefetch_factor or 0
         self._in_order: bool = loader.in_order
         # The training thread may run a map-style batch itself (point 3 above), except under a
@@ -68,6 +80,9 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
             worker_init_fn=loader.worker_init_fn,
             num_workers=self._num_workers,
             pin_memory_device=self._pin_memory_device if self._pin_memory else None,
+            capture_state=self._dataset_kind == _DatasetKind.Iterable
+            and dataset_is_stateful(self._dataset),
+            resume_states=resume.worker_states if resume is not None else None,
         )
         self._pool = WorkerPool(
             spec,
@@ -77,8 +92,11 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         )
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
         self._finalizer = weakref.finalize(self, self._pool.close)
+        # Fewer fetching workers than num_workers is only safe when the training thread can run
+        # the batches they leave waiting: else one worker stuck in a slow read would stall the
+        # batches queued behind the gate (and a timeout would fire on the wrong batch).
         self._concurrency = ConcurrencyController(
-            self._num_workers, minimum=0 if self._run_here else 1
+            self._num_workers, minimum=0 if self._run_here else self._num_workers
         )
         self._generation = 0
         self._reset(loader, first_iter=True)
@@ -94,9 +112,17 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         self._finalizer()
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        super()._reset(loader, first_iter)
+        resume = self._resume if first_iter else None
+        self._resume = None
         if not first_iter:
+            # torch's _BaseDataLoaderIter.__init__ already made the first epoch's sampler
+            # iterator: a second iter() would restart a positional sampler's resumed pass.
+            super()._reset(loader, first_iter)
             self._generation = self._pool.new_epoch()
+        self._sampler_iter = begin_pass(self, loader, resume)
+        self._discard = resume.batches if resume is not None and resume.replay_data else 0
+        if self._discard:
+            warn_replay(self._dataset, self._discard)
         self._send_idx = 0  # number of the next batch to dispatch
         self._rcvd_idx = 0  # number of the next batch to deliver (in order)
         # batch number -> (worker_id, task) while in flight, (worker_id, task, data) once parked
@@ -105,6 +131,18 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
         self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        # IterableDataset resume (_state point 4): per-worker states as of delivered batches.
+        progress = self._progress
+        progress.dataset_states = [None] * self._num_workers
+        progress.next_worker = 0
+        if resume is not None and resume.worker_states is not None:
+            progress.dataset_states = list(resume.worker_states)
+            if resume.workers_status is not None:
+                self._workers_status = list(resume.workers_status)
+            progress.next_worker = resume.next_worker % self._num_workers
+            for _ in range(progress.next_worker):
+                next(self._worker_queue_idx_cycle)
+        progress.workers_alive = self._workers_status  # the same list: torch's logic updates it
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
@@ -134,7 +172,13 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
 
     def _next_data(self) -> Any:
         try:
+            while self._discard:  # replaying an IterableDataset without state (_state point 4)
+                self._next_batch()
+                self._discard -= 1
             return self._next_batch()
+        except StopIteration:
+            self._progress.exhausted = True
+            raise
         except KeyboardInterrupt:
             self.close()  # Ctrl-C while waiting: the epoch is over, the threads must not linger
             raise
@@ -158,7 +202,7 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
             if len(info) == 3:  # arrived earlier, parked in the reorder table
                 del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
-                return self._process_data(info[2], info[0])
+                return self._process_data(info[2])
 
             result = self._get_result(info)
             self._tasks_outstanding -= 1
@@ -169,12 +213,12 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
             if result.idx != self._rcvd_idx:
                 if not self._in_order:
                     del self._task_info[result.idx]
-                    return self._process_data(result.data, result.worker_id)
-                self._task_info[result.idx] += (result.data,)
+                    return self._process_data(result)
+                self._task_info[result.idx] += (result,)
                 continue
             del self._task_info[result.idx]
             self._rcvd_idx += 1
-            return self._process_data(result.data, result.worker_id)
+            return self._process_data(result)
 
     def _get_result(self, needed: tuple[Any, ...]) -> Result:
         """The next result of this epoch: run the needed batch here if no worker started it."""
@@ -212,19 +256,24 @@ class ThreadedDataLoaderIter(_BaseDataLoaderIter):
                 data = worker.run(task)
             finally:
                 _worker_info.swap(previous)
-            return Result(task.idx, worker_id, task.generation, data)
+            return Result(task.idx, worker_id, task.generation, data, worker.snapshot())
         finally:
             worker.busy.release()
 
-    def _process_data(self, data: Any, worker_id: int) -> Any:
+    def _process_data(self, result: Result) -> Any:
         limit = self._concurrency.on_batch()
         if limit is not None:
             self._pool.gate.set_limit(limit)
+        worker_id = result.worker_id
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
-        if isinstance(data, ExceptionWrapper):
-            _reraise(data)
-        return data
+        progress = self._progress
+        if result.state is not None and progress.dataset_states is not None:
+            progress.dataset_states[worker_id] = result.state
+        progress.next_worker = (worker_id + 1) % self._num_workers
+        if isinstance(result.data, ExceptionWrapper):
+            _reraise(result.data)
+        return result.data
 
 
 def _reraise(wrapper: ExceptionWrapper) -> NoReturn:

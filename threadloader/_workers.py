@@ -71,6 +71,7 @@ class Result:
     worker_id: int
     generation: int
     data: Any  # the batch, an ExceptionWrapper, or _IterableDatasetStopIteration
+    state: Any = None  # the worker's IterableDataset state right after making it (if stateful)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class WorkerSpec:
     worker_init_fn: Callable[[int], None] | None
     num_workers: int
     pin_memory_device: str | None  # None: do not pin
+    capture_state: bool = False  # IterableDataset with state_dict(): snapshot after each batch
+    resume_states: list[Any] | None = None  # per-worker IterableDataset states to resume from
 
 
 def _make_worker_info(spec: WorkerSpec, worker_id: int, base_seed: int, dataset: Any) -> WorkerInfo:
@@ -150,11 +153,22 @@ class Worker:
         try:
             if self.spec.worker_init_fn is not None:
                 self.spec.worker_init_fn(self.id)
+            resume = self.spec.resume_states
+            if resume is not None and resume[self.id] is not None:
+                dataset: Any = self.info.dataset
+                dataset.load_state_dict(resume[self.id])
         except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
             self._pending_error = ExceptionWrapper(where=self._where())
         else:
             self.start_epoch(self.generation)
         self.ready = True
+
+    def snapshot(self) -> Any:
+        """This worker's IterableDataset state now, if the loader tracks it; else None."""
+        if not self.spec.capture_state:
+            return None
+        dataset: Any = self.info.dataset
+        return copy.deepcopy(dataset.state_dict())
 
     def run(self, task: Task) -> Any:
         """Fetch, collate (and pin) ``task``'s batch; the caller holds ``busy``.
@@ -220,7 +234,8 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
                 if msg.generation == worker.generation:
                     data = worker.run(msg)
                     if data is not None:
-                        results.put(Result(msg.idx, worker.id, msg.generation, data))
+                        state = worker.snapshot()
+                        results.put(Result(msg.idx, worker.id, msg.generation, data, state))
                     del data
         finally:
             gate.exit()

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
+from threadloader._inline import InlineDataLoaderIter
 from threadloader._iterator import ThreadedDataLoaderIter
+from threadloader._state import Progress, Resume, build_state, parse_state
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -102,12 +104,61 @@ class ThreadDataLoader(DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        self._epochs_started = 0
+        self._resume: Resume | None = None
+        self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
+
+    def __iter__(self) -> _BaseDataLoaderIter:
+        if self._resume is not None and self._iterator is not None:
+            # Persistent workers were seeded for another epoch: resume on fresh ones.
+            self._iterator.close()  # type: ignore[attr-defined]
+            self._iterator = None
+        self._epochs_started += 1
+        it = super().__iter__()
+        self._progress = it._progress  # type: ignore[attr-defined]
+        return it
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
+        resume, self._resume = self._resume, None
         if self.num_workers == 0:
-            return _SingleProcessDataLoaderIter(self)
+            return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
-        return ThreadedDataLoaderIter(self)
+        return ThreadedDataLoaderIter(self, resume)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop stands: enough for ``load_state_dict`` to resume exactly.
+
+        Consumer-aligned: it counts the batches ``__next__`` returned, not those prefetched. A
+        plain dict of Python scalars, lists and tensors (``torch.save``-able); each rank saves
+        its own, with no collective. See ``threadloader._state`` for what resumes how.
+
+        Returns:
+            The state of the current (or last) epoch; a state taken after an epoch ended makes
+            the next ``iter()`` start the following epoch.
+        """
+        return build_state(self, self._progress)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).
+
+        Map-style datasets resume without re-reading data, on any number of workers; with
+        ``threadloader.samplers`` also on any world size. IterableDatasets with
+        ``state_dict``/``load_state_dict`` resume per worker on the same number of workers;
+        others are replayed with a warning.
+
+        Args:
+            state: a dict returned by ``state_dict()``.
+
+        Raises:
+            ValueError: the state is malformed, of another format version, or for another
+                dataset kind, dataset length, RNG source, world size or worker count than this
+                loader can resume it on.
+        """
+        resume = parse_state(self, state)
+        self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
+        self._resume = resume if state["in_progress"] else None
+        if not state["in_progress"] and state["rng_source"] == "generator":
+            self.generator.set_state(state["rng_state"])
 
     def check_worker_number_rationality(self) -> None:
         """Warn when the number of worker threads is far beyond what the machine can use.

@@ -230,6 +230,19 @@ class ShuffleSampler(Sampler[int]):
             "length": self.length,
         }
 
+    def state_dict_at(self, consumed: int) -> dict[str, int]:
+        """The state once ``consumed`` indices of the latest ``iter()`` have been *used*.
+
+        A loader hands indices to workers ahead of the training loop; it saves the state of the
+        indices the loop actually received, which ``state_dict()`` (counting those handed out)
+        cannot know. Without a pass of the current epoch this is ``state_dict()``.
+        """
+        state = self.state_dict()
+        current = self._pass
+        if current is not None and current.epoch == self.epoch and self._pending is None:
+            state["cursor"] = min(current.first + consumed, current.stop)
+        return state
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume ``state``'s epoch at its cursor, with O(1) work.
 
@@ -426,6 +439,18 @@ class DistributedShuffleSampler(Sampler[int]):
             "length": self._length,
             "shuffle": self.shuffle,
         }
+
+    def state_dict_at(self, consumed: int) -> dict[str, int | bool]:
+        """This rank's state once ``consumed`` indices of its latest ``iter()`` have been *used*.
+
+        See ``ShuffleSampler.state_dict_at``: the global cursor is computed from the indices the
+        training loop received, not those a loader prefetched.
+        """
+        state = self.state_dict()
+        current = self._pass
+        if current is not None and current.epoch == self.epoch and self._pending is None:
+            state["cursor"] = current.start + min(consumed, current.stop) * self.num_replicas
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume the saved epoch at its global position, on any world size.

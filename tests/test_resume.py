@@ -1,0 +1,328 @@
+"""A state taken mid-epoch resumes exactly: the batches not yet seen, in order, nothing else."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
+
+from helpers import assert_batches_equal
+
+
+class Ids(Dataset[torch.Tensor]):
+    """Item i is i; counts reads so a test can prove resume re-reads nothing."""
+
+    def __init__(self, n: int = 100) -> None:
+        self.n = n
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.reads += 1
+        return torch.tensor(i)
+
+
+class Shards(IterableDataset[int]):
+    """Worker w yields its own shard; with state_dict, it remembers how far it got."""
+
+    def __init__(self, n: int = 50, stateful: bool = True) -> None:
+        self.n = n
+        self.pos = 0
+        self.stateful = stateful
+
+    def _mine(self) -> list[int]:
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        return [i for i in range(self.n) if i % (nw + 1) == wid or (wid == 0 and i % 7 == 0)]
+
+    def __iter__(self) -> Iterator[int]:
+        items = self._mine()
+        while self.pos < len(items):
+            self.pos += 1
+            yield items[self.pos - 1]
+        self.pos = 0
+
+
+class StatefulShards(Shards):
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def _roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def assert_resumes_exactly(make: Callable[[], ThreadDataLoader[Any]], cut: int) -> None:
+    """Run an epoch; then cut one after ``cut`` batches, save, load into a new loader, finish."""
+    reference = list(make())
+    loader = make()
+    it = iter(loader)
+    seen = list(itertools.islice(it, cut))
+    state = _roundtrip(loader.state_dict())
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(seen) + len(rest) == len(reference)
+    for got, want in zip(seen + rest, reference, strict=True):
+        assert_batches_equal(got, want)
+
+
+CUTS = [0, 1, 5, 12]
+
+
+@pytest.mark.parametrize("cut", CUTS)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_yields_exactly_the_batches_not_yet_seen(cut: int, num_workers: int) -> None:
+    """Shuffled map-style epoch with a seeded generator: the rest of the epoch, in order."""
+    assert_resumes_exactly(
+        lambda: ThreadDataLoader(
+            Ids(),
+            batch_size=8,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(7),
+        ),
+        cut,
+    )
+
+
+@pytest.mark.parametrize("cut", [0, 3, 11])
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_resume_with_global_rng_shuffle(cut: int, num_workers: int) -> None:
+    """shuffle=True without a generator resumes the same permutation, from torch's global RNG."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(Ids(), batch_size=8, shuffle=True, num_workers=num_workers)
+
+    torch.manual_seed(3)
+    reference = list(make())
+    torch.manual_seed(3)
+    loader = make()
+    seen = list(itertools.islice(iter(loader), cut))
+    state = loader.state_dict()
+    torch.manual_seed(12345)  # the resuming process's RNG is elsewhere
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    user_rng = torch.get_rng_state()  # after iter(): torch draws the base seed from it there
+    rest = list(it)
+    assert torch.equal(torch.cat(seen + rest), torch.cat(reference))
+    if num_workers == 0:  # the sampler's first draw happened under the saved RNG, not the user's
+        assert torch.equal(torch.get_rng_state(), user_rng)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_never_rereads_map_style_data(num_workers: int) -> None:
+    """Map-style resume fast-forwards the index stream: only the remaining items are read."""
+    loader = ThreadDataLoader(Ids(), batch_size=10, shuffle=True, num_workers=num_workers)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    del it
+    fresh = Ids()
+    resumed = ThreadDataLoader(fresh, batch_size=10, shuffle=True, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    assert sum(len(b) for b in resumed) == 60
+    assert fresh.reads == 60
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 4])
+def test_state_is_consumer_aligned_not_prefetch_aligned(num_workers: int) -> None:
+    """state_dict() counts batches the loop received, however many workers prefetched."""
+    loader = ThreadDataLoader(Ids(), batch_size=4, num_workers=num_workers)
+    it = iter(loader)
+    next(it), next(it), next(it)
+    assert loader.state_dict()["batches_yielded"] == 3
+
+
+@pytest.mark.parametrize("cut", [0, 2, 9])
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 5])
+def test_resume_with_shuffle_sampler_is_positional(
+    cut: int, num_workers: int, batch_size: int | None
+) -> None:
+    """With threadloader's ShuffleSampler the loader resumes at the sampler's cursor."""
+    assert_resumes_exactly(
+        lambda: ThreadDataLoader(
+            Ids(60),
+            batch_size=batch_size,
+            sampler=ShuffleSampler(60, seed=4),
+            num_workers=num_workers,
+        ),
+        cut,
+    )
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_resume_with_persistent_workers_in_a_later_epoch(cut: int) -> None:
+    """A persistent loader saved mid-way through its second epoch resumes that epoch exactly."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            Ids(40),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(1),
+        )
+
+    reference = make()
+    list(reference)
+    second = list(reference)
+    loader = make()
+    list(loader)
+    seen = list(itertools.islice(iter(loader), cut))
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert torch.equal(torch.cat(seen + rest), torch.cat(second))
+    assert state["epoch"] == 2
+
+
+def test_state_after_an_epoch_starts_the_next_one() -> None:
+    """A state taken after an epoch ended makes the next iter() the following epoch."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            Ids(30), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+        )
+
+    reference = make()
+    list(reference)
+    second = list(reference)
+    loader = make()
+    list(loader)
+    resumed = make()
+    resumed.load_state_dict(loader.state_dict())
+    assert torch.equal(torch.cat(list(resumed)), torch.cat(second))
+
+
+@pytest.mark.parametrize("cut", [0, 1, 4, 7])
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+def test_stateful_iterable_dataset_resumes_per_worker(cut: int, num_workers: int) -> None:
+    """Each worker's IterableDataset copy resumes from its state at its last delivered batch."""
+    assert_resumes_exactly(
+        lambda: ThreadDataLoader(StatefulShards(), batch_size=3, num_workers=num_workers), cut
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iterable_dataset_without_state_is_replayed_with_a_warning(num_workers: int) -> None:
+    """An IterableDataset without state_dict resumes by replaying, and says so."""
+    make = lambda: ThreadDataLoader(Shards(stateful=False), batch_size=3, num_workers=num_workers)  # noqa: E731
+    reference = list(make())
+    loader = make()
+    it = iter(loader)
+    seen = [next(it) for _ in range(4)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="fetching and dropping the first 4 batches"):
+        rest = list(resumed)
+    assert [b.tolist() for b in seen + rest] == [b.tolist() for b in reference]
+
+
+def _rank_loader(n: int, world: int, rank: int, drop_last: bool) -> ThreadDataLoader[Any]:
+    sampler = DistributedShuffleSampler(
+        Ids(n), num_replicas=world, rank=rank, seed=9, drop_last=drop_last
+    )
+    return ThreadDataLoader(Ids(n), batch_size=4, sampler=sampler, num_workers=2)
+
+
+@pytest.mark.parametrize(("old", "new"), [(4, 3), (4, 6), (2, 5)])
+@pytest.mark.parametrize("n", [96, 100])
+def test_resume_on_another_world_size_sees_each_sample_once(old: int, new: int, n: int) -> None:
+    """Saved on W ranks after k batches each, resumed on W' ranks: the epoch, each id once."""
+    seen: Counter[int] = Counter()
+    states = []
+    for rank in range(old):
+        loader = _rank_loader(n, old, rank, drop_last=True)
+        it = iter(loader)
+        for batch in itertools.islice(it, 3):
+            seen.update(batch.tolist())
+        states.append(loader.state_dict())
+        del it
+    assert all(s["sampler"] == states[0]["sampler"] for s in states)  # lockstep: same state
+    for rank in range(new):
+        loader = _rank_loader(n, new, rank, drop_last=True)
+        loader.load_state_dict(states[rank % old])
+        for batch in loader:
+            seen.update(batch.tolist())
+    assert max(seen.values()) == 1
+    assert len(seen) >= n - new - old * 4  # only tails shorter than a batch or a rank are dropped
+
+
+def test_bad_states_raise_naming_the_mismatch() -> None:
+    """Malformed, foreign or mismatched states raise ValueError naming the problem."""
+    loader = ThreadDataLoader(Ids(20), batch_size=4)
+    good = loader.state_dict()
+    with pytest.raises(ValueError, match="must be a dict"):
+        loader.load_state_dict([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="missing"):
+        loader.load_state_dict({"version": 1})
+    with pytest.raises(ValueError, match="format version 99"):
+        loader.load_state_dict({**good, "version": 99})
+    with pytest.raises(ValueError, match="length 20, this dataset has length 21"):
+        ThreadDataLoader(Ids(21), batch_size=4).load_state_dict(good)
+    with pytest.raises(ValueError, match="is for a map dataset, this is iterable"):
+        ThreadDataLoader(StatefulShards(), batch_size=4).load_state_dict(good)
+    with pytest.raises(ValueError, match="generator"):
+        ThreadDataLoader(
+            Ids(20), batch_size=4, generator=torch.Generator().manual_seed(1)
+        ).load_state_dict(good)
+    stateful = ThreadDataLoader(StatefulShards(), batch_size=2, num_workers=2)
+    it = iter(stateful)
+    next(it)
+    mid = stateful.state_dict()
+    del it
+    with pytest.raises(ValueError, match="same number of workers"):
+        ThreadDataLoader(StatefulShards(), batch_size=2, num_workers=3).load_state_dict(mid)
+
+
+def test_replayed_sampler_refuses_another_world_size(monkeypatch) -> None:
+    """A torch sampler cannot resume on another world size; the error says why."""
+    loader = ThreadDataLoader(Ids(40), batch_size=4, shuffle=True)
+    it = iter(loader)
+    next(it)
+    state = {**loader.state_dict(), "world_size": 8}
+    with pytest.raises(ValueError, match="saved on 8 ranks"):
+        ThreadDataLoader(Ids(40), batch_size=4, shuffle=True).load_state_dict(state)
+
+
+def test_state_is_plain_data() -> None:
+    """The state holds only Python scalars, lists, dicts, None and tensors."""
+
+    def plain(x: object) -> bool:
+        if isinstance(x, dict):
+            return all(isinstance(k, str) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return x is None or isinstance(x, (bool, int, float, str, torch.Tensor))
+
+    loader = ThreadDataLoader(StatefulShards(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    assert plain(loader.state_dict())
+    del it

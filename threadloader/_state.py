@@ -1,0 +1,300 @@
+"""A loader's state: what to save, how to check it, and how an epoch resumes from it.
+
+How state works; where the code disagrees with this, the code is wrong.
+
+1. The state is *consumer-aligned*: it describes the batches the training loop received from
+   ``__next__``, never those prefetched by workers.
+2. The index stream of an epoch is fixed by the RNG state at the moment the sampler starts
+   drawing (the loader's ``generator``, or torch's global RNG when there is none) plus the
+   sampler's own state. The loader snapshots it there, and on resume puts it back at the same
+   point, so the same permutation comes out.
+3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
+   offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
+   sampler is replayed: its indices for the batches already delivered are drawn and dropped.
+4. An IterableDataset with ``state_dict``/``load_state_dict`` resumes each worker's copy from
+   the state it had when its last delivered batch was made; round-robin order continues with
+   the worker after the one that made the last batch. Any other IterableDataset is replayed:
+   its first batches are fetched again and dropped, with a warning.
+5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
+   number of workers raises ``ValueError`` naming the mismatch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, _DatasetKind
+from torch.utils.data.dataloader import _get_distributed_settings
+
+STATE_VERSION = 1
+_KINDS = {_DatasetKind.Map: "map", _DatasetKind.Iterable: "iterable"}
+
+
+@dataclass
+class Resume:
+    """A checked state, waiting for the next ``iter()`` to resume from it."""
+
+    batches: int
+    base_seed: int
+    rng_source: str
+    rng_state: torch.Tensor
+    replay_indices: bool  # map-style with a non-positional sampler: draw and drop indices
+    replay_data: bool  # IterableDataset without state_dict: fetch and drop batches
+    worker_states: list[Any] | None = None
+    next_worker: int = 0
+    workers_status: list[bool] | None = None
+
+
+@dataclass
+class Progress:
+    """How far the training loop got in an epoch; shared by an iterator and its loader.
+
+    The iterator writes it as it delivers batches; the loader keeps it, so ``state_dict()``
+    still answers after the iterator was dropped (``break``, ``del``).
+    """
+
+    batches: int = 0  # batches __next__ returned this epoch (torch's _num_yielded)
+    exhausted: bool = False
+    # What the epoch's index stream started from (point 2): set by begin_pass.
+    base_seed: int = 0
+    rng_source: str = "global"
+    rng_state: torch.Tensor | None = None
+    # IterableDatasets (point 4): per-worker states as of the last delivered batch.
+    dataset_states: list[Any] | None = None
+    next_worker: int = 0
+    workers_alive: list[bool] = field(default_factory=list)
+
+
+class ProgressMixin:
+    """Routes torch's ``_num_yielded`` counter into a ``Progress`` the loader can keep."""
+
+    _progress: Progress
+
+    @property
+    def _num_yielded(self) -> int:
+        return self._progress.batches
+
+    @_num_yielded.setter
+    def _num_yielded(self, value: int) -> None:
+        self._progress.batches = value
+
+
+def positional_sampler(loader: Any) -> tuple[Any, int] | None:
+    """The sampler that can describe its own position, and how many of its indices make a batch.
+
+    Returns:
+        ``(sampler, indices_per_batch)`` when the loader's indices come from a sampler with
+        ``state_dict_at`` (ours), through torch's ``BatchSampler`` or directly; else None.
+    """
+    index_sampler = loader._index_sampler
+    if hasattr(index_sampler, "state_dict_at"):
+        return index_sampler, 1
+    if type(index_sampler) is BatchSampler and hasattr(loader.sampler, "state_dict_at"):
+        return loader.sampler, int(index_sampler.batch_size)
+    return None
+
+
+def _rng_source(loader: Any) -> str:
+    return "generator" if loader.generator is not None else "global"
+
+
+def snapshot_rng(loader: Any) -> tuple[str, torch.Tensor]:
+    source = _rng_source(loader)
+    if source == "generator":
+        return source, loader.generator.get_state()
+    return source, torch.get_rng_state()
+
+
+def dataset_is_stateful(dataset: Any) -> bool:
+    return callable(getattr(dataset, "state_dict", None)) and callable(
+        getattr(dataset, "load_state_dict", None)
+    )
+
+
+def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
+    """Start an epoch's index stream, resuming it if asked; returns the stream to draw from.
+
+    Called by both iterators right before their first index is drawn (point 2).
+    """
+    sampler_iter: Iterator[Any] = it._sampler_iter
+    progress: Progress = it._progress
+    progress.exhausted = False
+    if resume is None:
+        progress.base_seed = int(it._base_seed)
+        progress.rng_source, progress.rng_state = snapshot_rng(loader)
+        return sampler_iter
+    progress.base_seed = resume.base_seed
+    progress.rng_source, progress.rng_state = resume.rng_source, resume.rng_state
+    if resume.rng_source == "generator":
+        loader.generator.set_state(resume.rng_state)
+    else:
+        # Draw the first indices under the saved global RNG, then give the user theirs back.
+        mine = torch.get_rng_state()
+        torch.set_rng_state(resume.rng_state)
+        try:
+            first = list(itertools.islice(sampler_iter, 1))
+        finally:
+            torch.set_rng_state(mine)
+        sampler_iter = itertools.chain(first, sampler_iter)
+    if resume.replay_indices:
+        for _ in itertools.islice(sampler_iter, resume.batches):
+            pass
+    progress.dataset_states = resume.worker_states
+    progress.batches = resume.batches
+    return sampler_iter
+
+
+def warn_replay(dataset: Any, batches: int) -> None:
+    warnings.warn(
+        f"{type(dataset).__name__} has no state_dict()/load_state_dict(): resuming by fetching "
+        f"and dropping the first {batches} batches of the epoch again",
+        stacklevel=3,
+    )
+
+
+def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
+    """The state of ``loader`` as of the batches its training loop received (point 1)."""
+    world_size, rank = _get_distributed_settings()
+    kind = _KINDS[loader._dataset_kind]
+    fresh = progress is None or progress.exhausted or progress.rng_state is None
+    batches = 0 if fresh or progress is None else progress.batches
+    if fresh or progress is None or progress.rng_state is None:
+        source, rng_state = snapshot_rng(loader)
+        base_seed = progress.base_seed if progress is not None else 0
+    else:
+        source, rng_state, base_seed = progress.rng_source, progress.rng_state, progress.base_seed
+    positional = positional_sampler(loader)
+    sampler_state = None
+    if positional is not None:
+        sampler, per_batch = positional
+        sampler_state = sampler.state_dict_at(batches * per_batch)
+        if fresh and progress is not None:
+            sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
+    live = not fresh and progress is not None
+    worker_states = None
+    if live and kind == "iterable" and dataset_is_stateful(loader.dataset):
+        worker_states = list(progress.dataset_states or [])  # type: ignore[union-attr]
+    return {
+        "version": STATE_VERSION,
+        "epoch": loader._epochs_started,
+        "in_progress": not fresh,
+        "batches_yielded": batches,
+        "base_seed": base_seed,
+        "rng_source": source,
+        "rng_state": rng_state.clone(),
+        "sampler": sampler_state,
+        "dataset_kind": kind,
+        "dataset_length": _length(loader.dataset) if kind == "map" else None,
+        "num_workers": loader.num_workers,
+        "world_size": world_size,
+        "rank": rank,
+        "worker_states": worker_states,
+        "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
+        "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
+    }
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+_REQUIRED = (
+    "version",
+    "epoch",
+    "in_progress",
+    "batches_yielded",
+    "base_seed",
+    "rng_source",
+    "rng_state",
+    "sampler",
+    "dataset_kind",
+    "dataset_length",
+    "num_workers",
+    "world_size",
+    "worker_states",
+    "next_worker",
+    "workers_status",
+)
+
+
+def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
+    """Check ``state`` against ``loader`` and turn it into a pending resume.
+
+    Raises:
+        ValueError: the state is not a loader state of this format, or was saved for another
+            dataset kind or length, or for a world size / worker count it cannot resume on.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"loader state must be a dict, got {type(state).__name__}")  # noqa: TRY004
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"loader state is missing {missing}: not a ThreadDataLoader state")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(
+            f"loader state has format version {state['version']!r}; this threadloader reads "
+            f"version {STATE_VERSION}"
+        )
+    kind = _KINDS[loader._dataset_kind]
+    if state["dataset_kind"] != kind:
+        raise ValueError(f"loader state is for a {state['dataset_kind']} dataset, this is {kind}")
+    length = _length(loader.dataset) if kind == "map" else None
+    if state["dataset_length"] != length:
+        raise ValueError(
+            f"loader state is for a dataset of length {state['dataset_length']}, "
+            f"this dataset has length {length}"
+        )
+    batches = state["batches_yielded"]
+    if not isinstance(batches, int) or batches < 0:
+        raise ValueError(f"loader state batches_yielded must be an int >= 0, got {batches!r}")
+    if state["rng_source"] not in ("generator", "global"):
+        raise ValueError(f"loader state rng_source {state['rng_source']!r} is not understood")
+    if state["rng_source"] != _rng_source(loader):
+        raise ValueError(
+            f"loader state drew its order from the {state['rng_source']} RNG, this loader from "
+            f"the {_rng_source(loader)} one: pass the same `generator=` (or none) to resume"
+        )
+    if not isinstance(state["rng_state"], torch.Tensor):
+        raise ValueError("loader state rng_state must be a tensor")  # noqa: TRY004
+    positional = positional_sampler(loader)
+    world_size, _ = _get_distributed_settings()
+    replay_indices = kind == "map" and positional is None and batches > 0
+    if replay_indices and state["world_size"] != world_size:
+        raise ValueError(
+            f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "
+            "only threadloader.samplers resume on another world size; a replayed sampler would "
+            "resume at the wrong place"
+        )
+    if positional is not None and state["sampler"] is None:
+        raise ValueError("loader state has no sampler state, but this loader's sampler needs one")
+    worker_states = state["worker_states"]
+    stateful_iterable = kind == "iterable" and dataset_is_stateful(loader.dataset)
+    replay_data = kind == "iterable" and not stateful_iterable and batches > 0
+    if stateful_iterable and worker_states is not None:
+        expected = max(loader.num_workers, 1)
+        if len(worker_states) != expected:
+            raise ValueError(
+                f"loader state holds {len(worker_states)} IterableDataset worker states, this "
+                f"loader has {expected} workers: an IterableDataset resumes on the same number "
+                "of workers"
+            )
+    if positional is not None:
+        positional[0].load_state_dict(state["sampler"])
+    return Resume(
+        batches=batches,
+        base_seed=int(state["base_seed"]),
+        rng_source=state["rng_source"],
+        rng_state=state["rng_state"],
+        replay_indices=replay_indices,
+        replay_data=replay_data,
+        worker_states=worker_states if stateful_iterable else None,
+        next_worker=int(state["next_worker"]),
+        workers_status=state["workers_status"] if stateful_iterable else None,
+    )

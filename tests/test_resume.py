@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import io
 import itertools
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from helpers import assert_batches_equal
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
-
-from helpers import assert_batches_equal
 
 
 class Ids(Dataset[torch.Tensor]):
@@ -230,7 +228,7 @@ def test_stateful_iterable_dataset_resumes_per_worker(cut: int, num_workers: int
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_iterable_dataset_without_state_is_replayed_with_a_warning(num_workers: int) -> None:
     """An IterableDataset without state_dict resumes by replaying, and says so."""
-    make = lambda: ThreadDataLoader(Shards(stateful=False), batch_size=3, num_workers=num_workers)  # noqa: E731
+    make = lambda: ThreadDataLoader(Shards(stateful=False), batch_size=3, num_workers=num_workers)
     reference = list(make())
     loader = make()
     it = iter(loader)

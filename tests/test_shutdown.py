@@ -250,6 +250,8 @@ def test_exit_with_a_live_iterator_does_not_hang(persistent: bool) -> None:
         next(it)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stderr == b""

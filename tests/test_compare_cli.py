@@ -1,0 +1,304 @@
+"""``python -m threadloader compare`` prints a table of every loader, JSON for machines, a plot,
+and answers bad input with one line on stderr and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from threadloader import _compare
+from threadloader.__main__ import main
+
+# Tiny runs: these tests check the command, not the loaders' speed.
+QUICK = ["--batches", "3", "--rounds", "1", "--no-progress"]
+CORE = ["--loaders", "thread,dataloader,dataloader0"]
+LABELS = {
+    "thread": "ThreadDataLoader(num_workers=2)",
+    "dataloader": "DataLoader(num_workers=2)",
+    "dataloader0": "DataLoader(num_workers=0)",
+    "torchdata": "torchdata.nodes (2 threads)",
+    "spdl": "SPDL DataLoader (2 threads)",
+}
+
+USER_MODULE = """
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+class Squares(Dataset):
+    def __len__(self):
+        return 40
+    def __getitem__(self, i):
+        return {"x": torch.tensor([i * i]), "i": i}
+
+class Counting(IterableDataset):
+    def __iter__(self):
+        return iter(torch.arange(3 * i, 3 * i + 3) for i in range(1000))
+
+class Broken(Dataset):
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        raise KeyError(f"no sample {i}\\nsecond line")
+
+def make_squares():
+    return Squares()
+
+def make_counting():
+    return Counting()
+
+def make_broken():
+    return Broken()
+
+def make_generator():
+    return (i for i in range(3))
+
+def make_empty():
+    return []
+
+def raises():
+    raise RuntimeError("cannot open the bucket\\nmore detail")
+
+not_callable = 42
+squares = Squares()
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module named ``compare_user_data`` on sys.path and PYTHONPATH; returns its name."""
+    name = "compare_user_data"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    sys.modules.pop(name, None)
+    return name
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the command in a fresh interpreter, as a user would."""
+    env = {**os.environ}
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run(
+        [sys.executable, "-m", "threadloader", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run ``main(argv)`` in this process: (exit status, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's errors and --help
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_default_table_lists_every_loader() -> None:
+    """The table has a row for each loader, or says why one did not run; stderr stays quiet."""
+    proc = _cli("compare", "--workload", "python", *QUICK)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("loader"))
+    for column in ("samples/s", "1st batch", "peak PSS", "data wait", "vs DataLoader(2)"):
+        assert column in header
+    for key, label in LABELS.items():
+        row = [line for line in lines if line.startswith(label)]
+        skipped = [line for line in lines if line.startswith(f"not run: {label}: ")]
+        if key in ("thread", "dataloader", "dataloader0"):
+            assert len(row) == 1, proc.stdout
+        else:
+            assert len(row) + len(skipped) == 1, proc.stdout
+    baseline = next(line for line in lines if line.startswith(LABELS["dataloader"]))
+    assert baseline.endswith("1.00x")
+
+
+def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json prints only JSON: config, dataset, one result per loader with its runs."""
+    argv = ["compare", "--workload", "tokens", "--json", *QUICK, *CORE, "--rounds", "2"]
+    code, out, _ = _main(argv, capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["baseline"] == "dataloader"
+    assert data["dataset"]["name"] == "tokens" and data["dataset"]["batch_size"] == 16
+    assert data["config"]["rounds"] == 2 and data["config"]["batches"] == 3
+    assert [r["loader"] for r in data["results"]] == ["thread", "dataloader", "dataloader0"]
+    for r in data["results"]:
+        assert r["samples_per_s"] > 0 and r["first_batch_s"] > 0
+        assert 0 <= r["data_wait_fraction"] <= 1
+        assert r["peak_pss_bytes"] > 0
+        assert r["ratio_vs_baseline"] > 0
+        assert len(r["runs"]) == 2
+        for run in r["runs"]:
+            assert run["batches"] == 3 and run["samples"] == 3 * 16
+            assert run["wait_s"] <= run["elapsed_s"]
+    base = next(r for r in data["results"] if r["loader"] == "dataloader")
+    assert base["ratio_vs_baseline"] == pytest.approx(1.0)
+
+
+def test_seconds_bounds_a_run_and_step_ms_lowers_data_wait(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--seconds times batches for about that long; a step after each batch is not data wait."""
+    argv = ["compare", "--workload", "python", "--seconds", "0.2", "--rounds", "1"]
+    argv += ["--loaders", "thread,dataloader0", "--step-ms", "5", "--json", "--no-progress"]
+    code, out, _ = _main(argv, capsys)
+    assert code == 0
+    for r in json.loads(out)["results"]:
+        (run,) = r["runs"]
+        assert 0.2 <= run["elapsed_s"] < 2 and run["batches"] >= 2
+        assert run["data_wait_fraction"] < 0.9  # most of each iteration is the 5 ms step
+        assert r["ratio_vs_baseline"] is None  # DataLoader(2) did not run
+
+
+def test_no_thread_outlives_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every loader, the memory sampler and the progress bar are stopped when main returns."""
+    before = set(threading.enumerate())
+    code, _, _ = _main(["compare", "--workload", "python", *QUICK], capsys)
+    assert code == 0
+    deadline = time.monotonic() + 10  # torchdata joins its threads with a timeout
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--workload", "nope"], "invalid choice: 'nope'"),
+        (["--batches", "0"], "--batches: expected a positive integer, got '0'"),
+        (["--seconds", "-1"], "--seconds: expected a positive number"),
+        (["--num-workers", "0"], "--num-workers: expected a positive integer"),
+        (["--rounds", "two"], "--rounds: expected a positive integer"),
+        (["--batch-size", "-4"], "--batch-size: expected a positive integer"),
+        (["--step-ms", "-1"], "--step-ms: expected a number >= 0"),
+        (["--loaders", "thread,nope"], "unknown loader 'nope'"),
+        (["--batches", "2", "--seconds", "1"], "not allowed with argument --batches"),
+        (["--dataset", "no_such_module_xyz:make"], "cannot import module 'no_such_module_xyz'"),
+        (["--dataset", "os"], "expects module:factory"),
+        (["--plot", "/no/such/folder/out.png"], "folder '/no/such/folder' does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each mistake gets one line on stderr naming it, exit status 2, nothing on stdout."""
+    code, out, err = _main(["compare", *args, *QUICK], capsys)
+    assert code == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("missing", "'compare_user_data' has no attribute 'missing'"),
+        ("raises", "compare_user_data:raises() raised RuntimeError: cannot open the bucket"),
+        ("not_callable", "is a int, not a factory or a dataset"),
+        ("make_generator", "returned a generator, not a dataset"),
+        ("make_empty", "is empty"),
+        ("make_broken", "DataLoader(num_workers=0) failed: KeyError"),
+    ],
+)
+def test_bad_dataset_exits_2_with_one_line(
+    user_module: str, factory: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A factory that is missing, raises, or returns no usable dataset is one line, status 2."""
+    argv = ["compare", "--dataset", f"{user_module}:{factory}", *QUICK, "--loaders", "dataloader0"]
+    code, out, err = _main(argv, capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_bad_dataset_in_a_fresh_interpreter_prints_no_traceback(user_module: str) -> None:
+    """Run as a user would, a factory that raises gives one line and status 2."""
+    proc = _cli("compare", "--dataset", f"{user_module}:raises", *QUICK)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "RuntimeError: cannot open the bucket" in proc.stderr
+
+
+def test_user_dataset_factory_from_pythonpath(user_module: str) -> None:
+    """--dataset module:factory loads the user's map-style dataset; --batch-size applies."""
+    dataset = f"{user_module}:make_squares"
+    proc = _cli("compare", "--dataset", dataset, "--batch-size", "4", "--json", *QUICK, *CORE)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["dataset"]["map_style"] is True and data["dataset"]["batch_size"] == 4
+    for r in data["results"]:
+        assert r["runs"][0]["samples"] == 3 * 4  # counted from the dict batch's first tensor
+
+
+@pytest.mark.parametrize("target", ["make_counting", "squares"])
+def test_iterable_dataset_and_dataset_object(
+    user_module: str, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An IterableDataset runs on the loaders that take one; torchdata and SPDL say why not.
+
+    ``module:name`` may also name a dataset object instead of a factory.
+    """
+    argv = ["compare", "--dataset", f"{user_module}:{target}", "--batch-size", "5", *QUICK]
+    code, out, err = _main(argv, capsys)
+    assert code == 0, err
+    assert out.count("\n" + LABELS["thread"]) == 1
+    if target == "make_counting":
+        for key in ("torchdata", "spdl"):
+            assert f"not run: {LABELS[key]}: " in out
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--plot writes a PNG bar chart and still prints the table."""
+    pytest.importorskip("matplotlib")
+    out_png = tmp_path / "compare.png"
+    code, out, err = _main(
+        ["compare", "--workload", "python", "--plot", str(out_png), *QUICK, *CORE], capsys
+    )
+    assert code == 0, err
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {out_png}" in out
+
+
+def test_plot_without_matplotlib_is_one_line_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without matplotlib, --plot fails at once (nothing measured) with an install hint."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+
+    def no_run(config: Any) -> Any:
+        raise AssertionError("measured before checking --plot")
+
+    monkeypatch.setattr(_compare, "run_compare", no_run)
+    code, out, err = _main(["compare", "--plot", str(tmp_path / "x.png"), *QUICK], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "pip install matplotlib" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_missing_optional_packages_are_noted_not_fatal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without psutil, torchdata and SPDL the table still prints, and says what is missing."""
+    for name in ("threadloader._memory_probe", "psutil", "torchdata.nodes", "spdl.dataloader"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes importing it fail
+    code, out, err = _main(["compare", "--workload", "python", *QUICK], capsys)
+    assert code == 0, err
+    assert f"not run: {LABELS['torchdata']}: not installed (pip install torchdata)" in out
+    assert f"not run: {LABELS['spdl']}: not installed (pip install spdl)" in out
+    assert "peak memory not measured: pip install psutil" in out
+    row = next(line for line in out.splitlines() if line.startswith(LABELS["thread"]))
+    assert " n/a " in row

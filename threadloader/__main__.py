@@ -1,0 +1,222 @@
+"""``python -m threadloader``: command-line tools.
+
+``compare`` runs ThreadDataLoader against torch's DataLoader (and torchdata.nodes and SPDL when
+installed) on a built-in workload or on your own dataset, and prints a table::
+
+    python -m threadloader compare                                   # tokens, 2 workers
+    python -m threadloader compare --workload images --seconds 5 --num-workers 4
+    python -m threadloader compare --dataset mypkg.data:make_dataset --batch-size 64 --json
+
+This module only parses arguments and prints; the work is in ``threadloader/_compare.py``.
+Every input error ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from threadloader import _compare
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+"""Exit status for bad input, as argparse uses."""
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C, as shells report SIGINT."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``prog: error: message (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _loader_list(text: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in keys if k not in _compare.LOADERS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(
+            f"unknown loader {unknown[0] if unknown else text!r}; "
+            f"choose from {','.join(_compare.LOADERS)}"
+        )
+    return keys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``python -m threadloader`` argument parser.
+
+    Returns:
+        The parser, with one subcommand per tool.
+    """
+    parser = _Parser(prog="python -m threadloader", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    cmp = sub.add_parser(
+        "compare",
+        help="ThreadDataLoader against DataLoader and other loaders on one dataset",
+        description="Run ThreadDataLoader, torch's DataLoader with worker processes and with "
+        "num_workers=0, and torchdata.nodes and SPDL when installed, on the same dataset; "
+        "rounds interleave the loaders and the table quotes medians.",
+    )
+    what = cmp.add_mutually_exclusive_group()
+    what.add_argument(
+        "--workload",
+        choices=_compare.WORKLOADS,
+        default="tokens",
+        help="built-in synthetic workload (default: tokens)",
+    )
+    what.add_argument(
+        "--dataset",
+        metavar="MODULE:FACTORY",
+        help="your dataset: FACTORY() in MODULE returns a map-style or iterable dataset",
+    )
+    cmp.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        help="batch size (default: the workload's, or 32 for --dataset)",
+    )
+    amount = cmp.add_mutually_exclusive_group()
+    amount.add_argument(
+        "--batches",
+        type=_positive_int,
+        help="batches timed per run, after the first (default: 200)",
+    )
+    amount.add_argument("--seconds", type=_positive_float, help="seconds timed per run")
+    cmp.add_argument(
+        "--num-workers",
+        type=_positive_int,
+        default=2,
+        help="worker threads/processes of each parallel loader (default: 2)",
+    )
+    cmp.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=3,
+        help="times each loader runs, interleaved; the table quotes medians (default: 3)",
+    )
+    cmp.add_argument(
+        "--step-ms",
+        type=_non_negative_float,
+        default=0.0,
+        help="sleep this long after each batch, like a training step waiting on a GPU (default: 0)",
+    )
+    cmp.add_argument(
+        "--loaders",
+        type=_loader_list,
+        default=_compare.LOADERS,
+        help=f"comma-separated subset of {','.join(_compare.LOADERS)} (default: all)",
+    )
+    cmp.add_argument(
+        "--size",
+        choices=("small", "bench"),
+        default="small",
+        help="built-in workload size: small builds in a second, bench is what bench/ measures",
+    )
+    cmp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    cmp.add_argument("--plot", metavar="OUT.png", help="also write a bar chart (needs matplotlib)")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cmp.add_argument(
+        "--traceback",
+        action="store_true",
+        help="show the full traceback when a loader fails on the dataset",
+    )
+    return parser
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"python -m threadloader compare: error: {message}\n")
+    return EXIT_USAGE
+
+
+def _compare_command(args: argparse.Namespace) -> int:
+    config = _compare.CompareConfig(
+        workload=args.workload,
+        dataset=args.dataset,
+        batch_size=args.batch_size,
+        batches=args.batches if args.batches is not None or args.seconds is not None else 200,
+        seconds=args.seconds,
+        num_workers=args.num_workers,
+        rounds=args.rounds,
+        step_ms=args.step_ms,
+        loaders=args.loaders,
+        size=args.size,
+        progress=not args.no_progress,
+        traceback=args.traceback,
+    )
+    try:
+        if args.plot is not None:  # fail before minutes of measuring, not after
+            _compare.check_plot_available()
+            problem = _compare.plot_path_problem(args.plot)
+            if problem:
+                return _fail(problem)
+        result = _compare.run_compare(config)
+        if args.plot is not None:
+            _compare.write_plot(result, args.plot)
+    except _compare.CompareError as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:  # every loader is closed by then; a traceback would be noise
+        sys.stderr.write("python -m threadloader compare: interrupted\n")
+        return EXIT_INTERRUPTED
+    if args.json:
+        print(json.dumps(_compare.to_json(result), indent=2))
+    else:
+        print(_compare.format_table(result))
+        if args.plot is not None:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``python -m threadloader`` with ``argv``.
+
+    Args:
+        argv: Arguments after the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit status: 0 on success, 2 on bad input, 130 after Ctrl-C.
+
+    Raises:
+        SystemExit: From argparse, for ``--help`` (status 0) and unparsable arguments (2).
+    """
+    args = build_parser().parse_args(argv)
+    if args.command == "compare":
+        return _compare_command(args)
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse requires one
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ from threadloader.workloads import WorkloadSpec, make_workload
 NUM_WORKERS = 2
 THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "torchdata2", "spdl2")
 MEMORY_LOADERS: tuple[str, ...] = ("dl0", "dl4", "thread4")
+MEMORY_CASE_TIMEOUT_S = 300  # one epoch takes 15-40 s on 2 cores
 
 # (warm-up batches, timed batches): sized so the slowest loader's round takes a few seconds.
 MEASURE: dict[str, dict[str, tuple[int, int]]] = {
@@ -92,14 +94,13 @@ def _open_loader(loader: str, spec: WorkloadSpec) -> tuple[Iterator[Any], Callab
 
         return it, close
     if loader == "thread2":
-        try:
-            from threadloader import ThreadDataLoader
-        except ImportError:
-            pytest.skip("threadloader.ThreadDataLoader is not available yet")
+        from threadloader import ThreadDataLoader
+
         thread_it = iter(ThreadDataLoader(ds, batch_size=bs, num_workers=NUM_WORKERS))
         return thread_it, getattr(thread_it, "close", lambda: None)
     if loader == "torchdata2":
-        tn = pytest.importorskip("torchdata.nodes", reason="torchdata is not installed")
+        import torchdata.nodes as tn
+
         node = tn.SamplerWrapper(BatchSampler(SequentialSampler(ds), bs, drop_last=False))
         node = tn.ParallelMapper(
             node, map_fn=_MapAndCollate(ds), num_workers=NUM_WORKERS, method="thread"
@@ -107,8 +108,9 @@ def _open_loader(loader: str, spec: WorkloadSpec) -> tuple[Iterator[Any], Callab
         node = tn.Prefetcher(node, prefetch_factor=2 * NUM_WORKERS)  # DataLoader's default depth
         return iter(tn.Loader(node)), lambda: None  # threads stop when the nodes are collected
     if loader == "spdl2":
-        spdl_dl = pytest.importorskip("spdl.dataloader", reason="spdl is not installed")
-        spdl_loader = spdl_dl.DataLoader(
+        import spdl.dataloader
+
+        spdl_loader = spdl.dataloader.DataLoader(
             range(len(ds)),  # type: ignore[arg-type]
             preprocessor=ds.__getitem__,
             batch_size=bs,
@@ -121,15 +123,48 @@ def _open_loader(loader: str, spec: WorkloadSpec) -> tuple[Iterator[Any], Callab
     raise ValueError(f"unknown loader {loader!r}")
 
 
+def _skip_if_unavailable(loader: str, bench_store: Any) -> None:
+    """Skip (and list in the summary) a loader whose package is not installed."""
+    why = None
+    if loader.startswith("thread"):
+        import threadloader
+
+        if not hasattr(threadloader, "ThreadDataLoader"):
+            why = "threadloader.ThreadDataLoader is not available yet"
+    elif loader.startswith("torchdata") and importlib.util.find_spec("torchdata") is None:
+        why = "torchdata is not installed (pip install torchdata)"
+    elif loader.startswith("spdl") and importlib.util.find_spec("spdl") is None:
+        why = "spdl is not installed (pip install spdl)"
+    if why is not None:
+        bench_store.skipped[loader] = why
+        pytest.skip(why)
+
+
+def _pedantic(benchmark: Any, target: Callable[[], None], **kwargs: Any) -> None:
+    """``benchmark.pedantic`` for one round, safe against pytest's own outcomes.
+
+    pytest-benchmark marks a benchmark as failed only on ``Exception``; a timeout from
+    pytest-timeout or a ``pytest.fail`` is a ``BaseException`` and would leave a benchmark with
+    no data, which crashes its JSON report at the end of the session and hides every result.
+    """
+    try:
+        benchmark.pedantic(target, rounds=1, iterations=1, warmup_rounds=0, **kwargs)
+    except BaseException:
+        benchmark.has_error = True
+        raise
+
+
 def _batch_len(batch: Any) -> int:
     return int(batch.shape[0]) if isinstance(batch, torch.Tensor) else len(batch)
 
 
+@pytest.mark.timeout(120)  # a hung loader fails its own test, with every thread's stack
 def test_throughput(
     benchmark: Any, bench_store: Any, throughput_case: tuple[str, int, str]
 ) -> None:
     """Samples/s of one loader on one workload, in one interleaved round."""
     workload, round_no, loader = throughput_case
+    _skip_if_unavailable(loader, bench_store)
     spec = _workload(workload, bench_store.size)
     warmup, batches = MEASURE[bench_store.size][workload]
     benchmark.group = f"throughput-{workload}"
@@ -139,11 +174,7 @@ def test_throughput(
         gc.collect()
         state["threads_before"] = threading.active_count()
         start = time.perf_counter()
-        try:
-            state["it"], state["close"] = _open_loader(loader, spec)
-        except pytest.skip.Exception as e:
-            bench_store.skipped[loader] = str(e.msg)
-            raise
+        state["it"], state["close"] = _open_loader(loader, spec)
         next(state["it"])
         state["first_batch_s"] = time.perf_counter() - start
         for _ in range(warmup - 1):
@@ -158,7 +189,7 @@ def test_throughput(
         state["samples"] = samples
 
     try:
-        benchmark.pedantic(run, setup=setup, rounds=1, iterations=1, warmup_rounds=0)
+        _pedantic(benchmark, run, setup=setup)
     finally:
         close = state.pop("close", None)
         state.pop("it", None)
@@ -187,26 +218,24 @@ def test_throughput(
     )
 
 
+@pytest.mark.timeout(MEMORY_CASE_TIMEOUT_S + 120)
 @pytest.mark.parametrize("loader", MEMORY_LOADERS)
 def test_memory_above_dataset(benchmark: Any, bench_store: Any, loader: str) -> None:
     """Peak PSS of the process tree above the built dataset, over one shuffled epoch."""
-    if loader.startswith("thread"):
-        pytest.importorskip("threadloader", reason="threadloader is not importable")
-        import threadloader
-
-        if not hasattr(threadloader, "ThreadDataLoader"):
-            pytest.skip("threadloader.ThreadDataLoader is not available yet")
+    _skip_if_unavailable(loader, bench_store)
     benchmark.group = "memory-objects"
     out: dict[str, Any] = {}
 
     def run() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "memory", loader, bench_store.size]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=MEMORY_CASE_TIMEOUT_S + 60, check=False
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"memory case {loader} failed:\n{proc.stderr[-4000:]}")
         out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
 
-    benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    _pedantic(benchmark, run)
     benchmark.extra_info.update(loader=loader, **out)
     bench_store.add_memory(
         loader=loader,
@@ -218,6 +247,11 @@ def test_memory_above_dataset(benchmark: Any, bench_store: Any, loader: str) -> 
 
 def _memory_case(loader: str, size: str) -> dict[str, Any]:
     """Run one shuffled epoch of ``objects`` with ``loader`` and measure the process tree."""
+    import faulthandler
+
+    # A hung loader ends this process with every thread's stack on stderr, which the test
+    # reports, instead of holding the session until the test's timeout.
+    faulthandler.dump_traceback_later(MEMORY_CASE_TIMEOUT_S, exit=True)
     from threadloader._memory_probe import PeakSampler, tree_pss_bytes
 
     gc.collect()

@@ -1,0 +1,383 @@
+"""threadloader.streams.Mixture and MixtureSampler: low-discrepancy mixing, live weights, resume.
+
+Sources are ``range(n)`` datasets, so a sampled concatenated index decodes to (source, sample) with
+``Mixture.source_of``. A "stream" is the dict global position -> concatenated index; the
+reference is always one rank reading the same positions without interruption.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader
+
+from threadloader import ThreadDataLoader
+from threadloader.streams import Mixture, MixtureSampler, TokenWindows
+
+SIZES = {"books": 40, "code": 25, "web": 90}
+WEIGHTS = {"books": 0.2, "code": 0.3, "web": 0.5}
+LATER = {"books": 0.6, "code": 0.0, "web": 0.4}
+
+
+def _mixture(weights: dict[str, float] = WEIGHTS, seed: int = 0, **sizes: int) -> Mixture:
+    return Mixture({name: range(n) for name, n in (sizes or SIZES).items()}, weights, seed=seed)
+
+
+def _take(sampler: MixtureSampler, it: Iterator[int], count: int, into: dict[int, int]) -> None:
+    """Take ``count`` indices from a rank's iterator, recording each at its global position."""
+    start, stride = sampler.position_after(0), sampler.num_replicas
+    first = (sampler.next_position - start) // stride
+    for j, index in enumerate(itertools.islice(it, count), start=first):
+        position = start + sampler.rank + j * stride
+        assert position not in into, f"position {position} read twice"
+        into[position] = index
+
+
+def _reference(length: int, changes: list[tuple[int, dict[str, float]]]) -> list[int]:
+    """One rank, no interruption: the stream's first ``length`` indices with ``changes`` applied."""
+    mixture = _mixture()
+    for position, weights in changes:
+        mixture.set_weights(weights, at_position=position)
+    return mixture.indices_at(np.arange(length)).tolist()
+
+
+def _by_source(mixture: Mixture, indices: list[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {name: [] for name in mixture.names}
+    for index in indices:
+        name, local = mixture.source_of(index)
+        out[name].append(local)
+    return out
+
+
+def test_proportions_over_every_window_of_10000_samples_are_within_1_percent() -> None:
+    """Sliding windows of 10,000 positions match the weights within 1%, before and after a change."""
+    mixture = _mixture(
+        {"books": 0.07, "code": 0.23, "web": 0.7}, seed=9, a=10**6, books=300, code=500, web=700
+    )
+    mixture.set_weights({"a": 0.5, "books": 0.25, "code": 0.25}, at_position=40_000)
+    index = mixture.indices_at(np.arange(80_000))
+    source = (
+        np.searchsorted(np.array([0, 10**6, 10**6 + 300, 10**6 + 800]), index, side="right") - 1
+    )
+    for lo, hi, weights in [
+        (0, 40_000, [0, 0.07, 0.23, 0.7]),
+        (40_000, 80_000, [0.5, 0.25, 0.25, 0]),
+    ]:
+        for s, w in enumerate(weights):
+            counts = np.concatenate([[0], np.cumsum(source[lo:hi] == s)])
+            share = (counts[10_000:] - counts[:-10_000]) / 10_000
+            assert np.abs(share - w).max() < 0.01, (s, w, np.abs(share - w).max())
+
+
+def test_each_source_runs_through_its_own_shuffled_epochs() -> None:
+    """In stream order, every source gives permutations of its samples, a new one each epoch."""
+    mixture = _mixture()
+    per_source = _by_source(mixture, mixture.indices_at(np.arange(2000)).tolist())
+    for name, n in SIZES.items():
+        drawn = per_source[name]
+        epochs = [drawn[e * n : (e + 1) * n] for e in range(len(drawn) // n)]
+        assert len(epochs) >= 3
+        for epoch in epochs:
+            assert sorted(epoch) == list(range(n))
+        assert epochs[0] != epochs[1] and epochs[0] != list(range(n))
+
+
+def test_the_global_order_does_not_depend_on_the_world_size() -> None:
+    """Three ranks reading positions r, r+3, ... together read the one-rank stream."""
+    seen: dict[int, int] = {}
+    for rank in range(3):
+        sampler = MixtureSampler(_mixture(), num_replicas=3, rank=rank, samples_per_epoch=300)
+        assert len(sampler) == 100
+        _take(sampler, iter(sampler), 100, seen)
+    assert [seen[p] for p in range(300)] == _reference(300, [])
+
+
+def test_each_epoch_is_the_next_stretch_of_the_stream_and_iter_alone_repeats_it() -> None:
+    """set_epoch(e + 1) continues the stream; iter() without it reads the epoch again, as torch's
+    DistributedSampler does; going back raises."""
+    sampler = MixtureSampler(_mixture(), samples_per_epoch=70)
+    first = list(sampler)
+    assert list(sampler) == first
+    sampler.set_epoch(1)
+    assert first + list(sampler) == _reference(140, [])
+    sampler.set_epoch(3)  # epoch 2 skipped: positions 140..209
+    assert list(sampler) == _reference(280, [])[210:]
+    with pytest.raises(ValueError, match="cannot go back to epoch 1"):
+        sampler.set_epoch(1)
+
+
+def test_a_live_change_takes_effect_at_the_next_position_not_yet_handed_out() -> None:
+    """set_weights() mid-pass changes the stream from the sampler's next position on, no earlier."""
+    mixture = _mixture()
+    sampler = MixtureSampler(mixture, samples_per_epoch=400)
+    it = iter(sampler)
+    head = list(itertools.islice(it, 37))
+    assert mixture.set_weights(LATER) == 37
+    assert head + list(it) == _reference(400, [(37, LATER)])
+    assert mixture.schedule == [(0, WEIGHTS), (37, LATER)]
+
+
+def test_a_change_at_an_earlier_position_rewinds_the_iterator_to_it() -> None:
+    """A change keyed at a position already handed out makes the iterator yield from there again."""
+    mixture = _mixture()
+    sampler = MixtureSampler(mixture, num_replicas=2, rank=1, samples_per_epoch=400)
+    it = iter(sampler)
+    list(itertools.islice(it, 60))  # positions 1, 3, ..., 119; say the loop consumed 20
+    position = sampler.position_after(20)
+    assert position == 40
+    mixture.set_weights(LATER, at_position=position)
+    assert sampler.next_position == 40
+    assert list(it) == _reference(400, [(40, LATER)])[41:400:2]
+
+
+def test_a_rewind_through_torchs_batch_sampler_restarts_at_the_consumed_batch() -> None:
+    """The loader's hook: 6 batches handed out, 2 consumed, change at the consumer's position; the
+    same BatchSampler iterator then yields batch 3 of the changed stream."""
+    mixture = _mixture()
+    sampler = MixtureSampler(mixture, num_replicas=2, rank=1, samples_per_epoch=400)
+    batches = iter(BatchSampler(sampler, batch_size=8, drop_last=False))
+    handed = [next(batches) for _ in range(6)]
+    at = mixture.set_weights(LATER, at_position=sampler.position_after(2 * 8))
+    assert at == 32
+    expected = _reference(400, [(32, LATER)])[1:400:2]
+    assert handed[:2] == [expected[:8], expected[8:16]]
+    assert [next(batches) for _ in range(3)] == [expected[16:24], expected[24:32], expected[32:40]]
+
+
+def test_every_sample_of_each_source_epoch_is_seen_once_across_a_2_to_3_rank_resume() -> None:
+    """2 ranks change weights live and checkpoint; 3 ranks resume and change weights again at
+    restart: positions are read once each, every source epoch is a permutation, and the stream
+    equals the uninterrupted one-rank stream with the same changes."""
+    seen: dict[int, int] = {}
+    two = [
+        MixtureSampler(_mixture(), num_replicas=2, rank=r, samples_per_epoch=160) for r in range(2)
+    ]
+    iters = [iter(s) for s in two]
+    for sampler, it in zip(two, iters, strict=True):
+        _take(sampler, it, 21, seen)
+    for sampler in two:
+        assert sampler.mixture.set_weights(LATER) == 42  # every rank: the same next position
+    for sampler, it in zip(two, iters, strict=True):
+        _take(sampler, it, 30, seen)
+    state = two[0].state_dict()
+    assert state == two[1].state_dict()
+    assert (state["start"], state["cursor"], state["end"]) == (0, 102, 160)
+    state = json.loads(json.dumps(state))  # plain data: survives any serialiser
+
+    restart = {"books": 1.0, "code": 1.0, "web": 1.0}
+    three = [
+        MixtureSampler(_mixture(), num_replicas=3, rank=r, samples_per_epoch=160) for r in range(3)
+    ]
+    for sampler in three:
+        sampler.load_state_dict(state)
+        assert sampler.mixture.set_weights(restart) == 102
+        assert len(sampler) == 19  # (160 - 102) // 3; position 159 starts epoch 1
+    for epoch in range(4):
+        for sampler in three:
+            sampler.set_epoch(epoch)
+            _take(sampler, iter(sampler), len(sampler), seen)
+    end = max(seen) + 1
+    assert sorted(seen) == list(range(end)) and end == 102 + 3 * 19 + 3 * 3 * 53
+    stream = [seen[p] for p in range(end)]
+    assert stream == _reference(end, [(42, LATER), (102, restart)])
+    for name, drawn in _by_source(three[0].mixture, stream).items():
+        n = SIZES[name]
+        for e in range(len(drawn) // n):
+            assert sorted(drawn[e * n : (e + 1) * n]) == list(range(n)), (name, e)
+
+
+def test_the_state_stays_o_of_the_number_of_sources_over_many_changes() -> None:
+    """After 30 passes with a weight change in each, the state holds at most two regimes."""
+    mixture = _mixture()
+    sampler = MixtureSampler(mixture, samples_per_epoch=50)
+    rng = np.random.default_rng(0)
+    for epoch in range(30):
+        sampler.set_epoch(epoch)
+        it = iter(sampler)
+        list(itertools.islice(it, 20))
+        mixture.set_weights(dict(zip(SIZES, rng.random(3).tolist(), strict=True)))
+        list(it)
+    state = sampler.state_dict()
+    assert len(state["schedule"]) <= 2
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert len(buffer.getvalue()) < 4000
+
+
+def test_resume_reproduces_the_stream_whatever_the_new_mixture_was_built_with() -> None:
+    """The saved schedule and seed win over the weights and seed given to the new Mixture."""
+    mixture = _mixture(seed=3)
+    sampler = MixtureSampler(mixture, samples_per_epoch=200)
+    it = iter(sampler)
+    list(itertools.islice(it, 50))
+    mixture.set_weights(LATER)
+    list(itertools.islice(it, 50))
+    state = sampler.state_dict()
+    rest = list(it)
+    other = MixtureSampler(_mixture({"web": 1.0}, seed=8), samples_per_epoch=200)
+    other.load_state_dict(state)
+    assert list(other) == rest
+
+
+def test_a_source_added_at_restart_joins_with_weight_zero_until_given_one() -> None:
+    """A state saved without a source loads; the new source appears only after set_weights."""
+    old = MixtureSampler(
+        _mixture({"books": 1, "code": 1}, books=40, code=25), samples_per_epoch=100
+    )
+    list(old)
+    new_mixture = _mixture(books=40, code=25, web=90)
+    new = MixtureSampler(new_mixture, samples_per_epoch=100)
+    new.load_state_dict(old.state_dict())
+    new.set_epoch(1)
+    assert set(_by_source(new_mixture, list(new))["web"]) == set()
+    new_mixture.set_weights({"books": 1, "code": 1, "web": 2})  # from epoch 2's first position
+    new.set_epoch(2)
+    assert len(_by_source(new_mixture, list(new))["web"]) > 30
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        ({"books": 1.0, "wbe": 1.0}, r"unknown source name\(s\) \['wbe'\]"),
+        ({"books": 1.0, "code": -0.5}, "weight of source 'code' must be finite and >= 0"),
+        ({"web": float("nan")}, "weight of source 'web'"),
+        ({"web": "lots"}, "weight of source 'web' must be a number"),
+        ({"books": 0, "code": 0.0}, "all weights are zero"),
+        ({}, "all weights are zero"),
+    ],
+    ids=["unknown", "negative", "nan", "not-a-number", "all-zero", "none"],
+)
+def test_bad_weights_raise_value_error_naming_the_source(
+    weights: dict[str, float], match: str
+) -> None:
+    """Bad weights are rejected by the constructor and by set_weights, naming the culprit."""
+    with pytest.raises(ValueError, match=match):
+        _mixture(weights)
+    mixture = _mixture()
+    with pytest.raises(ValueError, match=match):
+        mixture.set_weights(weights)
+    assert mixture.weights == WEIGHTS
+
+
+def test_bad_sources_raise_naming_the_source() -> None:
+    """An empty source, a source without len() and no sources at all are rejected."""
+    with pytest.raises(ValueError, match="source 'code' is empty"):
+        Mixture({"web": range(5), "code": range(0)}, {"web": 1})
+    with pytest.raises(TypeError, match="source 'web' has no len"):
+        Mixture({"web": iter(range(5))}, {"web": 1})
+    with pytest.raises(ValueError, match="non-empty"):
+        Mixture({}, {})
+
+
+def test_changes_before_the_current_pass_are_rejected() -> None:
+    """A position before the pass being read, or before the recorded schedule, raises ValueError."""
+    mixture = _mixture()
+    sampler = MixtureSampler(mixture, samples_per_epoch=50)
+    list(sampler)
+    sampler.set_epoch(1)
+    it = iter(sampler)
+    next(it)
+    with pytest.raises(ValueError, match="cannot change the weights at position 10"):
+        mixture.set_weights(LATER, at_position=10)
+
+
+def test_bad_states_raise_value_error_naming_the_mismatch() -> None:
+    """Wrong version, another source length, an unknown source or a corrupted entry are named."""
+    sampler = MixtureSampler(_mixture(), samples_per_epoch=50)
+    list(itertools.islice(iter(sampler), 10))
+    good = sampler.state_dict()
+    cases = [
+        ({**good, "version": 99}, "format version 99"),
+        ({**good, "sources": {**good["sources"], "web": 91}}, "'web' of length 91"),
+        (
+            {**good, "sources": {**good["sources"], "wiki": 5}},
+            "source 'wiki', which this mixture lacks",
+        ),
+        ({**good, "cursor": "ten"}, r"state\['cursor'\] must be an int"),
+        ({k: v for k, v in good.items() if k != "schedule"}, "lacks \\['schedule'\\]"),
+        ({**good, "schedule": []}, "non-empty list"),
+        ({**good, "start": 60, "end": 50}, "expected 0 <= start <= end"),
+        ("not a dict", "must be a dict"),
+    ]
+    for state, match in cases:
+        with pytest.raises(ValueError, match=match):
+            MixtureSampler(_mixture(), samples_per_epoch=50).load_state_dict(state)  # type: ignore[arg-type]
+
+
+def test_thread_loader_over_a_mixture_of_token_windows_gives_dataloaders_batches(
+    tmp_path: Path,
+) -> None:
+    """ThreadDataLoader(num_workers=2) reads the same mixed batches as DataLoader(num_workers=0)."""
+    np.arange(0, 3000, dtype=np.uint16).tofile(tmp_path / "web.bin")
+    np.save(tmp_path / "code.npy", np.arange(5000, 6000, dtype=np.uint16))
+
+    def make() -> tuple[Mixture, MixtureSampler]:
+        sources = {
+            "web": TokenWindows(tmp_path / "web.bin", seq_len=16),
+            "code": TokenWindows(tmp_path / "code.npy", seq_len=16),
+        }
+        mixture = Mixture(sources, {"web": 0.7, "code": 0.3}, seed=1)
+        return mixture, MixtureSampler(mixture, samples_per_epoch=400)
+
+    mixture, sampler = make()
+    theirs = list(DataLoader(mixture, batch_size=8, sampler=sampler))
+    mixture, sampler = make()
+    ours = list(ThreadDataLoader(mixture, batch_size=8, sampler=sampler, num_workers=2))
+    assert len(ours) == len(theirs) == 50
+    for (ax, ay), (bx, by) in zip(ours, theirs, strict=True):
+        assert torch.equal(ax, bx) and torch.equal(ay, by)
+    code = sum(int((x[:, 0] >= 5000).sum()) for x, _ in ours)
+    assert Counter(web=400 - code, code=code) == Counter(web=280, code=120)
+
+
+def test_state_dict_at_describes_the_consumed_indices_not_the_prefetched_ones() -> None:
+    """A loader that prefetched 60 indices of which its loop used 20 resumes at the 21st."""
+    sampler = MixtureSampler(_mixture(), num_replicas=2, rank=0, samples_per_epoch=200)
+    it = iter(sampler)
+    list(itertools.islice(it, 60))
+    state = sampler.state_dict_at(20)
+    assert state["cursor"] == 40 and sampler.state_dict()["cursor"] == 120
+    resumed = MixtureSampler(_mixture(), num_replicas=2, rank=0, samples_per_epoch=200)
+    resumed.load_state_dict(state)
+    assert list(resumed) == _reference(200, [])[40:200:2]
+
+
+def test_thread_loader_resumes_a_mixture_with_a_live_change_exactly(tmp_path: Path) -> None:
+    """Through ThreadDataLoader(num_workers=2): change weights live, save mid-epoch, resume in a
+    new loader: the batches after the save are those of an uninterrupted run."""
+
+    def make() -> tuple[Mixture, ThreadDataLoader[Any]]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=400)
+        return mixture, ThreadDataLoader(mixture, batch_size=8, sampler=sampler, num_workers=2)
+
+    mixture, loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(10)]
+    at = mixture.set_weights({"a": 0.1, "b": 0.9})
+    head += [next(it) for _ in range(10)]
+    state = loader.state_dict()
+    rest = list(it)
+    assert len(head) + len(rest) == 50
+
+    mixture2, loader2 = make()
+    loader2.load_state_dict(state)
+    assert [b.tolist() for b in loader2] == [b.tolist() for b in rest]
+    reference = _mixture_reference(at)
+    assert [int(v) for batch in head + rest for v in batch] == reference
+    assert mixture2.schedule == [(0, {"a": 0.7, "b": 0.3}), (at, {"a": 0.1, "b": 0.9})]
+
+
+def _mixture_reference(at: int) -> list[int]:
+    mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+    mixture.set_weights({"a": 0.1, "b": 0.9}, at_position=at)
+    return [mixture[i] for i in mixture.indices_at(np.arange(400)).tolist()]

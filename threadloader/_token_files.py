@@ -1,0 +1,222 @@
+"""Token files for ``TokenWindows``: sizes read once, memory maps opened lazily and shared by threads.
+
+What opening costs, and why: a pretraining corpus is thousands of shard files, and tools that build
+an index first make users wait minutes before step one. Here opening a raw ``.bin`` file is one
+``os.stat`` (its size is its token count) and opening a ``.npy`` file reads its header (a few hundred
+bytes). Nothing is mapped, indexed or copied until a window is read.
+
+Reading: ``MapCache`` maps a file on its first read and keeps the mapping for the next ones, at most
+``max_open`` at once (each mapping holds a file descriptor, and a global shuffle over 10,000 shards
+would otherwise hold 10,000). ``gather`` copies windows of consecutive tokens out of the mapped
+files into one int64 array, a whole batch at a time: one numpy row-gather per file, not a Python
+slice per window, and windows that cross a file boundary are stitched from their pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+from numpy.lib import format as npy_format
+from numpy.lib.stride_tricks import as_strided
+
+DEFAULT_MAX_OPEN: Final = 256
+"""Mappings kept open per dataset: well under the usual 1024 file-descriptor limit."""
+
+_Tokens = npt.NDArray[np.integer[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    """Where one file's tokens are: what ``scan`` learns without reading any token.
+
+    Attributes:
+        path: the file.
+        dtype: the tokens' dtype (the given one for raw files, the header's for ``.npy``).
+        offset: bytes before the first token (header).
+        tokens: how many tokens the file holds.
+    """
+
+    path: str
+    dtype: np.dtype[Any]
+    offset: int
+    tokens: int
+
+
+def scan(paths: Sequence[str], dtype: np.dtype[Any], header_bytes: int) -> list[TokenFile]:
+    """Learn each file's token count from its size (raw) or header (``.npy``); read no token.
+
+    Args:
+        paths: token files; names ending in ``.npy`` are numpy files, any other is raw.
+        dtype: the token dtype of raw files (an integer dtype).
+        header_bytes: bytes to skip at the start of each raw file (llm.c's shards have 1024).
+
+    Returns:
+        one ``TokenFile`` per path, in order.
+
+    Raises:
+        ValueError: naming the file, if it is empty, its size is not a whole number of tokens, or
+            a ``.npy`` file holds no integers, is Fortran-ordered with several dimensions, or is
+            shorter than its header says.
+        OSError: if a file cannot be stat-ed or opened.
+    """
+    if dtype.kind not in "iu":
+        raise ValueError(f"token dtype must be an integer dtype, got {dtype}")
+    files = []
+    for path in paths:
+        if path.endswith(".npy"):
+            files.append(_scan_npy(path))
+            continue
+        size = os.stat(path).st_size - header_bytes
+        if size <= 0:
+            raise ValueError(
+                f"token file {path} is empty (no bytes after a {header_bytes}-byte header)"
+            )
+        if size % dtype.itemsize:
+            raise ValueError(
+                f"token file {path} holds {size} bytes of tokens, not a multiple of the "
+                f"{dtype.itemsize}-byte dtype {dtype}: wrong dtype, or a truncated file?"
+            )
+        files.append(TokenFile(path, dtype, header_bytes, size // dtype.itemsize))
+    return files
+
+
+def _scan_npy(path: str) -> TokenFile:
+    with open(path, "rb") as f:
+        try:
+            version = npy_format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = npy_format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = npy_format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"unsupported .npy format version {version}")
+        except ValueError as e:
+            raise ValueError(f"token file {path} is not a readable .npy file: {e}") from None
+        offset = f.tell()
+    if dtype.kind not in "iu":
+        raise ValueError(f"token file {path} holds {dtype}, not integer token ids")
+    if fortran and len(shape) > 1:
+        raise ValueError(f"token file {path} is Fortran-ordered {shape}: save it C-ordered or 1-D")
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        raise ValueError(f"token file {path} is empty (shape {shape})")
+    size = os.stat(path).st_size
+    if size < offset + count * dtype.itemsize:
+        raise ValueError(
+            f"token file {path} is truncated: its header promises {count} tokens of {dtype}, "
+            f"the file has {size - offset} bytes after the header"
+        )
+    return TokenFile(path, dtype, offset, count)
+
+
+class MapCache:
+    """Read-only memory maps of token files, opened on first use, shared by every thread.
+
+    Correct without the GIL: a hit is one ``dict.get`` (atomic in every CPython build); a miss takes
+    the lock, checks again, maps the file and inserts it, so each file is mapped once however many
+    threads miss at once. When ``max_open`` files are mapped, the oldest mapping is dropped from the
+    cache; a thread still reading from it keeps it alive through its array, so nothing is unmapped
+    under a reader (mappings are never closed explicitly, only released with their last array).
+
+    Args:
+        files: what to map.
+        max_open: most mappings kept at once.
+    """
+
+    def __init__(self, files: Sequence[TokenFile], max_open: int = DEFAULT_MAX_OPEN) -> None:
+        if max_open < 1:
+            raise ValueError(f"max_open_files must be >= 1, got {max_open}")
+        self.files = files
+        self.max_open = max_open
+        self._maps: dict[int, _Tokens] = {}
+        self._lock = threading.Lock()
+
+    def get(self, file_no: int) -> _Tokens:
+        """Return file ``file_no``'s tokens as a read-only 1-D array over its mapping."""
+        tokens = self._maps.get(file_no)
+        if tokens is not None:
+            return tokens
+        with self._lock:
+            tokens = self._maps.get(file_no)
+            if tokens is None:
+                tokens = _map(self.files[file_no])
+                while len(self._maps) >= self.max_open:
+                    del self._maps[next(iter(self._maps))]  # oldest first: dicts keep order
+                self._maps[file_no] = tokens
+        return tokens
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Mappings and locks do not pickle; a copy in a worker process maps its own.
+        return {"files": self.files, "max_open": self.max_open}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.files, self.max_open = state["files"], state["max_open"]
+        self._maps = {}
+        self._lock = threading.Lock()
+
+
+def _map(file: TokenFile) -> _Tokens:
+    with open(file.path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return np.frombuffer(mapping, dtype=file.dtype, count=file.tokens, offset=file.offset)
+
+
+def gather(
+    cache: MapCache, file_starts: npt.NDArray[np.int64], starts: npt.NDArray[np.int64], width: int
+) -> npt.NDArray[np.int64]:
+    """Copy ``width`` consecutive tokens from each start into one int64 array.
+
+    Args:
+        cache: the mapped files.
+        file_starts: ``F + 1`` cumulative token counts: file ``f`` holds the tokens at positions
+            ``file_starts[f] <= p < file_starts[f + 1]`` of the concatenation.
+        starts: positions in the concatenation, each with ``start + width <= file_starts[-1]``.
+        width: tokens per row.
+
+    Returns:
+        ``(len(starts), width)`` int64 array; row ``k`` holds tokens ``starts[k] ...``.
+    """
+    out = np.empty((len(starts), width), dtype=np.int64)
+    file_of = np.searchsorted(file_starts, starts, side="right") - 1
+    local = starts - file_starts[file_of]
+    inside = starts + width <= file_starts[file_of + 1]
+    rows = np.flatnonzero(inside)
+    if rows.size:
+        # Group rows by file: one row-gather per file through a strided (rows, width) view.
+        order = rows[np.argsort(file_of[rows], kind="stable")]
+        files, first = np.unique(file_of[order], return_index=True)
+        for file_no, group in zip(files.tolist(), np.split(order, first[1:]), strict=True):
+            tokens = cache.get(file_no)
+            if group.size == 1:
+                row = int(group[0])
+                begin = int(local[row])
+                out[row] = tokens[begin : begin + width]
+                continue
+            step = tokens.strides[0]
+            windows = as_strided(
+                tokens,
+                shape=(tokens.shape[0] - width + 1, width),
+                strides=(step, step),
+                writeable=False,
+            )
+            out[group] = windows[local[group]]
+    for row in np.flatnonzero(~inside).tolist():  # crosses a file boundary: stitch the pieces
+        position, file_no, filled = int(starts[row]), int(file_of[row]), 0
+        while filled < width:
+            tokens = cache.get(file_no)
+            begin = position + filled - int(file_starts[file_no])
+            piece = tokens[begin : begin + width - filled]
+            out[row, filled : filled + piece.shape[0]] = piece
+            filled += piece.shape[0]
+            file_no += 1
+    return out

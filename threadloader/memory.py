@@ -1,0 +1,663 @@
+"""Pinned host memory: collate a batch straight into it, and a pool of staging buffers.
+
+Why collate into the destination: torch's ``DataLoader(pin_memory=True)`` collates a batch into
+pageable memory (``torch.stack``), then its pin thread copies the whole batch again into
+page-locked memory. ``pinned_collate`` asks an ``allocator`` for each output tensor and stacks
+the samples straight into it: one copy instead of two, and no pin thread. With
+``pinned_allocator`` the destination is page-locked memory from torch's caching host allocator
+(``torch.empty(..., pin_memory=True)``), which recycles blocks safely across asynchronous copies
+on its own; with ``pageable_allocator`` (or any allocator) the same code runs on machines with
+no accelerator, which is how CI checks it.
+
+Why a pool as well: batches handed to the user may live as long as the user likes, so they come
+from torch's allocator. Staging buffers that never leave the library (the host side of a
+``DevicePrefetcher`` copy) can instead be recycled by ``BufferPool`` as soon as the copy that
+reads them has finished, which it learns from an event (a CUDA event on a GPU host, a fake in
+tests): no allocator call and no lookup among unrelated block sizes in the steady state.
+
+How the pieces behave; where the code disagrees with this, the code is wrong.
+
+1. ``pinned_collate(batch, allocator)`` returns what ``default_collate(batch)`` returns: same
+   types, keys, dtypes, shapes and values, the same exceptions with the same messages; every
+   tensor in its output was written into memory that ``allocator`` returned. It dispatches on
+   torch's own ``default_collate_fn_map``, read at each call, so element types a user registered
+   there are collated by the user's function and then pinned, as torch would pin them.
+2. ``pin_batch(data, allocator)`` returns what torch's ``pin_memory(data)`` returns, with
+   ``allocator`` providing the page-locked memory: containers rebuilt the same way, custom
+   objects pinned by their own ``pin_memory()``, already-pinned tensors returned as they are.
+3. A ``BufferPool`` buffer goes back to the pool only once the event given with it completes; the
+   pool keeps at most ``max_buffers`` (and ``max_bytes``) buffers, and forgets shapes that
+   stopped being requested.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data._utils import collate as _torch_collate
+
+__all__ = [
+    "Allocator",
+    "BufferPool",
+    "Event",
+    "PoolStats",
+    "pageable_allocator",
+    "pin_batch",
+    "pinned_allocator",
+    "pinned_collate",
+    "pinning_collate",
+]
+
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""``allocator(shape, dtype)`` returns an uninitialised, contiguous CPU tensor of that shape and
+dtype; ``pinned_collate`` and ``pin_batch`` write every output tensor into one."""
+
+_SPARSE_LAYOUTS = frozenset(
+    {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
+)
+
+
+def pinned_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return page-locked host memory from torch's caching host allocator.
+
+    The caching host allocator records an event whenever a block is the source of an
+    asynchronous copy and reuses a freed block only once that event completed, so tensors from
+    here can be handed to the user and freed whenever the user drops them.
+
+    Args:
+        shape: the tensor's shape.
+        dtype: the tensor's dtype.
+
+    Returns:
+        An uninitialised, contiguous, pinned CPU tensor.
+
+    Raises:
+        RuntimeError: there is no accelerator (torch has no pinned allocator then); callers
+            check ``torch.accelerator.is_available()`` first, as torch's DataLoader does.
+    """
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def pageable_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return ordinary (pageable) host memory: ``pinned_collate`` without pinning.
+
+    Useful where no accelerator exists (tests, CPU training) and in worker threads, where torch's
+    own ``default_collate`` would put every batch into a new shared-memory segment because
+    ``get_worker_info()`` is set there.
+
+    Args:
+        shape: the tensor's shape.
+        dtype: the tensor's dtype.
+
+    Returns:
+        An uninitialised, contiguous CPU tensor.
+    """
+    return torch.empty(shape, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Pinning any batch: torch's pin_memory(), with the destination memory from an allocator.
+
+
+class _Descend:
+    """Marker a leaf function returns for "not a leaf: map over its items"."""
+
+
+_DESCEND = _Descend()
+
+
+def _map_batch(data: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Rebuild ``data`` with ``leaf`` applied to its leaves, containers handled as torch's
+    ``pin_memory()`` handles them (torch/utils/data/_utils/pin_memory.py).
+
+    ``leaf(x)`` returns the replacement of ``x``, or ``_DESCEND`` when ``x`` is not a leaf for it;
+    strings, bytes and objects that are no container are then returned unchanged.
+    """
+    out = leaf(data)
+    if out is not _DESCEND:
+        return out
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, Mapping):
+        try:
+            if isinstance(data, collections.abc.MutableMapping):
+                # The mapping type may carry extra state: copy it, then replace the values.
+                clone = copy.copy(data)
+                clone.update({k: _map_batch(v, leaf) for k, v in data.items()})
+                return clone
+            return type(data)({k: _map_batch(v, leaf) for k, v in data.items()})  # type: ignore[call-arg]
+        except TypeError:
+            # The type supports neither copy()/update() nor construction from a dict.
+            return {k: _map_batch(v, leaf) for k, v in data.items()}
+    if isinstance(data, tuple):
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*(_map_batch(v, leaf) for v in data))
+        return type(data)(_map_batch(v, leaf) for v in data)
+    if isinstance(data, Sequence):
+        try:
+            if isinstance(data, collections.abc.MutableSequence):
+                seq = copy.copy(data)
+                for i, item in enumerate(data):
+                    seq[i] = _map_batch(item, leaf)
+                return seq
+            return type(data)([_map_batch(v, leaf) for v in data])  # type: ignore[call-arg]
+        except TypeError:
+            # e.g. range: neither copy()/__setitem__ nor construction from a list.
+            return [_map_batch(v, leaf) for v in data]
+    return data
+
+
+def _pin_tensor(tensor: torch.Tensor, allocator: Allocator) -> torch.Tensor:
+    """``tensor.pin_memory()``, with the page-locked memory taken from ``allocator``."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        # torch's own answer: an error for device tensors, its own path for sparse layouts.
+        return tensor.pin_memory()
+    if tensor.is_pinned():
+        return tensor  # Tensor.pin_memory() returns an already pinned tensor itself
+    if tensor.is_contiguous():
+        out = allocator(tuple(tensor.shape), tensor.dtype)
+    else:
+        # Keep the strides torch's pinned copy would have (a permuted tensor stays permuted):
+        # the layout empty_like picks is dense, so a flat buffer of numel elements holds it.
+        strides = torch.empty_like(tensor, device="meta").stride()
+        out = allocator((tensor.numel(),), tensor.dtype).as_strided(tensor.shape, strides)
+    out.copy_(tensor)
+    return out
+
+
+def _pin_leaf(allocator: Allocator) -> Callable[[Any], Any]:
+    def leaf(data: Any) -> Any:
+        if isinstance(data, torch.Tensor):
+            return _pin_tensor(data, allocator)
+        if hasattr(data, "pin_memory"):  # a custom batch type pins itself, as in torch
+            return data.pin_memory()
+        return _DESCEND
+
+    return leaf
+
+
+def pin_batch(data: Any, allocator: Allocator) -> Any:
+    """Return ``data`` with every tensor copied into memory from ``allocator``.
+
+    Mirrors torch's ``pin_memory(data)`` (what ``DataLoader(pin_memory=True)`` applies to each
+    batch): mappings, namedtuples, tuples and sequences are rebuilt as torch rebuilds them;
+    objects with a ``pin_memory()`` method are replaced by its result; tensors already pinned are
+    returned as they are; non-contiguous tensors keep their strides; anything else is returned
+    unchanged. Used after a custom ``collate_fn``, where the batch was built by user code.
+
+    Args:
+        data: a batch, as a ``collate_fn`` returned it.
+        allocator: provides the destination of each tensor (``pinned_allocator`` on CUDA hosts).
+
+    Returns:
+        The pinned batch.
+
+    Raises:
+        RuntimeError: a tensor is not on the CPU (torch's own ``pin_memory()`` error).
+    """
+    return _map_batch(data, _pin_leaf(allocator))
+
+
+# --------------------------------------------------------------------------------------------
+# Collating straight into the destination: torch's default_collate, one copy.
+
+
+def _collate_tensors(batch: Sequence[torch.Tensor], allocator: Allocator) -> torch.Tensor:
+    """torch's ``collate_tensor_fn``, stacking into ``allocator`` memory."""
+    elem = batch[0]
+    if elem.is_nested:
+        raise RuntimeError(
+            "Batches of nested tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    if elem.layout in _SPARSE_LAYOUTS:
+        raise RuntimeError(
+            "Batches of sparse tensors are not currently supported by the default collate_fn; "
+            "please provide a custom collate_fn to handle them appropriately."
+        )
+    dtype = elem.dtype
+    needs_grad = False
+    for t in batch:
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)  # torch.stack's type promotion
+        needs_grad = needs_grad or t.requires_grad
+    if (
+        elem.device.type != "cpu"
+        or elem.layout != torch.strided
+        or (needs_grad and torch.is_grad_enabled())
+    ):
+        # out= refuses autograd inputs, and device tensors are not ours to pin: collate as
+        # torch does, then let pinning decide (torch's pin_memory() raises for device tensors).
+        return _pin_tensor(torch.stack(list(batch), 0), allocator)
+    out = allocator((len(batch), *elem.shape), dtype)
+    return torch.stack(list(batch), 0, out=out)
+
+
+def _collate_numpy_arrays(batch: Sequence[Any], allocator: Allocator) -> Any:
+    """torch's ``collate_numpy_array_fn``: the arrays become tensors, then collate as tensors."""
+    elem = batch[0]
+    if _torch_collate.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
+        raise TypeError(_torch_collate.default_collate_err_msg_format.format(elem.dtype))
+    return _collate([torch.as_tensor(b) for b in batch], allocator)
+
+
+_OURS: dict[Callable[..., Any], Callable[[Any, Allocator], Any]] = {
+    _torch_collate.collate_tensor_fn: _collate_tensors,
+    _torch_collate.collate_numpy_array_fn: _collate_numpy_arrays,
+}
+"""torch's per-type collate functions that have a one-copy version here. Any other function in
+``default_collate_fn_map`` (numbers, strings, types a user registered) produces its result, small
+or unknown to us, which is then pinned as torch's pin thread would pin it."""
+
+
+def _collate(batch: Sequence[Any], allocator: Allocator) -> Any:
+    """torch's ``collate(batch, collate_fn_map=default_collate_fn_map)``, into ``allocator``."""
+    elem = batch[0]
+    elem_type = type(elem)
+    fn_map = _torch_collate.default_collate_fn_map  # read now: users may update it in place
+    fn = fn_map.get(elem_type)
+    if fn is None:
+        for collate_type, candidate in fn_map.items():
+            if isinstance(elem, collate_type):
+                fn = candidate
+                break
+    if fn is not None:
+        ours = _OURS.get(fn)
+        if ours is not None:
+            return ours(batch, allocator)
+        return pin_batch(fn(batch, collate_fn_map=fn_map), allocator)
+
+    if isinstance(elem, Mapping):
+        try:
+            if isinstance(elem, collections.abc.MutableMapping):
+                clone = copy.copy(elem)
+                clone.update({key: _collate([d[key] for d in batch], allocator) for key in elem})
+                return clone
+            return elem_type({key: _collate([d[key] for d in batch], allocator) for key in elem})
+        except TypeError:
+            # As torch: a mapping type without copy()/update() or dict construction.
+            return {key: _collate([d[key] for d in batch], allocator) for key in elem}
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
+        return elem_type(*(_collate(samples, allocator) for samples in zip(*batch, strict=False)))
+    if isinstance(elem, Sequence):
+        it = iter(batch)
+        elem_size = len(next(it))
+        if not all(len(e) == elem_size for e in it):
+            raise RuntimeError("each element in list of batch should be of equal size")
+        transposed = list(zip(*batch, strict=False))
+        if isinstance(elem, tuple):
+            return [_collate(samples, allocator) for samples in transposed]  # torch: a list
+        try:
+            if isinstance(elem, collections.abc.MutableSequence):
+                seq = copy.copy(elem)
+                for i, samples in enumerate(transposed):
+                    seq[i] = _collate(samples, allocator)
+                return seq
+            return elem_type([_collate(samples, allocator) for samples in transposed])
+        except TypeError:
+            return [_collate(samples, allocator) for samples in transposed]
+    raise TypeError(_torch_collate.default_collate_err_msg_format.format(elem_type))
+
+
+def pinned_collate(batch: Sequence[Any], allocator: Allocator) -> Any:
+    """Collate ``batch`` as ``default_collate`` does, writing each tensor into ``allocator`` memory.
+
+    Tensors and numpy arrays are stacked straight into a buffer from ``allocator`` (one copy,
+    where ``default_collate`` followed by pinning makes two); numbers, numpy scalars and
+    element types registered in ``default_collate_fn_map`` are collated by torch's (or the
+    user's) function and the small result is then pinned. Dicts, namedtuples, tuples (which
+    become lists), lists and other sequences are handled exactly as ``default_collate`` handles
+    them; strings and bytes stay lists of strings and bytes.
+
+    Args:
+        batch: the samples of one batch, as ``default_collate`` receives them.
+        allocator: ``allocator(shape, dtype)`` returns the destination tensor:
+            ``pinned_allocator`` for batches the user keeps, a ``BufferPool`` for staging
+            buffers, ``pageable_allocator`` where nothing is pinned.
+
+    Returns:
+        What ``default_collate(batch)`` returns, equal in types, dtypes, shapes and values.
+
+    Raises:
+        TypeError: an element type ``default_collate`` does not support (its message).
+        RuntimeError: samples of unequal length or shape, nested or sparse tensors (torch's
+            messages).
+        IndexError: ``batch`` is empty, as for ``default_collate``.
+    """
+    return _collate(batch, allocator)
+
+
+class _CollateThenPin:
+    """A user's ``collate_fn`` followed by ``pin_batch``: the batch is user-built, so two copies."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], allocator: Allocator) -> None:
+        self.collate_fn = collate_fn
+        self.allocator = allocator
+
+    def __repr__(self) -> str:
+        return f"<pin_batch after {self.collate_fn!r}>"
+
+    def __call__(self, batch: Any) -> Any:
+        return pin_batch(self.collate_fn(batch), self.allocator)
+
+
+def pinning_collate(collate_fn: Callable[[Any], Any], allocator: Allocator) -> Callable[[Any], Any]:
+    """Return a collate function whose output lives in ``allocator`` memory: the worker's one.
+
+    With torch's ``default_collate`` (what DataLoader uses when ``collate_fn`` is None and
+    batching is on) the result collates straight into the destination. Any other function,
+    ``default_convert`` included, runs first and its result is pinned with ``pin_batch``: the
+    pinning then happens in the worker thread, so no separate pin thread is needed.
+
+    Args:
+        collate_fn: the loader's collate function (``loader.collate_fn``).
+        allocator: where tensors go (see ``pinned_collate``).
+
+    Returns:
+        A callable taking what ``collate_fn`` takes.
+    """
+    if collate_fn is _torch_collate.default_collate:
+        return functools.partial(pinned_collate, allocator=allocator)
+    return _CollateThenPin(collate_fn, allocator)
+
+
+# --------------------------------------------------------------------------------------------
+# Staging buffers recycled once the copy that reads them has finished.
+
+
+class Event(Protocol):
+    """What the pool needs from an event: a ``torch.cuda.Event`` has exactly this shape."""
+
+    def query(self) -> bool:
+        """Return True once the work recorded before the event has completed; never blocks."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until the work recorded before the event has completed."""
+        ...
+
+
+_Key = tuple[tuple[int, ...], torch.dtype, torch.device]
+PoolAllocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""``allocate(shape, dtype, device)``: where a ``BufferPool`` gets a buffer on a miss."""
+
+
+def _default_allocate(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of a ``BufferPool``; a new one per ``stats()`` call."""
+
+    hits: int  # acquire() served by a recycled buffer
+    misses: int  # acquire() that had to allocate
+    evicted: int  # buffers dropped: over the bounds, or of a shape no longer requested
+    free: int  # buffers ready for reuse
+    free_bytes: int
+    pending: int  # buffers released whose event has not completed yet
+    outstanding: int  # buffers handed out, not released, still alive
+
+
+def _key_of(tensor: torch.Tensor) -> _Key:
+    return (tuple(tensor.shape), tensor.dtype, tensor.device)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class BufferPool:
+    """Recycles buffers by (shape, dtype, device), each one only after its copy has finished.
+
+    ``acquire`` hands out a buffer: a recycled one of the same key when there is one, else a new
+    one from ``allocate``. ``release(tensors, event)`` takes back those of ``tensors`` that this
+    pool handed out (others are ignored, so a whole batch can be passed) and makes them
+    available again once ``event.query()`` is True: a buffer that an asynchronous copy still
+    reads is never handed out twice. A pool is itself an ``Allocator`` (``pool(shape, dtype)``
+    acquires on ``device``), so ``pinned_collate(batch, pool)`` collates into pooled buffers.
+
+    Bounds: the pool retains at most ``max_buffers`` buffers (ready plus awaiting their event)
+    and at most ``max_bytes`` bytes of ready ones; past that the least recently requested shape
+    loses its buffers first, and then the oldest buffers awaiting an event are forgotten (not
+    reused, so always safe; torch's caching host allocator frees pinned memory only when the
+    copies it saw have completed). A key nobody requested in the last ``stale_after``
+    acquisitions loses its buffers too, so the pool shrinks when shapes change (a new image
+    size, a different sequence length) instead of holding the old ones forever.
+
+    Thread-safe: workers acquire while the transfer thread releases.
+
+    Args:
+        allocate: ``allocate(shape, dtype, device)`` on a miss; by default pinned host memory
+            for CPU keys (``torch.empty(..., pin_memory=True)``) and plain device memory else.
+        device: the device of ``pool(shape, dtype)`` and of ``acquire`` without one.
+        max_buffers: most buffers retained.
+        max_bytes: most bytes of ready buffers retained; None: no byte bound.
+        stale_after: acquisitions after which a key not requested loses its buffers.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    def __init__(
+        self,
+        allocate: PoolAllocate | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        max_buffers: int = 64,
+        max_bytes: int | None = None,
+        stale_after: int = 256,
+    ) -> None:
+        if max_buffers < 1:
+            raise ValueError(f"max_buffers must be >= 1, got {max_buffers}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
+        if stale_after < 1:
+            raise ValueError(f"stale_after must be >= 1, got {stale_after}")
+        self._allocate = allocate if allocate is not None else _default_allocate
+        self.device = torch.device(device)
+        self.max_buffers = max_buffers
+        self.max_bytes = max_bytes
+        self.stale_after = stale_after
+        self._lock = threading.Lock()
+        self._free: dict[_Key, list[torch.Tensor]] = {}  # key -> ready buffers, oldest first
+        self._free_count = 0
+        self._free_bytes = 0
+        self._last_request: dict[_Key, int] = {}  # key -> tick of its latest acquire()
+        self._tick = 0
+        # Released buffers waiting for their event, oldest first.
+        self._pending: collections.deque[tuple[Event, list[torch.Tensor]]] = collections.deque()
+        self._pending_count = 0
+        # Handed out and not released, by storage address: weak, so a buffer the caller drops
+        # (an abandoned batch) is simply freed, and views of a buffer find it.
+        self._outstanding: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
+        self._hits = 0
+        self._misses = 0
+        self._evicted = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<BufferPool {self._free_count} free, {self._pending_count} pending, "
+            f"hits={self._hits} misses={self._misses}>"
+        )
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``acquire(shape, dtype)`` on the pool's device: the pool as an ``Allocator``."""
+        return self.acquire(shape, dtype)
+
+    def acquire(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: str | torch.device | None = None,
+    ) -> torch.Tensor:
+        """Return a contiguous buffer of this shape, dtype and device; its contents are garbage.
+
+        Args:
+            shape: the buffer's shape.
+            dtype: the buffer's dtype.
+            device: the buffer's device; None for the pool's. Keys compare ``torch.device``s,
+                so ``"cuda"`` and ``"cuda:0"`` are different keys: pass resolved devices.
+
+        Returns:
+            A buffer nobody else uses until it is given to ``release``.
+        """
+        dev = self.device if device is None else torch.device(device)
+        key: _Key = (tuple(int(s) for s in shape), dtype, dev)
+        buf: torch.Tensor | None = None
+        with self._lock:
+            self._tick += 1
+            self._last_request[key] = self._tick
+            self._reclaim_locked()
+            ready = self._free.get(key)
+            if ready:
+                buf = ready.pop()
+                self._free_count -= 1
+                self._free_bytes -= buf.nbytes
+                self._hits += 1
+            else:
+                self._misses += 1
+                # A miss is when shapes change; a periodic pass catches keys that just stop.
+                self._drop_stale_locked()
+            if self._tick % self.stale_after == 0:
+                self._drop_stale_locked()
+        if buf is None:
+            buf = self._allocate(key[0], dtype, dev)  # outside the lock: may be slow
+        if buf.numel() > 0:  # empty tensors share address 0 and cost nothing to make
+            with self._lock:
+                self._outstanding[_storage_ptr(buf)] = buf
+        return buf
+
+    def release(self, tensors: Iterable[torch.Tensor], event: Event | None = None) -> int:
+        """Give back the buffers among ``tensors`` that this pool handed out.
+
+        Args:
+            tensors: any tensors, e.g. every host tensor of a batch that was just copied; those
+                the pool did not hand out (or already took back) are ignored. A view of a
+                buffer returns the buffer.
+            event: completes once nothing reads the buffers any more (the copy's CUDA event);
+                None if nothing does now.
+
+        Returns:
+            How many buffers were taken back.
+        """
+        with self._lock:
+            taken: list[torch.Tensor] = []
+            for t in tensors:
+                if t.layout != torch.strided or t.numel() == 0:
+                    continue  # never one of ours
+                buf = self._outstanding.pop(_storage_ptr(t), None)
+                if buf is not None:
+                    taken.append(buf)
+            if not taken:
+                return 0
+            if event is None:
+                self._add_free_locked(taken)
+            else:
+                self._pending.append((event, taken))
+                self._pending_count += len(taken)
+            self._reclaim_locked()
+            return len(taken)
+
+    def wait_pending(self) -> None:
+        """Block until every released buffer's event completed, then make them all reusable."""
+        with self._lock:
+            events = [event for event, _ in self._pending]
+        for event in events:  # outside the lock: synchronize() may take as long as a copy
+            event.synchronize()
+        with self._lock:
+            self._reclaim_locked()
+
+    def clear(self) -> None:
+        """Forget every buffer (ready, pending and handed out): the pool starts empty."""
+        with self._lock:
+            self._free.clear()
+            self._pending.clear()
+            self._outstanding.clear()
+            self._last_request.clear()
+            self._free_count = self._free_bytes = self._pending_count = 0
+
+    def stats(self) -> PoolStats:
+        """Return a snapshot of the pool's counters."""
+        with self._lock:
+            return PoolStats(
+                hits=self._hits,
+                misses=self._misses,
+                evicted=self._evicted,
+                free=self._free_count,
+                free_bytes=self._free_bytes,
+                pending=self._pending_count,
+                outstanding=len(self._outstanding),
+            )
+
+    def _reclaim_locked(self) -> None:
+        """Move buffers whose event completed to the ready lists, then enforce the bounds.
+
+        All pending events are queried, not just the oldest: events from one CUDA stream
+        complete in order, but the pool does not assume where its events come from.
+        """
+        if self._pending:
+            still: collections.deque[tuple[Event, list[torch.Tensor]]] = collections.deque()
+            for event, bufs in self._pending:
+                if event.query():
+                    self._pending_count -= len(bufs)
+                    self._add_free_locked(bufs)
+                else:
+                    still.append((event, bufs))
+            self._pending = still
+        self._enforce_bounds_locked()
+
+    def _add_free_locked(self, bufs: list[torch.Tensor]) -> None:
+        for buf in bufs:
+            key = _key_of(buf)
+            self._free.setdefault(key, []).append(buf)
+            self._free_count += 1
+            self._free_bytes += buf.nbytes
+            if key not in self._last_request:
+                self._last_request[key] = self._tick
+
+    def _enforce_bounds_locked(self) -> None:
+        def over() -> bool:
+            if self._free_count + self._pending_count > self.max_buffers:
+                return True
+            return self.max_bytes is not None and self._free_bytes > self.max_bytes
+
+        while over() and self._free_count:
+            key = min(self._free, key=lambda k: self._last_request.get(k, 0))
+            self._evict_one_locked(key)
+        while self._free_count + self._pending_count > self.max_buffers and self._pending:
+            _, bufs = self._pending.popleft()
+            self._pending_count -= len(bufs)
+            self._evicted += len(bufs)
+
+    def _evict_one_locked(self, key: _Key) -> None:
+        bufs = self._free[key]
+        buf = bufs.pop(0)  # the longest-idle buffer of that key
+        self._free_count -= 1
+        self._free_bytes -= buf.nbytes
+        self._evicted += 1
+        if not bufs:
+            del self._free[key]
+
+    def _drop_stale_locked(self) -> None:
+        horizon = self._tick - self.stale_after
+        for key in [k for k, t in self._last_request.items() if t < horizon]:
+            del self._last_request[key]
+            for buf in self._free.pop(key, ()):
+                self._free_count -= 1
+                self._free_bytes -= buf.nbytes
+                self._evicted += 1

@@ -1,0 +1,612 @@
+"""Move batches to the GPU on a side CUDA stream while the training loop computes.
+
+``DevicePrefetcher`` owns one thread and one CUDA stream. The thread pulls host batches from a
+source iterator, issues ``copy(non_blocking=True)`` of every tensor on its stream, records an
+event, and hands the device batch over; ``__next__`` makes the consumer's current stream wait on
+that event (a GPU-side wait: the host never synchronizes) and marks every delivered tensor with
+``record_stream(current_stream)``.
+
+Why ``record_stream``: the device tensors are allocated on the side stream, and torch's caching
+allocator only orders reuse of a freed block after work on the stream that allocated it. When
+the training loop drops a batch its kernels may still be queued on *its* stream; without the
+mark the transfer thread's next allocation could get the same block and overwrite it before
+those kernels read it (the race SPDL fixed in its PR #1082 by holding on to old batches).
+``record_stream`` makes the allocator wait for the consumer stream's work queued at free time.
+
+How a prefetcher behaves; where the code disagrees with this, the code is wrong.
+
+1. Order: batches arrive in the order the source produced them; at most ``depth`` batches have
+   been pulled from the source and not yet delivered (they occupy device memory).
+2. Errors: an exception from the source (or from a copy) is raised by ``__next__`` at its
+   position; the batches before it are delivered first, and the prefetcher keeps pulling after
+   it, as calling ``next(source)`` directly would. A non-``Exception`` (``SystemExit``) ends it.
+3. Drained: the source's ``StopIteration`` is delivered last; the thread has then exited and is
+   joined, and every later ``next()`` raises ``StopIteration``.
+4. Abandoned (``close()``, ``break``, ``del``, garbage collection, interpreter exit): nothing new
+   is pulled, batches not delivered are dropped, the thread is joined. The thread never
+   references the prefetcher, so dropping it is enough for its finalizer to run; ``next()``
+   after ``close()`` raises ``RuntimeError``.
+5. Host staging buffers that came from ``pool`` go back to it with the copy's event, so they are
+   reused only once the copy has read them. ``device="cpu"`` passes batches through unchanged,
+   with the same thread, ordering and shutdown (what CI without a GPU exercises).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from threadloader.memory import _DESCEND, BufferPool, PoolStats, _map_batch
+
+__all__ = ["DevicePrefetcher", "Tagged", "TransferStats", "device_from_arg"]
+
+T = TypeVar("T")
+
+#: Seconds ``close()`` waits for the transfer thread, which may be inside ``next(source)``. A
+#: source stuck longer than that is left to return on its own; the thread then exits at once.
+JOIN_TIMEOUT_S = 10.0
+
+DeviceLike = str | int | torch.device
+
+
+def device_from_arg(device: DeviceLike) -> torch.device:
+    """Validate a ``device=`` argument and resolve it to the device batches will land on.
+
+    ``"cuda"`` resolves to the *current* CUDA device of the calling thread, now: the transfer
+    thread has a current device of its own (0), so an unresolved ``"cuda"`` would silently copy
+    to device 0 on a rank that called ``torch.cuda.set_device(3)``.
+
+    Args:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, an int N (CUDA device N) or a
+            ``torch.device`` of those types.
+
+    Returns:
+        ``torch.device("cpu")`` or ``torch.device("cuda", index)`` with the index filled in.
+
+    Raises:
+        TypeError: ``device`` is not a str, int or ``torch.device``.
+        ValueError: an unknown device string, a device type other than cpu and cuda, or a CUDA
+            index that does not exist; the message names the device.
+        RuntimeError: a CUDA device was asked for and CUDA is not available.
+    """
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a str, int or torch.device, got {device!r}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device={device!r}: a CUDA device index must be >= 0")
+        dev = torch.device("cuda", device)
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError) as err:
+            raise ValueError(f"device={device!r} is not a device torch knows: {err}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(
+            f"device={device!r}: batches can be moved to 'cpu' or 'cuda' devices, not {dev.type!r}"
+        )
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA support"
+        raise RuntimeError(
+            f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}, built with {build}); use device=None or 'cpu'"
+        )
+    count = torch.cuda.device_count()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if index >= count:
+        raise ValueError(
+            f"device={device!r}: there is no CUDA device {index}; {count} visible "
+            "(see CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", index)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStats:
+    """A snapshot of a ``DevicePrefetcher``; a new one per ``stats()`` call."""
+
+    batches: int  # delivered to the consumer
+    wait_s: float  # time __next__ spent blocked waiting for a batch: the loop's starvation
+    issue_s: float  # transfer-thread time spent issuing copies (not their GPU duration)
+    bytes: int  # bytes of tensors copied to the device
+    pool: PoolStats | None  # the staging pool's counters, if there is one
+
+
+@dataclasses.dataclass(frozen=True)
+class Tagged(Generic[T]):
+    """A batch with metadata that rides along untouched: only ``batch`` goes to the device.
+
+    A source may yield ``Tagged(batch, tag)``; the prefetcher then delivers
+    ``Tagged(batch_on_device, tag)``, the very same ``tag`` object, never walked or moved. The
+    loader uses it to carry each batch's resume state (which may hold tensors, e.g. generator
+    states, that must stay on the host) so that its state stays aligned with what the training
+    loop received, not with what was prefetched.
+    """
+
+    batch: T
+    tag: Any
+
+
+class _State(enum.IntEnum):
+    RUNNING = 0
+    DRAINED = 1  # StopIteration delivered; the thread has exited and was joined
+    CLOSED = 2  # ended early: close(), break, del, GC or exit
+
+
+class _Closed(Exception):
+    """Raised by a read from a closed hand-off."""
+
+
+class _Handoff:
+    """The bounded hand-off from the transfer thread to the consumer.
+
+    A slot is taken *before* the thread pulls a batch from the source and given back when the
+    consumer takes that batch, so at most ``depth`` batches are pulled and not yet delivered:
+    the bound covers the batch being copied, not only the queued ones. Invariant: the thread
+    waits only when all ``depth`` slots hold queued batches, and the consumer only when none
+    does, so the two never wait at once and ``notify()`` wakes the right one.
+    """
+
+    def __init__(self, depth: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._items: deque[Any] = deque()
+        self._depth = depth
+        self._used = 0
+        self._closed = False
+
+    def take_slot(self) -> bool:
+        """Wait for a free slot and take it; False (no slot taken) once closed."""
+        with self._cond:
+            while self._used >= self._depth and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._used += 1
+            return True
+
+    def put(self, item: Any) -> None:
+        """Queue ``item`` in the slot taken for it; dropped if closed meanwhile."""
+        with self._cond:
+            if self._closed:
+                return
+            self._items.append(item)
+            self._cond.notify()
+
+    def get(self) -> Any:
+        """Remove and return the oldest item, waiting for one.
+
+        Raises:
+            _Closed: the hand-off was closed.
+        """
+        with self._cond:
+            while not self._items:
+                if self._closed:
+                    raise _Closed
+                self._cond.wait()
+            self._used -= 1
+            self._cond.notify()
+            return self._items.popleft()
+
+    def close(self) -> list[Any]:
+        """Refuse further items, wake both sides, and return the items never delivered."""
+        with self._cond:
+            self._closed = True
+            left = list(self._items)
+            self._items.clear()
+            self._cond.notify_all()
+            return left
+
+
+_END = object()  # the source is exhausted
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """An exception raised by the source or by a copy, delivered at its position."""
+
+    exc: BaseException
+
+
+def _failure(exc: BaseException) -> _Failure:
+    """Wrap ``exc`` for delivery, with the local variables of its finished frames cleared.
+
+    The frames stay (the traceback prints as before); their locals go, as a worker process's
+    would. Otherwise a source that holds its owner weakly (a loader epoch) would be kept alive by
+    its own frames in an exception waiting in the hand-off, which the running thread holds: the
+    owner's finalizer, the one thing that stops the thread, could then never run.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips frames still running (this thread's)
+        pending += [e.__cause__, e.__context__]
+    return _Failure(exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Moved:
+    """A batch on its device, the event its copies completed at, and its device tensors."""
+
+    batch: Any
+    event: torch.cuda.Event | None
+    tensors: tuple[torch.Tensor, ...]
+
+
+class _CudaCopier:
+    """Copies host batches to one CUDA device on one side stream (the transfer thread only)."""
+
+    def __init__(self, device: torch.device, pool: BufferPool | None) -> None:
+        self.device = device
+        self.pool = pool
+        self.stream = torch.cuda.Stream(device=device)
+        self.bytes = 0
+        self.issue_s = 0.0
+        # Host tensors of copies that may still be running, with the event they end at: kept
+        # alive until then. Memory from torch's caching host allocator would be safe anyway (the
+        # copy recorded its use); pinned memory from elsewhere (cudaHostRegister, from_blob)
+        # would not be. Events of one stream complete in order, so the oldest are checked first.
+        self._in_flight: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
+
+    def enter_thread(self) -> None:
+        # Current device and current stream are both per thread. With them set once, every
+        # allocation and kernel of this thread lands on our device and our stream: the copies,
+        # and any GPU work the source does while producing a batch, which the batch's event
+        # then covers too.
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self.stream)
+
+    def move(self, host: Any) -> _Moved:
+        start = time.perf_counter()
+        delivered: list[torch.Tensor] = []
+        staged: list[torch.Tensor] = []  # host memory the copies read
+
+        def leaf(data: Any) -> Any:
+            if not isinstance(data, torch.Tensor):
+                return _DESCEND
+            if data.device == self.device:
+                out = data  # already there (made by the source): no copy, still marked
+            elif data.device.type != "cpu" or data.layout != torch.strided:
+                out = data.to(self.device, non_blocking=True)  # torch's own path
+            else:
+                src = data
+                if self.pool is not None and not data.is_pinned():
+                    # Stage pageable memory through a pooled pinned buffer so that the copy is
+                    # truly asynchronous (from pageable memory the host waits for the DMA).
+                    src = self.pool.acquire(data.shape, data.dtype)
+                    src.copy_(data)
+                out = src.to(self.device, non_blocking=True)
+                staged.append(src)
+                self.bytes += src.nbytes
+            delivered.append(out)
+            return out
+
+        batch = _map_batch(host, leaf)  # on self.stream: the thread's current stream
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        if self.pool is not None and staged:
+            # Pooled buffers are reused only after `event`: the copies above have read them.
+            self.pool.release(staged, event)
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        if staged:
+            self._in_flight.append((event, staged))
+        self.issue_s += time.perf_counter() - start
+        return _Moved(batch, event, tuple(delivered))
+
+    def deliver(self, moved: _Moved) -> Any:
+        """Order the consumer's current stream after the copies, without a host synchronize."""
+        consumer = torch.cuda.current_stream(self.device)
+        if moved.event is not None:
+            consumer.wait_event(moved.event)  # a GPU-side wait; returns at once
+        for t in moved.tensors:
+            # Allocated on the side stream, used on the consumer's: without this the caching
+            # allocator could hand the block to the next copy while the consumer's kernels,
+            # queued before the batch was dropped, still read it.
+            t.record_stream(consumer)
+        return moved.batch
+
+
+class _PassThrough:
+    """``device="cpu"``: batches are already where they belong."""
+
+    bytes = 0
+    issue_s = 0.0
+    stream = None
+
+    def enter_thread(self) -> None:
+        pass
+
+    def move(self, host: Any) -> _Moved:
+        return _Moved(host, None, ())
+
+    def deliver(self, moved: _Moved) -> Any:
+        return moved.batch
+
+
+class _Transfer:
+    """Everything the transfer thread uses; the ``DevicePrefetcher`` facade is never reachable
+    from here, so dropping the facade runs its finalizer, which closes this."""
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        device: torch.device,
+        depth: int,
+        pool: BufferPool | None,
+        on_close: Callable[[], None] | None,
+        name: str,
+    ) -> None:
+        self.source: Iterator[Any] | None = source
+        self.device = device
+        self.pool = pool
+        self.copier: _CudaCopier | _PassThrough = (
+            _CudaCopier(device, pool) if device.type == "cuda" else _PassThrough()
+        )
+        self.handoff = _Handoff(depth)
+        self.on_close = on_close
+        self.name = name
+        self.state = _State.RUNNING
+        self.batches = 0
+        self.wait_s = 0.0
+        self._lock = threading.Lock()
+        self._closing = False
+        self.thread = threading.Thread(
+            target=_transfer_loop,
+            args=(self, source),
+            name=name,
+            daemon=True,  # never block exit; _close_all_at_exit joins it first
+        )
+
+    def next(self) -> Any:
+        if self.state is _State.DRAINED:
+            raise StopIteration
+        if self.state is _State.CLOSED:
+            raise RuntimeError(
+                f"{self.name} was closed; its batches not yet delivered were dropped"
+            )
+        start = time.perf_counter()
+        try:
+            item = self.handoff.get()
+        except _Closed:
+            raise RuntimeError(f"{self.name} was closed while waiting for a batch") from None
+        except KeyboardInterrupt:
+            self.close()  # Ctrl-C while waiting: the epoch is over, the thread must not linger
+            raise
+        finally:
+            self.wait_s += time.perf_counter() - start
+        if item is _END:
+            self.state = _State.DRAINED
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            exc = item.exc
+            del item
+            try:
+                raise exc
+            finally:
+                del exc  # the traceback holds this frame: no cycle through the exception
+        self.batches += 1
+        return self.copier.deliver(item)
+
+    def close(self) -> None:
+        """Stop the thread and join it. Idempotent; safe from a finalizer and from that thread."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.state is _State.RUNNING:
+            self.state = _State.CLOSED
+        dropped = self.handoff.close()
+        del dropped  # device batches never delivered: freed here, only the side stream used them
+        error: BaseException | None = None
+        if self.on_close is not None:
+            try:
+                self.on_close()  # e.g. close the loader's epoch, so a pending next() returns
+            except BaseException as exc:  # noqa: BLE001  # re-raised once the thread is joined
+                error = exc
+        if self.thread.ident is not None and self.thread is not threading.current_thread():
+            self.thread.join(JOIN_TIMEOUT_S)
+        self.source = None  # the source (an epoch and its workers) may now be collected
+        _live.discard(self)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error
+
+
+def _transfer_loop(transfer: _Transfer, source: Iterator[Any]) -> None:
+    """What the transfer thread runs: take a slot, pull a batch, copy it, hand it over."""
+    handoff, copier = transfer.handoff, transfer.copier
+    try:
+        copier.enter_thread()
+    except BaseException as exc:  # noqa: BLE001  # delivered to the consumer, not lost
+        _finish(handoff, _failure(exc))
+        return
+    while handoff.take_slot():
+        try:
+            host = next(source)
+        except StopIteration:
+            handoff.put(_END)
+            return
+        except BaseException as exc:  # noqa: BLE001  # raised by the consumer's next()
+            handoff.put(_failure(exc))
+            if not isinstance(exc, Exception):  # SystemExit and the like end the stream
+                _finish(handoff, None)
+                return
+            del exc
+            continue
+        item: _Moved | _Failure
+        try:
+            if isinstance(host, Tagged):
+                moved = copier.move(host.batch)
+                item = dataclasses.replace(moved, batch=Tagged(moved.batch, host.tag))
+            else:
+                item = copier.move(host)
+        except BaseException as exc:  # noqa: BLE001  # e.g. CUDA out of memory: the consumer's
+            item = _failure(exc)
+        del host  # a blocked take_slot() must not pin the last host batch
+        handoff.put(item)
+        del item
+
+
+def _finish(handoff: _Handoff, failure: _Failure | None) -> None:
+    """End the stream early: ``failure`` (if any), then the end, each in a slot of its own."""
+    if failure is not None and handoff.take_slot():
+        handoff.put(failure)
+    if handoff.take_slot():
+        handoff.put(_END)
+
+
+_live: weakref.WeakSet[_Transfer] = weakref.WeakSet()
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
+def _close_all_at_exit() -> None:
+    for transfer in list(_live):
+        transfer.close()
+
+
+def _register_exit_hook() -> None:
+    # threading._register_atexit runs inside threading._shutdown(), before the interpreter joins
+    # non-daemon threads; a plain atexit hook would run after that join (see _workers).
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if not _exit_hook_registered:
+            threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
+            _exit_hook_registered = True
+
+
+class DevicePrefetcher(Generic[T]):
+    """Iterate ``source`` with its batches already on ``device``, ``depth`` batches ahead.
+
+    One thread owned by the prefetcher pulls batches from ``source`` and copies every tensor in
+    them (through dicts, lists, tuples and namedtuples, as ``pin_memory`` walks them; other
+    objects pass through unchanged) to ``device`` with ``non_blocking=True`` on the
+    prefetcher's own CUDA stream, then records an event. ``__next__`` makes the calling thread's
+    current stream wait on that event and calls ``record_stream`` on every tensor it delivers,
+    so the batch is complete for any kernel launched after ``next()`` returns, the host never
+    synchronizes, and the caching allocator cannot reuse a batch's memory while the consumer's
+    kernels may still read it. Copies are asynchronous when the host tensors are pinned; with a
+    ``pool``, pageable ones are first staged into pooled pinned buffers, and pooled buffers
+    (e.g. collated into by ``pinned_collate(batch, pool)``) return to the pool once their copy
+    completed.
+
+    ``source`` runs on the prefetcher's thread, which holds it until ``close()``: it must not
+    reference the object whose finalizer closes the prefetcher, or that object is never
+    collected. Non-tensor leaves pass through unchanged, so a source may yield
+    ``(batch, metadata)`` pairs to carry per-batch state, aligned with what the consumer got.
+
+    Args:
+        source: the host batches.
+        device: where batches go (see ``device_from_arg``); ``"cpu"`` passes them through.
+        depth: batches pulled from ``source`` and not yet delivered, at most (device memory
+            holds this many batches besides those the consumer keeps).
+        pool: pinned staging buffers; None: tensors are copied from where they are.
+        on_close: called by ``close()`` before joining the thread, to wake it if it waits
+            inside ``next(source)`` (e.g. the loader epoch's own ``close``). Thread-safe, and
+            must not reference the prefetcher.
+        name: the thread's name, for stack dumps.
+
+    Raises:
+        TypeError, ValueError, RuntimeError: an invalid ``device`` (see ``device_from_arg``).
+        ValueError: ``depth`` below 1.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[T],
+        device: DeviceLike,
+        depth: int = 2,
+        pool: BufferPool | None = None,
+        *,
+        on_close: Callable[[], None] | None = None,
+        name: str | None = None,
+    ) -> None:
+        dev = device_from_arg(device)
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        self._transfer = _Transfer(
+            iter(source),
+            dev,
+            depth,
+            pool,
+            on_close,
+            name or f"threadloader-{id(self):x}-transfer",
+        )
+        # The finalizer holds the _Transfer, never self: break, del and GC all end the thread.
+        self._finalizer = weakref.finalize(self, self._transfer.close)
+        _register_exit_hook()
+        _live.add(self._transfer)
+        try:
+            self._transfer.thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        t = self._transfer
+        alive = t.thread.is_alive()
+        return (
+            f"<DevicePrefetcher {t.name} device={t.device} state={t.state.name} "
+            f"delivered={t.batches} thread_alive={alive}>"
+        )
+
+    def __iter__(self) -> DevicePrefetcher[T]:
+        return self
+
+    def __next__(self) -> T:
+        """Return the next batch, on the device and ready for the current stream.
+
+        Raises:
+            StopIteration: the source is exhausted.
+            RuntimeError: the prefetcher was closed.
+            BaseException: whatever the source (or a copy) raised for this position.
+        """
+        result: T = self._transfer.next()
+        return result
+
+    @property
+    def device(self) -> torch.device:
+        """The resolved device batches land on."""
+        return self._transfer.device
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The side stream the copies run on; None for ``device="cpu"``."""
+        return self._transfer.copier.stream
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The transfer thread (for tests and stack dumps)."""
+        return self._transfer.thread
+
+    def close(self) -> None:
+        """Stop pulling, drop batches not delivered, join the thread. Idempotent."""
+        self._finalizer()
+
+    def stats(self) -> TransferStats:
+        """Return a snapshot of this prefetcher's counters."""
+        t = self._transfer
+        return TransferStats(
+            batches=t.batches,
+            wait_s=t.wait_s,
+            issue_s=t.copier.issue_s,
+            bytes=t.copier.bytes,
+            pool=t.pool.stats() if t.pool is not None else None,
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import mmap
+import os
 import pickle
 import threading
 from pathlib import Path
@@ -109,16 +110,21 @@ def test_opening_reads_only_sizes_and_npy_headers(
 ) -> None:
     """Opening maps nothing and opens only .npy files (for their header); reads map lazily later."""
     opened: list[str] = []
-    real_open = builtins.open
+    real_open, real_os_open = builtins.open, os.open
 
     def spy_open(file: object, *args: object, **kwargs: object) -> object:
         opened.append(str(file))
         return real_open(file, *args, **kwargs)  # type: ignore[call-overload]
 
+    def spy_os_open(path: str, *args: object, **kwargs: object) -> int:
+        opened.append(str(path))
+        return real_os_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
     def no_mmap(*args: object, **kwargs: object) -> None:
         raise AssertionError("opening the dataset mapped a file")
 
     monkeypatch.setattr(builtins, "open", spy_open)
+    monkeypatch.setattr(os, "open", spy_os_open)
     monkeypatch.setattr(mmap, "mmap", no_mmap)
     ds = TokenWindows(token_files, seq_len=7)
     assert sorted(opened) == sorted(p for p in token_files if p.endswith(".npy"))
@@ -175,7 +181,7 @@ def test_bad_raw_file_raises_value_error_naming_it(
 
 
 def test_bad_npy_files_raise_value_error_naming_them(tmp_path: Path) -> None:
-    """A float .npy, an empty .npy and a truncated .npy are each rejected by name."""
+    """A float, an empty, a non-numpy and a truncated .npy file are each rejected by name."""
     cases = {
         "float.npy": (np.zeros(10, np.float32), "not integer token ids"),
         "empty.npy": (np.zeros(0, np.uint16), "empty"),
@@ -185,6 +191,9 @@ def test_bad_npy_files_raise_value_error_naming_them(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=match) as info:
             TokenWindows(tmp_path / name, seq_len=2)
         assert name in str(info.value)
+    (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
+    with pytest.raises(ValueError, match=r"junk\.npy is not a \.npy file"):
+        TokenWindows(tmp_path / "junk.npy", seq_len=2)
     np.save(tmp_path / "cut.npy", np.arange(100, dtype=np.uint16))
     data = (tmp_path / "cut.npy").read_bytes()
     (tmp_path / "cut.npy").write_bytes(data[:-10])

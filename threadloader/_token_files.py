@@ -8,15 +8,18 @@ bytes). Nothing is mapped, indexed or copied until a window is read.
 Reading: ``MapCache`` maps a file on its first read and keeps the mapping for the next ones, at most
 ``max_open`` at once (each mapping holds a file descriptor, and a global shuffle over 10,000 shards
 would otherwise hold 10,000). ``gather`` copies windows of consecutive tokens out of the mapped
-files into one int64 array, a whole batch at a time: one numpy row-gather per file, not a Python
-slice per window, and windows that cross a file boundary are stitched from their pieces.
+files into one int64 array, a whole batch at a time: one numpy row-gather when the batch lies in
+one file, a slice per window otherwise, and windows that cross a file boundary are stitched from
+their pieces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any, Final
@@ -87,7 +90,55 @@ def scan(paths: Sequence[str], dtype: np.dtype[Any], header_bytes: int) -> list[
     return files
 
 
+_NPY_MAGIC: Final = b"\x93NUMPY"
+_NPY_FIELDS: Final = re.compile(
+    r"""^\{\s*'descr':\s*'(?P<descr>[^']+)',\s*'fortran_order':\s*(?P<fortran>True|False),"""
+    r"""\s*'shape':\s*\((?P<shape>[\d,\s]*)\),?\s*\}\s*$"""
+)
+
+
 def _scan_npy(path: str) -> TokenFile:
+    """Read a ``.npy`` header: one open, one read, one fstat.
+
+    numpy's own reader (``ast.literal_eval`` on the header) costs ~60 µs a file: 0.6 s for
+    10,000 shards. The headers numpy writes for plain arrays match one regular expression; any
+    other header (structured dtypes, hand-written files) goes through numpy's reader.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 4096, 0)
+    finally:
+        os.close(fd)
+    if not head.startswith(_NPY_MAGIC) or len(head) < 10:
+        raise ValueError(f"token file {path} is not a .npy file (no numpy magic)")
+    major = head[6]
+    length_bytes = 2 if major == 1 else 4
+    header_len = int.from_bytes(head[8 : 8 + length_bytes], "little")
+    offset = 8 + length_bytes + header_len
+    match = _NPY_FIELDS.match(head[8 + length_bytes : offset].decode("latin1"))
+    if match is not None and len(head) >= offset:
+        dtype = np.dtype(match["descr"])
+        fortran = match["fortran"] == "True"
+        shape = tuple(int(d) for d in match["shape"].replace(",", " ").split())
+    else:
+        dtype, fortran, shape, offset = _numpy_header(path)
+    if dtype.kind not in "iu":
+        raise ValueError(f"token file {path} holds {dtype}, not integer token ids")
+    if fortran and len(shape) > 1:
+        raise ValueError(f"token file {path} is Fortran-ordered {shape}: save it C-ordered or 1-D")
+    count = math.prod(shape)
+    if count == 0:
+        raise ValueError(f"token file {path} is empty (shape {shape})")
+    if size < offset + count * dtype.itemsize:
+        raise ValueError(
+            f"token file {path} is truncated: its header promises {count} tokens of {dtype}, "
+            f"the file has {size - offset} bytes after the header"
+        )
+    return TokenFile(path, dtype, offset, count)
+
+
+def _numpy_header(path: str) -> tuple[np.dtype[Any], bool, tuple[int, ...], int]:
     with open(path, "rb") as f:
         try:
             version = npy_format.read_magic(f)
@@ -99,21 +150,7 @@ def _scan_npy(path: str) -> TokenFile:
                 raise ValueError(f"unsupported .npy format version {version}")
         except ValueError as e:
             raise ValueError(f"token file {path} is not a readable .npy file: {e}") from None
-        offset = f.tell()
-    if dtype.kind not in "iu":
-        raise ValueError(f"token file {path} holds {dtype}, not integer token ids")
-    if fortran and len(shape) > 1:
-        raise ValueError(f"token file {path} is Fortran-ordered {shape}: save it C-ordered or 1-D")
-    count = int(np.prod(shape, dtype=np.int64))
-    if count == 0:
-        raise ValueError(f"token file {path} is empty (shape {shape})")
-    size = os.stat(path).st_size
-    if size < offset + count * dtype.itemsize:
-        raise ValueError(
-            f"token file {path} is truncated: its header promises {count} tokens of {dtype}, "
-            f"the file has {size - offset} bytes after the header"
-        )
-    return TokenFile(path, dtype, offset, count)
+        return dtype, fortran, tuple(shape), f.tell()
 
 
 class MapCache:
@@ -190,33 +227,31 @@ def gather(
     file_of = np.searchsorted(file_starts, starts, side="right") - 1
     local = starts - file_starts[file_of]
     inside = starts + width <= file_starts[file_of + 1]
-    rows = np.flatnonzero(inside)
-    if rows.size:
-        # Group rows by file: one row-gather per file through a strided (rows, width) view.
-        order = rows[np.argsort(file_of[rows], kind="stable")]
-        files, first = np.unique(file_of[order], return_index=True)
-        for file_no, group in zip(files.tolist(), np.split(order, first[1:]), strict=True):
-            tokens = cache.get(file_no)
-            if group.size == 1:
-                row = int(group[0])
-                begin = int(local[row])
-                out[row] = tokens[begin : begin + width]
-                continue
-            step = tokens.strides[0]
-            windows = as_strided(
-                tokens,
-                shape=(tokens.shape[0] - width + 1, width),
-                strides=(step, step),
-                writeable=False,
-            )
-            out[group] = windows[local[group]]
-    for row in np.flatnonzero(~inside).tolist():  # crosses a file boundary: stitch the pieces
-        position, file_no, filled = int(starts[row]), int(file_of[row]), 0
+    if inside.all() and (file_of == file_of[0]).all():
+        # One file (sequential or block-shuffled reading): one row-gather through a strided
+        # (windows, width) view, no Python per row.
+        tokens = cache.get(int(file_of[0]))
+        step = tokens.strides[0]
+        windows = as_strided(
+            tokens,
+            shape=(tokens.shape[0] - width + 1, width),
+            strides=(step, step),
+            writeable=False,
+        )
+        out[:] = windows[local]
+        return out
+    # Rows spread over files (a global shuffle): a slice per row costs ~1 µs, less than grouping
+    # rows by file would (sort, split, a view per file) unless many rows share each file.
+    for row, (file_no, begin, whole) in enumerate(
+        zip(file_of.tolist(), local.tolist(), inside.tolist(), strict=True)
+    ):
+        if whole:
+            out[row] = cache.get(file_no)[begin : begin + width]
+            continue
+        filled = 0  # the window crosses a file boundary: stitch its pieces
         while filled < width:
-            tokens = cache.get(file_no)
-            begin = position + filled - int(file_starts[file_no])
-            piece = tokens[begin : begin + width - filled]
+            piece = cache.get(file_no)[begin : begin + width - filled]
             out[row, filled : filled + piece.shape[0]] = piece
             filled += piece.shape[0]
-            file_no += 1
+            file_no, begin = file_no + 1, 0
     return out

@@ -201,7 +201,7 @@ class TokenWindows(Dataset[_Window]):
         function then stacks the views.
         """
         rows = torch.from_numpy(self.windows(indices))
-        return [(row[:-1], row[1:]) for row in rows.unbind(0)]
+        return list(zip(rows[:, :-1].unbind(0), rows[:, 1:].unbind(0), strict=True))
 
     def __repr__(self) -> str:
         return (

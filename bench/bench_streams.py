@@ -1,0 +1,212 @@
+"""Token streams: opening cost, and windows/s through the loaders with a global or block shuffle.
+
+Run::
+
+    pytest bench/ -k bench_streams --benchmark-only                    # ~2 minutes on 2 cores
+    pytest bench/ -k bench_streams --benchmark-only --bench-size small # smoke run, ~20 s
+
+(Not ``pytest bench/bench_streams.py``: bench/conftest.py collects bench_*.py itself.)
+
+Cases:
+
+- ``open``: ``TokenWindows`` over 10,000 raw ``.bin`` files and over 10,000 ``.npy`` files (zero
+  build: sizes, resp. headers, are all that is read). Median of 5 openings.
+- ``throughput``: ``TokenWindows(seq_len=1024)`` over 16 uint16 shards (128 MiB; ``small``: 4 x
+  1 MiB tokens), batch 16, ``warmup`` then ``batches`` timed batches, windows/s and tokens/s
+  (windows x 1024). Each round runs every case once, back to back, the order rotating by round;
+  the table gives medians over rounds and the median per-round ratio to ``dl0-seq``:
+
+  ``dl0-seq``          DataLoader(num_workers=0), sequential windows (the issue's baseline)
+  ``dl0-shuffle``      DataLoader(num_workers=0), ``ShuffleSampler`` (global shuffle)
+  ``thread2-shuffle``  ThreadDataLoader(num_workers=2), ``ShuffleSampler``
+  ``thread2-block``    ThreadDataLoader(num_workers=2), ``BlockShuffleSampler(block_size=64)``
+  ``thread2-mixture``  ThreadDataLoader(num_workers=2), 70/30 ``Mixture`` of two shard sets
+
+  Every measurement opens a fresh ``TokenWindows``, so mapping files and first-touch page faults
+  are paid inside it, as in a real epoch. The shards sit in the page cache (they were just
+  written): random reads cost page faults and cache misses here, not disk seeks, so the gap that
+  block shuffling closes on disks and object storage is larger than what this measures.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from threadloader import ThreadDataLoader
+from threadloader.samplers import ShuffleSampler
+from threadloader.streams import BlockShuffleSampler, Mixture, MixtureSampler, TokenWindows
+
+SEQ_LEN = 1024
+BATCH = 16
+BLOCK = 64
+CASES: tuple[str, ...] = (
+    "dl0-seq",
+    "dl0-shuffle",
+    "thread2-shuffle",
+    "thread2-block",
+    "thread2-mixture",
+)
+SHARDS = {"bench": (16, 4 << 20), "small": (4, 1 << 20)}  # (files, tokens per file)
+MEASURE = {"bench": (20, 400), "small": (5, 60)}  # (warm-up batches, timed batches)
+OPEN_FILES = 10_000
+
+_rates: dict[str, list[float]] = {}
+_round_rates: dict[int, dict[str, float]] = {}
+_open_s: dict[str, float] = {}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "stream_case" in metafunc.fixturenames:
+        rounds = metafunc.config.getoption("--bench-rounds")
+        cases = []
+        for r in range(rounds):
+            shift = r % len(CASES)
+            cases += [(r, c) for c in CASES[shift:] + CASES[:shift]]
+        metafunc.parametrize("stream_case", cases, ids=[f"round{r}-{c}" for r, c in cases])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is None or capture is None or not (_rates or _open_s):
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line("")
+        reporter.write_sep("-", "threadloader.streams (medians over rounds)")
+        for what, seconds in _open_s.items():
+            reporter.write_line(f"open {OPEN_FILES:,} {what} files: {seconds * 1e3:8.1f} ms")
+        if _rates:
+            reporter.write_line(
+                f"{'case':18s}{'windows/s':>12s}{'tokens/s':>14s}{'x dl0-seq':>11s}  rounds"
+            )
+        for case in CASES:
+            if case not in _rates:
+                continue
+            rate = statistics.median(_rates[case])
+            # Ratios are taken within a round (same machine state), then the median of those.
+            ratios = [r[case] / r["dl0-seq"] for r in _round_rates.values() if "dl0-seq" in r]
+            ratio = statistics.median(ratios) if ratios else float("nan")
+            reporter.write_line(
+                f"{case:18s}{rate:12,.0f}{rate * SEQ_LEN:14,.0f}{ratio:11.2f}  {len(_rates[case])}"
+            )
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[str]:
+    files, tokens = SHARDS[request.config.getoption("--bench-size")]
+    root = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(files):
+        path = root / f"shard{i:03d}.bin"
+        rng.integers(0, 50_257, tokens, dtype=np.uint16).tofile(path)
+        paths.append(str(path))
+    return paths
+
+
+def _open_loader(case: str, shards: list[str]) -> Iterator[Any]:
+    if case == "thread2-mixture":
+        half = len(shards) // 2
+        sources = {
+            "web": TokenWindows(shards[:half], SEQ_LEN),
+            "code": TokenWindows(shards[half:], SEQ_LEN),
+        }
+        mixture = Mixture(sources, {"web": 0.7, "code": 0.3}, seed=0)
+        return iter(
+            ThreadDataLoader(
+                mixture, batch_size=BATCH, sampler=MixtureSampler(mixture), num_workers=2
+            )
+        )
+    ds = TokenWindows(shards, SEQ_LEN)
+    if case == "dl0-seq":
+        return iter(DataLoader(ds, batch_size=BATCH))
+    if case == "dl0-shuffle":
+        return iter(DataLoader(ds, batch_size=BATCH, sampler=ShuffleSampler(ds, seed=0)))
+    sampler: Any
+    if case == "thread2-shuffle":
+        sampler = ShuffleSampler(ds, seed=0)
+    elif case == "thread2-block":
+        sampler = BlockShuffleSampler(ds, BLOCK, num_replicas=1, rank=0, seed=0)
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    return iter(ThreadDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2))
+
+
+def test_throughput(
+    benchmark: Any, request: pytest.FixtureRequest, shards: list[str], stream_case: tuple[int, str]
+) -> None:
+    """Windows/s of one loader and sampler over the token shards, in one interleaved round."""
+    round_no, case = stream_case
+    warmup, batches = MEASURE[request.config.getoption("--bench-size")]
+    benchmark.group = "streams-throughput"
+    state: dict[str, Any] = {}
+
+    def setup() -> None:
+        gc.collect()
+        state["it"] = it = _open_loader(case, shards)
+        for _ in range(warmup):
+            next(it)
+
+    def run() -> None:
+        it, windows = state["it"], 0
+        start = time.perf_counter()
+        for _ in range(batches):
+            windows += int(next(it)[0].shape[0])
+        state["elapsed"] = time.perf_counter() - start
+        state["windows"] = windows
+
+    try:
+        benchmark.pedantic(run, setup=setup, rounds=1, iterations=1, warmup_rounds=0)
+    finally:
+        it = state.pop("it", None)
+        close: Callable[[], None] | None = getattr(it, "close", None)
+        if close is not None:
+            close()
+        del it, close
+        gc.collect()
+    rate = state["windows"] / state["elapsed"]
+    _rates.setdefault(case, []).append(rate)
+    _round_rates.setdefault(round_no, {})[case] = rate
+    benchmark.extra_info.update(
+        case=case, round=round_no, windows_per_s=round(rate, 1), tokens_per_s=round(rate * SEQ_LEN)
+    )
+
+
+@pytest.fixture(scope="module")
+def many_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """10,000 small raw files and 10,000 small .npy files (2,049 tokens each)."""
+    root = tmp_path_factory.mktemp("many")
+    tokens = np.arange(SEQ_LEN * 2 + 1, dtype=np.uint16)
+    raw = tokens.tobytes()
+    npy_root = root / "npy"
+    npy_root.mkdir()
+    np.save(npy_root / "proto.npy", tokens)
+    npy = (npy_root / "proto.npy").read_bytes()
+    paths: dict[str, list[str]] = {"bin": [], "npy": []}
+    for i in range(OPEN_FILES):
+        for kind, content in (("bin", raw), ("npy", npy)):
+            path = root / f"{i:05d}.{kind}"
+            path.write_bytes(content)
+            paths[kind].append(str(path))
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["bin", "npy"])
+def test_open(benchmark: Any, many_files: dict[str, list[str]], kind: str) -> None:
+    """Seconds to open TokenWindows over 10,000 files: sizes (raw) or headers (.npy) only."""
+    benchmark.group = "streams-open"
+    paths = many_files[kind]
+    ds = benchmark.pedantic(lambda: TokenWindows(paths, SEQ_LEN), rounds=5, warmup_rounds=1)
+    assert len(ds) == (OPEN_FILES * (2 * SEQ_LEN + 1) - 1) // SEQ_LEN
+    _open_s[kind] = benchmark.stats.stats.median
+    benchmark.extra_info["seconds"] = benchmark.stats.stats.median

@@ -207,23 +207,25 @@ def test_iterable_dataset_threads_end_after_exhaustion() -> None:
 
 def test_close_from_a_worker_thread_does_not_deadlock() -> None:
     """A finalizer run by GC inside a worker thread closes the pool without joining itself."""
-    closed_in_worker = threading.Event()
+    dropped = threading.Event()
+    collected_in = []
 
     class CollectsGarbage(Squares):
         def __getitem__(self, i: int) -> torch.Tensor:
-            if i == 8:
+            if i == 8:  # batch 2: prefetched by the worker while the test drops the iterator
+                dropped.wait(10)
                 gc.collect()
-                closed_in_worker.set()
+                collected_in.append(threading.current_thread().name)
             return torch.tensor(i)
 
     it = iter(ThreadDataLoader(CollectsGarbage(), batch_size=4, num_workers=1))
     holder: list[object] = [it]
     holder.append(holder)
-    it._concurrency.minimum = it._concurrency.maximum  # keep the worker fetching, not the caller
     next(it)
     del it, holder
-    assert closed_in_worker.wait(10)
+    dropped.set()
     assert _wait_for_no_threads() == []
+    assert collected_in and collected_in[0].endswith("worker0")
 
 
 def test_register_atexit_api_available() -> None:

@@ -9,6 +9,13 @@ worker::
 
 from threadloader.loader import ThreadDataLoader
 from threadloader.samplers import DistributedShuffleSampler, ShuffleSampler
+from threadloader.stats import LoaderStats, StageStats
 
-__all__ = ["DistributedShuffleSampler", "ShuffleSampler", "ThreadDataLoader"]
+__all__ = [
+    "DistributedShuffleSampler",
+    "LoaderStats",
+    "ShuffleSampler",
+    "StageStats",
+    "ThreadDataLoader",
+]
 assert sorted(__all__) == __all__

@@ -27,8 +27,13 @@ WINDOW_BATCHES = 8
 KEEP_LOWER = 0.95
 #: Keep a higher limit only when its rate is at least this multiple of the current one.
 KEEP_HIGHER = 1.08
-#: Windows between probes once the limit has settled.
-SETTLE_WINDOWS = 40
+#: Windows between probes once the limit has settled: starts short, doubles after each probe
+#: that changed nothing, up to the maximum (so a settled loader probes about every 2 s).
+SETTLE_WINDOWS_MIN = 2
+SETTLE_WINDOWS_MAX = 40
+#: Windows ignored at the start: workers are still starting, and the training thread runs the
+#: first batches itself, which would make the initial limit look better than it is.
+WARMUP_WINDOWS = 1
 
 
 class Gate:
@@ -110,6 +115,8 @@ class ConcurrencyController:
         self._settled_at = self.limit  # the limit we return to after a probe
         self._probing = False
         self._windows_since_probe = 0
+        self._settle_windows = SETTLE_WINDOWS_MIN
+        self._warmup = WARMUP_WINDOWS
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
 
     def on_batch(self) -> int | None:
@@ -126,7 +133,22 @@ class ConcurrencyController:
         self._window_start, self._window_batches = now, 0
         return self._decide(rate)
 
+    def threads_do_not_help(self) -> bool:
+        """True when the training thread fetching alone beat every measured number of workers.
+
+        That is the GIL-bound signature: with a limit of 1 the training thread still runs the
+        batches the worker has not started, so two threads fetch; only at 0 is it one.
+        """
+        if self.minimum != 0 or self.limit != 0:
+            return False
+        alone = self._rates.get(0, 0.0)
+        more = [r for k, r in self._rates.items() if k >= 1]
+        return bool(more) and max(more) < alone
+
     def _decide(self, rate: float) -> int | None:
+        if self._warmup:
+            self._warmup -= 1
+            return None
         self._rates[self.limit] = rate
         if self._probing:
             self._probing = False
@@ -135,12 +157,14 @@ class ConcurrencyController:
             keep = rate >= base * (KEEP_LOWER if lower else KEEP_HIGHER)
             if keep:
                 self._settled_at = self.limit
+                self._settle_windows = SETTLE_WINDOWS_MIN
                 return self._probe(-1 if lower else +1)  # keep walking the same way
             self._direction = +1 if lower else -1
             self._windows_since_probe = 0
+            self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
             return self._set(self._settled_at)
         self._windows_since_probe += 1
-        if self._windows_since_probe >= SETTLE_WINDOWS or len(self._rates) == 1:
+        if self._windows_since_probe >= self._settle_windows or len(self._rates) == 1:
             self._windows_since_probe = 0
             changed = self._probe(self._direction)
             if changed is None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 from torch.utils.data import _DatasetKind
-from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
+from threadloader._fetch import Fetcher
 from threadloader._state import (
     Progress,
     ProgressMixin,
@@ -16,6 +18,18 @@ from threadloader._state import (
     dataset_is_stateful,
     warn_replay,
 )
+from threadloader._timing import StageRecorder
+from threadloader.stats import EpochStats
+
+
+class _RecordingFetcher:
+    """torch's fetcher interface (``fetch(index)``) over ours, recording into one recorder."""
+
+    def __init__(self, fetcher: Fetcher, recorder: StageRecorder) -> None:
+        self._fetcher, self._recorder = fetcher, recorder
+
+    def fetch(self, index: Any) -> Any:
+        return self._fetcher.fetch(index, self._recorder)
 
 
 class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
@@ -32,7 +46,22 @@ class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
         if resume is not None and resume.worker_states and resume.worker_states[0] is not None:
             dataset.load_state_dict(resume.worker_states[0])  # before torch's fetcher calls iter()
         self._progress = Progress()
-        super().__init__(loader)
+        # torch's _SingleProcessDataLoaderIter.__init__ would build its own fetcher, calling an
+        # IterableDataset's __iter__ once more than torch does: skip to the base class.
+        _BaseDataLoaderIter.__init__(self, loader)
+        if self._timeout != 0:
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        self._stats = EpochStats(0, loader.log_every_s)
+        self._dataset_fetcher = _RecordingFetcher(
+            Fetcher(
+                self._dataset_kind,
+                self._dataset,
+                self._auto_collation,
+                self._collate_fn,
+                self._drop_last,
+            ),
+            self._stats.caller,
+        )
         self._sampler_iter = begin_pass(self, loader, resume)
         if self._progress.dataset_states is None:
             self._progress.dataset_states = [None]
@@ -42,14 +71,19 @@ class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
             warn_replay(dataset, self._discard)
 
     def _next_data(self) -> Any:
+        start = time.perf_counter()
+        delivered = False
         try:
             while self._discard:
                 super()._next_data()
                 self._discard -= 1
             data = super()._next_data()
+            delivered = True
         except StopIteration:
             self._progress.exhausted = True
             raise
+        finally:
+            self._stats.on_next(time.perf_counter() - start, False, delivered, delivered)
         if self._track_dataset:
             state = copy.deepcopy(self._dataset.state_dict())  # type: ignore[attr-defined]
             self._progress.dataset_states = [state]

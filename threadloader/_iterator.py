@@ -28,6 +28,7 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -48,9 +49,13 @@ from threadloader._state import (
     warn_replay,
 )
 from threadloader._workers import Result, Task, WorkerPool, WorkerSpec
+from threadloader.stats import EpochStats
 
 if TYPE_CHECKING:
     from threadloader.loader import ThreadDataLoader
+
+#: How often the training thread, waiting for a batch it could not run itself, looks again.
+RETRY_S = 0.02
 
 
 class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
@@ -84,11 +89,13 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             and dataset_is_stateful(self._dataset),
             resume_states=resume.worker_states if resume is not None else None,
         )
+        self._stats = EpochStats(self._num_workers, loader.log_every_s)
         self._pool = WorkerPool(
             spec,
             base_seed=int(self._base_seed),
             max_tasks=max(1, self._prefetch_factor * self._num_workers),
             name=f"threadloader-{id(self):x}",
+            recorders=self._stats.workers,
         )
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
         self._finalizer = weakref.finalize(self, self._pool.close)
@@ -98,6 +105,7 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         self._concurrency = ConcurrencyController(
             self._num_workers, minimum=0 if self._run_here else self._num_workers
         )
+        self._stats.controller = self._concurrency
         self._generation = 0
         self._reset(loader, first_iter=True)
 
@@ -119,6 +127,10 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             # iterator: a second iter() would restart a positional sampler's resumed pass.
             super()._reset(loader, first_iter)
             self._generation = self._pool.new_epoch()
+            self._stats = EpochStats(self._num_workers, loader.log_every_s)
+            self._stats.controller = self._concurrency
+            for worker, recorder in zip(self._pool.workers, self._stats.workers, strict=True):
+                worker.recorder = recorder
         self._sampler_iter = begin_pass(self, loader, resume)
         self._discard = resume.batches if resume is not None and resume.replay_data else 0
         if self._discard:
@@ -170,18 +182,33 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         self._tasks_outstanding += 1
         self._send_idx += 1
 
+    def _next_index(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self._sampler_iter)
+        finally:
+            self._stats.caller.add("sampler", time.perf_counter() - start)
+
     def _next_data(self) -> Any:
+        start = time.perf_counter()
+        self._ready, self._ran_here = True, False
+        delivered = False
         try:
             while self._discard:  # replaying an IterableDataset without state (_state point 4)
                 self._next_batch()
                 self._discard -= 1
-            return self._next_batch()
+            data = self._next_batch()
+            delivered = True
+            return data
         except StopIteration:
             self._progress.exhausted = True
             raise
         except KeyboardInterrupt:
             self.close()  # Ctrl-C while waiting: the epoch is over, the threads must not linger
             raise
+        finally:
+            waited = time.perf_counter() - start
+            self._stats.on_next(waited, self._ready, self._ran_here, delivered)
 
     def _next_batch(self) -> Any:
         while True:
@@ -222,15 +249,24 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
 
     def _get_result(self, needed: tuple[Any, ...]) -> Result:
         """The next result of this epoch: run the needed batch here if no worker started it."""
-        if self._run_here:
-            result = self._run_if_not_started(*needed)
-            if result is not None:
-                return result
-        timeout = self._timeout if self._timeout > 0 else None
+        if self._pool.results.empty():
+            self._ready = False
         while True:
+            if self._run_here:
+                result = self._run_if_not_started(*needed)
+                if result is not None:
+                    self._ready, self._ran_here = False, True
+                    return result
+                # Its worker is busy (starting up, or on an earlier task) and may then park at
+                # the gate, leaving the batch to us: look again soon rather than wait for it.
+                wait: float | None = RETRY_S
+            else:
+                wait = self._timeout if self._timeout > 0 else None
             try:
-                result = self._pool.results.get(timeout)
+                result = self._pool.results.get(wait)
             except TimeoutError:
+                if self._run_here:
+                    continue
                 # A worker is stuck in user code: end the epoch without waiting for it (it exits
                 # when that call returns), so the caller is not blocked past its own timeout.
                 self._finalizer.detach()
@@ -253,7 +289,7 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
                 return None
             previous = _worker_info.swap(worker.info)
             try:
-                data = worker.run(task)
+                data = worker.run(task, self._stats.caller)
             finally:
                 _worker_info.swap(previous)
             return Result(task.idx, worker_id, task.generation, data, worker.snapshot())

@@ -44,6 +44,11 @@ class BoundedQueue(Generic[T]):
         state = "closed" if self._closed else "open"
         return f"<BoundedQueue {self._name} {len(self._items)}/{self._capacity} {state}>"
 
+    def empty(self) -> bool:
+        """Whether nothing is waiting to be read (a snapshot: it may change at once)."""
+        with self._cond:
+            return not self._items
+
     def put(self, item: T) -> None:
         """Append ``item`` and wake the reader. Items put after ``close()`` are dropped.
 

@@ -39,7 +39,9 @@ from torch.utils.data._utils.worker import (
 
 from threadloader import _worker_info
 from threadloader._concurrency import Gate
+from threadloader._fetch import Fetcher
 from threadloader._queues import BoundedQueue, QueueClosed
+from threadloader._timing import StageRecorder
 
 #: Seconds ``close()`` waits in all for threads to finish their current task. A thread still
 #: inside a slow ``__getitem__`` after that is left to finish it on its own (it is a daemon and
@@ -116,8 +118,16 @@ class Worker:
     and a worker's tasks run in dispatch order, so its random draws are reproducible.
     """
 
-    def __init__(self, spec: WorkerSpec, worker_id: int, base_seed: int, capacity: int) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        worker_id: int,
+        base_seed: int,
+        capacity: int,
+        recorder: StageRecorder,
+    ) -> None:
         self.id = worker_id
+        self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
         self.spec = spec
         is_iterable = spec.dataset_kind == _DatasetKind.Iterable
         dataset = copy.copy(spec.dataset) if is_iterable else spec.dataset
@@ -138,7 +148,7 @@ class Worker:
         self.generation = generation
         self._ended = False
         try:
-            self._fetcher = _DatasetKind.create_fetcher(
+            self._fetcher = Fetcher(
                 self.spec.dataset_kind,
                 self.info.dataset,
                 self.spec.auto_collation,
@@ -170,8 +180,12 @@ class Worker:
         dataset: Any = self.info.dataset
         return copy.deepcopy(dataset.state_dict())
 
-    def run(self, task: Task) -> Any:
+    def run(self, task: Task, recorder: StageRecorder) -> Any:
         """Fetch, collate (and pin) ``task``'s batch; the caller holds ``busy``.
+
+        Args:
+            task: the batch to make.
+            recorder: where the stage durations go: the running thread's.
 
         Returns:
             The batch; an ``ExceptionWrapper`` naming this worker and the batch's indices;
@@ -184,9 +198,11 @@ class Worker:
         if self._ended:
             return None
         try:
-            data = self._fetcher.fetch(task.index)
+            data = self._fetcher.fetch(task.index, recorder)
             if self.spec.pin_memory_device is not None:
+                start = time.perf_counter()
                 data = _torch_pin_memory(data, self.spec.pin_memory_device)
+                recorder.add("pin", time.perf_counter() - start)
             return data
         except StopIteration:
             if self.spec.dataset_kind != _DatasetKind.Iterable:
@@ -232,7 +248,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
                 if not worker.tasks.take_head_if(msg):
                     continue  # the training thread ran it, or a new epoch dropped it
                 if msg.generation == worker.generation:
-                    data = worker.run(msg)
+                    data = worker.run(msg, worker.recorder)
                     if data is not None:
                         state = worker.snapshot()
                         results.put(Result(msg.idx, worker.id, msg.generation, data, state))
@@ -271,14 +287,22 @@ class WorkerPool:
         base_seed: torch's per-iterator seed; worker ``i`` gets ``base_seed + i``.
         max_tasks: the dispatcher's bound on tasks in flight (``num_workers * prefetch_factor``).
         name: thread-name prefix, e.g. ``threadloader-7f3a``, so a stack dump reads on its own.
+        recorders: one stage recorder per worker, for ``stats()``.
     """
 
-    def __init__(self, spec: WorkerSpec, base_seed: int, max_tasks: int, name: str) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        base_seed: int,
+        max_tasks: int,
+        name: str,
+        recorders: list[StageRecorder],
+    ) -> None:
         n = spec.num_workers
         # Bounds (see _queues): each worker holds at most max_tasks tasks plus one _NewEpoch;
         # results hold at most the tasks in flight plus one stale result per worker.
         self.results: BoundedQueue[Result] = BoundedQueue(max_tasks + 2 * n, f"{name}-results")
-        self.workers = [Worker(spec, i, base_seed, max_tasks + 1) for i in range(n)]
+        self.workers = [Worker(spec, i, base_seed, max_tasks + 1, recorders[i]) for i in range(n)]
         self.gate = Gate(n)
         self.generation = 0
         self._lock = threading.Lock()

@@ -14,6 +14,7 @@ from threadloader import _worker_info
 from threadloader._inline import InlineDataLoaderIter
 from threadloader._iterator import ThreadedDataLoaderIter
 from threadloader._state import Progress, Resume, build_state, parse_state
+from threadloader.stats import EpochStats, LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -59,6 +60,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         persistent_workers: keep the worker threads across epochs.
         pin_memory_device: as DataLoader (deprecated there).
         in_order: as DataLoader: deliver in sampler order, or as batches complete.
+        log_every_s: (ours, keyword-only) log a one-line throughput / data-wait summary through
+            the ``threadloader`` logger at INFO level at most this often; off by default.
 
     Raises:
         ValueError: for every argument combination DataLoader rejects, with its message.
@@ -84,7 +87,11 @@ class ThreadDataLoader(DataLoader[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        log_every_s: float | None = None,
     ) -> None:
+        if log_every_s is not None and log_every_s <= 0:
+            raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s}")
+        self.log_every_s = log_every_s
         super().__init__(
             dataset,
             batch_size,
@@ -107,6 +114,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = 0
         self._resume: Resume | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
+        self._stats: EpochStats | None = None  # likewise
 
     def __iter__(self) -> _BaseDataLoaderIter:
         if self._resume is not None and self._iterator is not None:
@@ -116,7 +124,25 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started += 1
         it = super().__iter__()
         self._progress = it._progress  # type: ignore[attr-defined]
+        self._stats = it._stats  # type: ignore[attr-defined]
         return it
+
+    def stats(self) -> LoaderStats:
+        """A snapshot of where the time went in the current (or last) epoch.
+
+        Returns:
+            A frozen ``LoaderStats``: batches, the training loop's data wait, per-stage timings,
+            worker busy time, and advice when the dataset holds the GIL. ``str()`` of it is a
+            one-screen report.
+
+        Raises:
+            RuntimeError: no epoch has started yet.
+        """
+        if self._stats is None:
+            raise RuntimeError("stats() needs an epoch: iterate over the loader first")
+        # Persistent workers start a new EpochStats on each epoch's reset.
+        current = getattr(self._iterator, "_stats", None)
+        return (current or self._stats).snapshot()
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None

@@ -1,0 +1,108 @@
+"""The adaptive fetching limit: how the controller moves, and that no limit can stall an epoch."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from threadloader import ThreadDataLoader, _iterator
+from threadloader._concurrency import ConcurrencyController, Gate
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _drive(
+    ctl: ConcurrencyController, clock: FakeClock, rate_at: dict[int, float], n: int
+) -> list[int]:
+    """Deliver ``n`` batches at the rate the current limit gives; return the limits seen."""
+    seen = []
+    for _ in range(n):
+        clock.now += 1.0 / rate_at[ctl.limit]
+        ctl.on_batch()
+        seen.append(ctl.limit)
+    return seen
+
+
+def test_controller_walks_down_when_threads_do_not_help() -> None:
+    """GIL-bound rates (fewer threads faster) take the limit to 0 and keep it there."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(4, minimum=0, clock=clock)
+    limits = _drive(ctl, clock, {4: 1000, 3: 1200, 2: 1500, 1: 2000, 0: 3000}, 10000)
+    assert limits[-1] == 0 and ctl.threads_do_not_help()
+    assert limits.count(0) > 0.8 * len(limits)
+
+
+def test_controller_keeps_threads_that_scale() -> None:
+    """When each extra thread adds throughput, the limit returns to and stays at the maximum."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(4, minimum=0, clock=clock)
+    limits = _drive(ctl, clock, {k: 500.0 * (k + 1) for k in range(5)}, 5000)
+    assert limits[-1] == 4 and not ctl.threads_do_not_help()
+    assert limits.count(4) > 0.8 * len(limits)
+
+
+def test_controller_respects_its_minimum() -> None:
+    """With minimum == maximum (no caller fallback) the limit never moves."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(3, minimum=3, clock=clock)
+    assert set(_drive(ctl, clock, {3: 1000}, 500)) == {3}
+
+
+def test_gate_limits_concurrent_holders_and_wakes_on_close() -> None:
+    """At most `limit` threads pass the gate; close() releases every waiter."""
+    gate = Gate(1)
+    assert gate.enter()
+    entered = threading.Event()
+    results: list[bool] = []
+
+    def second() -> None:
+        results.append(gate.enter())
+        entered.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert not entered.wait(0.1)  # blocked: the one slot is taken
+    gate.close()
+    t.join(5)
+    assert results == [False]
+
+
+class SlowInit(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+class _AlwaysZero(ConcurrencyController):
+    def __init__(self, maximum: int, minimum: int, clock: object = time.monotonic) -> None:
+        super().__init__(maximum, minimum, clock)
+        self.limit = minimum
+
+    def on_batch(self) -> int | None:
+        return None
+
+
+@pytest.mark.timeout(30)
+def test_workers_parked_at_limit_zero_never_stall_the_epoch(monkeypatch) -> None:
+    """A worker still starting when the limit drops to 0 does not leave its batch unfetched."""
+    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+
+    def slow_init(worker_id: int) -> None:
+        time.sleep(0.2)
+
+    loader = ThreadDataLoader(SlowInit(), batch_size=4, num_workers=2, worker_init_fn=slow_init)
+    it = iter(loader)
+    it._pool.gate.set_limit(0)  # as if the controller had already settled on 0
+    assert torch.equal(torch.cat(list(it)), torch.arange(40))

@@ -1,0 +1,372 @@
+"""RemoteFiles reads every object exactly once per epoch through real loopback servers.
+
+The servers (tests/remote_servers.py) run in this process on 127.0.0.1 with an ephemeral port,
+inject latency, 503s, connection resets and truncated bodies, and are stopped in teardown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from remote_servers import Faults, FaultyHTTPServer, MotoS3, s3_storage_options
+from torch.utils.data import DataLoader
+
+from threadloader import ThreadDataLoader
+from threadloader._retry import is_transient
+from threadloader.remote import (
+    RemoteDecodeError,
+    RemoteFiles,
+    RemoteNotFoundError,
+    RemoteReadError,
+    RemoteStats,
+    RetryPolicy,
+    SkipBudgetExceededError,
+)
+
+FAST = RetryPolicy(attempts=12, backoff_s=0.001, max_backoff_s=0.01, timeout_s=5.0)
+OBJECTS = {f"obj/{i}": (b"%05d:" % i) * (50 + i) for i in range(96)}
+
+
+def _list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def _pool_threads(ds: RemoteFiles) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(ds._config.name)]
+
+
+@pytest.fixture
+def server() -> Iterator[FaultyHTTPServer]:
+    with FaultyHTTPServer(OBJECTS) as s:
+        yield s
+
+
+@pytest.fixture
+def files(server: FaultyHTTPServer) -> Iterator[RemoteFiles]:
+    ds = RemoteFiles([server.url(k) for k in OBJECTS], retry=FAST)
+    yield ds
+    ds.close()
+
+
+@pytest.fixture(scope="module")
+def moto() -> Iterator[MotoS3]:
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs")
+    pytest.importorskip("moto.server", reason="S3 tests need moto[server]")
+    s3 = MotoS3()
+    yield s3
+    s3.stop()
+
+
+def test_every_object_arrives_once_per_epoch_despite_503s_resets_and_truncation(
+    server: FaultyHTTPServer, files: RemoteFiles
+) -> None:
+    """Through 10% 503s, 5% resets and 5% truncated bodies, two epochs deliver each object once."""
+    server.faults = Faults(error_rate=0.10, reset_rate=0.05, truncate_rate=0.05, seed=1)
+    loader = ThreadDataLoader(files, batch_size=16, shuffle=True, num_workers=8, collate_fn=_list)
+    for _ in range(2):
+        got = Counter(item for batch in loader for item in batch)
+        assert got == Counter(OBJECTS.values())
+    stats = files.stats()
+    assert stats.reads == 2 * len(OBJECTS) and stats.failures == 0 and stats.skipped == 0
+    assert stats.retries > 0 and server.injected["503"] > 0 and server.injected["truncate"] > 0
+
+
+def test_s3_objects_arrive_once_per_epoch_through_a_failing_proxy(moto: MotoS3) -> None:
+    """An S3 bucket (moto) behind a proxy answering 10% 503s and 5% resets: each object once."""
+    objects = dict(list(OBJECTS.items())[:32])
+    bucket = moto.new_bucket(objects)
+    faults = Faults(error_rate=0.10, reset_rate=0.05, seed=2)
+    with FaultyHTTPServer(upstream=moto.address, faults=faults) as proxy:
+        options = s3_storage_options(proxy.url().rstrip("/"))
+        ds = RemoteFiles(f"s3://{bucket}/obj/*", storage_options=options, retry=FAST)
+        try:
+            assert ds.urls == tuple(sorted(f"s3://{bucket}/{k}" for k in objects))
+            loader = ThreadDataLoader(ds, batch_size=8, num_workers=4, collate_fn=_list)
+            got = Counter(item for batch in loader for item in batch)
+            assert got == Counter(objects.values())
+            assert ds.stats().retries > 0 and sum(proxy.injected.values()) > 0
+        finally:
+            ds.close()
+
+
+def test_exhausted_retries_raise_naming_the_url_and_the_last_cause(
+    server: FaultyHTTPServer,
+) -> None:
+    """An object that always answers 503 raises RemoteReadError with its URL after every try."""
+    server.faults = Faults(always_fail=frozenset({"obj/3"}))
+    policy = RetryPolicy(attempts=3, backoff_s=0.001, max_backoff_s=0.001)
+    with RemoteFiles([server.url(k) for k in OBJECTS], retry=policy) as ds:
+        loader = ThreadDataLoader(ds, batch_size=4, num_workers=2, collate_fn=_list)
+        with pytest.raises(RemoteReadError) as info:
+            list(loader)
+    assert server.url("obj/3") in str(info.value)
+    assert "after 3 attempts" in str(info.value) and "HTTP 503" in str(info.value)
+    assert server.requests["obj/3"] == 3
+
+
+@pytest.mark.parametrize(("status", "error"), [(404, RemoteNotFoundError), (403, RemoteReadError)])
+def test_a_permanent_http_error_fails_at_once_without_retrying(
+    server: FaultyHTTPServer, files: RemoteFiles, status: int, error: type[Exception]
+) -> None:
+    """404 and 403 are answers, not outages: one request, then the error names the URL."""
+    server.faults = Faults(status_for={"obj/0": status})
+    with pytest.raises(error, match=f"HTTP {status}") as info:
+        files[0]
+    assert info.value.url == server.url("obj/0")  # type: ignore[attr-defined]
+    assert server.requests["obj/0"] == 1 and files.stats().retries == 0
+
+
+def test_a_try_slower_than_its_deadline_times_out_and_is_retried(server: FaultyHTTPServer) -> None:
+    """With a 0.1 s deadline against a 1 s server, each try times out and the error says so."""
+    server.faults = Faults(latency_s=1.0)
+    policy = RetryPolicy(attempts=2, backoff_s=0.001, timeout_s=0.1)
+    with RemoteFiles([server.url("obj/1")], retry=policy) as ds:
+        start = time.monotonic()
+        with pytest.raises(RemoteReadError, match="TimeoutError") as info:
+            ds[0]
+        assert time.monotonic() - start < 0.8
+        assert info.value.attempts == 2 and ds.stats().retries == 1
+
+
+def test_retry_after_sets_the_least_delay_before_the_next_try(server: FaultyHTTPServer) -> None:
+    """A 503 with Retry-After: 1 makes the next try wait about a second, within max_backoff_s."""
+    server.faults = Faults(fail_first=1, retry_after="1")
+    with RemoteFiles([server.url("obj/2")], retry=RetryPolicy(max_backoff_s=0.3)) as ds:
+        start = time.monotonic()
+        assert ds[0] == OBJECTS["obj/2"]
+        assert 0.3 <= time.monotonic() - start < 1.0  # capped at max_backoff_s
+
+
+def test_skipped_items_shorten_the_batch_and_are_counted_and_logged(
+    server: FaultyHTTPServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two missing objects under max_skipped=2: the batch has the 6 others, in order."""
+    urls = [server.url(f"obj/{i}") for i in range(8)]
+    urls[2], urls[5] = server.url("missing/a"), server.url("missing/b")
+    with RemoteFiles(urls, max_skipped=2, retry=FAST) as ds:
+        with caplog.at_level(logging.WARNING, logger="threadloader.remote"):
+            batch = ds.__getitems__(list(range(8)))
+        assert batch == [OBJECTS[f"obj/{i}"] for i in (0, 1, 3, 4, 6, 7)]
+        stats = ds.stats()
+    assert stats.skipped == 2 and stats.failures == 2
+    assert stats.skipped_urls == (urls[2], urls[5])
+    assert urls[2] in caplog.text and urls[5] in caplog.text
+
+
+def test_the_first_item_past_the_skip_budget_raises(server: FaultyHTTPServer) -> None:
+    """With max_skipped=1, a second undeliverable item raises SkipBudgetExceededError."""
+    urls = [server.url("obj/0"), server.url("gone/1"), server.url("gone/2")]
+    with RemoteFiles(urls, max_skipped=1, retry=FAST) as ds:
+        with pytest.raises(SkipBudgetExceededError, match="gone/2") as info:
+            ds.__getitems__([0, 1, 2])
+        assert isinstance(info.value.__cause__, RemoteNotFoundError)
+        assert ds.stats().skipped == 1
+
+
+def test_getitem_never_skips(server: FaultyHTTPServer) -> None:
+    """A single index must give a single item: ds[i] raises even with a skip budget left."""
+    with RemoteFiles([server.url("gone")], max_skipped=5, retry=FAST) as ds:
+        with pytest.raises(RemoteNotFoundError):
+            ds[0]
+        assert ds.stats().skipped == 0
+
+
+def test_a_decode_error_names_the_url_and_can_be_skipped(server: FaultyHTTPServer) -> None:
+    """decode raising gives RemoteDecodeError with the URL; under a budget the item is skipped."""
+
+    def decode(data: bytes) -> int:
+        if data.startswith(b"00001:"):
+            raise ValueError("corrupt")
+        return len(data)
+
+    urls = [server.url(f"obj/{i}") for i in range(3)]
+    strict = RemoteFiles(urls, decode=decode, retry=FAST)
+    with strict, pytest.raises(RemoteDecodeError, match=r"obj/1.*corrupt"):
+        strict.__getitems__([0, 1, 2])
+    with RemoteFiles(urls, decode=decode, max_skipped=1, retry=FAST) as lenient:
+        assert lenient.__getitems__([0, 1, 2]) == [len(OBJECTS["obj/0"]), len(OBJECTS["obj/2"])]
+
+
+def test_a_batch_reads_its_objects_concurrently_within_max_concurrency(
+    server: FaultyHTTPServer,
+) -> None:
+    """16 reads of 50 ms take about one latency, with at most max_concurrency + 1 in flight."""
+    server.faults = Faults(latency_s=0.05)
+    urls = [server.url(f"obj/{i}") for i in range(16)]
+    with RemoteFiles(urls, max_concurrency=7, retry=FAST) as ds:
+        start = time.monotonic()
+        assert ds.__getitems__(list(range(16))) == [OBJECTS[f"obj/{i}"] for i in range(16)]
+        elapsed = time.monotonic() - start
+    assert 6 <= server.peak_in_flight <= 8  # at most 7 pool threads and the calling thread
+    assert elapsed < 0.5  # serially: 0.8 s
+
+
+def test_max_concurrency_zero_reads_in_the_calling_thread(server: FaultyHTTPServer) -> None:
+    """With max_concurrency=0 a batch is read one object after another and no thread starts."""
+    urls = [server.url(f"obj/{i}") for i in range(4)]
+    with RemoteFiles(urls, max_concurrency=0, retry=FAST) as ds:
+        assert ds.__getitems__([3, 2, 1, 0]) == [OBJECTS[f"obj/{i}"] for i in (3, 2, 1, 0)]
+        assert _pool_threads(ds) == []
+    assert server.peak_in_flight == 1
+
+
+def test_close_joins_the_read_threads_and_the_dataset_stays_usable(files: RemoteFiles) -> None:
+    """close() joins every pool thread; a later read starts a new pool and succeeds."""
+    files.__getitems__(list(range(16)))
+    threads = _pool_threads(files)
+    assert threads
+    files.close()
+    files.close()  # idempotent
+    assert not any(t.is_alive() for t in threads)
+    assert files.__getitems__([0, 1]) == [OBJECTS["obj/0"], OBJECTS["obj/1"]]
+
+
+def test_dropping_the_dataset_joins_its_read_threads(server: FaultyHTTPServer) -> None:
+    """With no close(), garbage collection of the dataset ends its pool threads."""
+    ds = RemoteFiles([server.url(k) for k in OBJECTS], retry=FAST)
+    ds.__getitems__(list(range(16)))
+    threads = _pool_threads(ds)
+    assert threads
+    del ds
+    gc.collect()
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_exit_during_a_retry_backoff_does_not_wait_for_it(server: FaultyHTTPServer) -> None:
+    """An interpreter exiting while reads wait 30 s to retry exits at once, quietly."""
+    server.faults = Faults(always_fail=frozenset({"obj/0", "obj/1", "obj/2"}))
+    code = textwrap.dedent(f"""
+        import threading, time
+        from threadloader.remote import RemoteFiles, RetryPolicy
+        ds = RemoteFiles({[server.url(f"obj/{i}") for i in range(3)]!r},
+                         retry=RetryPolicy(attempts=9, backoff_s=30, max_backoff_s=30))
+        def read():
+            try:
+                ds.__getitems__([0, 1, 2])
+            except OSError:
+                pass
+        threading.Thread(target=read, daemon=True).start()
+        time.sleep(0.5)
+    """)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr.decode()
+    assert time.monotonic() - start < 20  # a full backoff would be minutes
+
+
+def test_64_worker_threads_do_not_warn(files: RemoteFiles) -> None:
+    """num_workers=64 is normal for remote reads: no warning, every object delivered."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = ThreadDataLoader(files, batch_size=4, num_workers=64, collate_fn=_list)
+        got = [item for batch in loader for item in batch]
+    assert sorted(got) == sorted(OBJECTS.values())
+
+
+def test_process_workers_read_through_their_own_pool(files: RemoteFiles) -> None:
+    """After the parent started its pool, forked DataLoader workers still read every object."""
+    files.__getitems__([0, 1, 2])  # parent pool and connections exist before the fork
+    loader = DataLoader(files, batch_size=16, num_workers=2, collate_fn=_list)
+    got = [item for batch in loader for item in batch]
+    assert got == list(OBJECTS.values())
+
+
+def test_a_pickled_copy_reads_with_its_own_pool_and_counters(files: RemoteFiles) -> None:
+    """A pickled dataset (spawned workers) reads on its own, with counters starting at zero."""
+    files.__getitems__([0, 1])
+    copy = pickle.loads(pickle.dumps(files))
+    try:
+        assert copy.stats().reads == 0
+        assert copy.__getitems__([5, 6]) == [OBJECTS["obj/5"], OBJECTS["obj/6"]]
+        assert copy.stats().reads == 2 and files.stats().reads == 2
+    finally:
+        copy.close()
+
+
+def test_stats_is_a_frozen_snapshot(files: RemoteFiles) -> None:
+    """stats() returns a frozen RemoteStats that later reads do not change."""
+    files[0]
+    before = files.stats()
+    files[1]
+    assert isinstance(before, RemoteStats) and before.reads == 1 and files.stats().reads == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.reads = 5  # type: ignore[misc]
+
+
+def test_a_glob_a_directory_and_a_file_url_list_local_objects(tmp_path: Any) -> None:
+    """A glob and a directory list their files sorted, as file:// URLs that read back."""
+    (tmp_path / "sub").mkdir()
+    for name in ("b.bin", "a.bin", "sub/c.bin", "skip.txt"):
+        (tmp_path / name).write_bytes(name.encode())
+    globbed = RemoteFiles(str(tmp_path / "*.bin"))
+    assert [u.rsplit("/", 1)[1] for u in globbed.urls] == ["a.bin", "b.bin"]
+    assert globbed.urls[0].startswith("file://") and globbed[1] == b"b.bin"
+    assert len(RemoteFiles(str(tmp_path))) == 4
+    assert RemoteFiles([f"file://{tmp_path}/sub/c.bin"])[0] == b"sub/c.bin"
+    with pytest.raises(ValueError, match="names no objects"):
+        RemoteFiles(str(tmp_path / "*.none"))
+    with pytest.raises(ValueError, match="cannot list HTTP"):
+        RemoteFiles("http://127.0.0.1:1/*.bin")
+
+
+def test_errors_survive_a_loader_reraise_with_their_type() -> None:
+    """Re-raised from a worker by message alone (torch's ExceptionWrapper), the types hold."""
+    for cls in (RemoteReadError, RemoteNotFoundError, RemoteDecodeError):
+        assert isinstance(cls("message"), cls)
+        assert pickle.loads(pickle.dumps(cls("m", url="u"))).url == "u"  # type: ignore[call-arg]
+
+
+class _ClientError(Exception):  # botocore's shape: the status is in .response
+    def __init__(self, status: int) -> None:
+        self.response = {"ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+def _wrapped(cause: BaseException) -> OSError:
+    error = OSError(5, "Input/output error")  # s3fs's translation of an unknown ClientError
+    error.__cause__ = cause
+    return error
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (ConnectionResetError(), True),
+        (TimeoutError(), True),
+        (_wrapped(_ClientError(503)), True),
+        (_wrapped(_ClientError(429)), True),
+        (_wrapped(_ClientError(403)), False),
+        (FileNotFoundError(), False),
+        (ValueError("bad"), False),
+    ],
+)
+def test_transient_failures_are_told_from_permanent_ones(
+    error: BaseException, transient: bool
+) -> None:
+    """Outages, throttling and broken connections are retried; answers and bugs are not."""
+    assert is_transient(error) is transient
+
+
+def test_retry_delays_grow_with_full_jitter_and_stay_capped() -> None:
+    """Each delay lies in [0, min(cap, base * 2**(k-1))]; Retry-After raises it to the cap."""
+    policy = RetryPolicy(backoff_s=0.1, max_backoff_s=0.5)
+    for retry, ceiling in ((1, 0.1), (2, 0.2), (3, 0.4), (6, 0.5)):
+        delays = [policy.delay_s(retry) for _ in range(200)]
+        assert 0 <= min(delays) and max(delays) <= ceiling and max(delays) > ceiling / 2
+    assert policy.delay_s(1, retry_after_s=60) == 0.5
+    with pytest.raises(ValueError, match="attempts"):
+        RetryPolicy(attempts=0)

@@ -1,0 +1,791 @@
+"""RemoteFiles: a map-style dataset over objects in object storage, on HTTP servers or on disk.
+
+Reading remote objects is waiting, not computing, which is where worker threads beat worker
+processes: a thread costs kilobytes, a process hundreds of megabytes, so a loader can keep dozens
+of reads in flight. ``RemoteFiles`` adds what such reads need: batch reads issued concurrently,
+retries, a skip budget for bad objects, and a local cache.
+
+How a read behaves; where the code disagrees with this, the code is wrong.
+
+1. Caches first: the memory cache, then the disk cache. A hit is served by the calling thread.
+2. The misses of one ``__getitems__`` (one batch) are read concurrently: all but one go to the
+   dataset's read pool (``max_concurrency`` threads, shared by every loader worker, started on
+   first use), the calling thread reads the last one itself. The pool's queue is bounded: with
+   ``2 * max_concurrency`` reads already queued or running, the caller reads the rest itself.
+3. A read is retried on transient failures (HTTP 5xx/408/429, reset or refused connections,
+   truncated bodies, timeouts) with exponential backoff and jitter; each try has a deadline
+   (``RetryPolicy``). A good read fills the caches, then is decoded in the thread that read it.
+4. An item that cannot be delivered (missing object, permanent error, retries exhausted, decode
+   error) raises ``RemoteReadError`` / ``RemoteDecodeError`` naming its URL and the last cause,
+   unless ``max_skipped`` allows skipping it: then ``__getitems__`` leaves it out, so the batch is
+   *shorter* (never padded with another item; possibly empty, which ``default_collate``
+   rejects: give the loader a ``collate_fn`` that accepts it if a whole batch may be skipped),
+   ``stats().skipped`` counts it, and it is logged with its URL. The item after the budget raises ``SkipBudgetExceededError``. ``__getitem__``
+   never skips: one index must give one item.
+5. ``close()`` (also run at garbage collection and interpreter exit) stops retrying, cancels
+   queued reads, joins the pool's threads and closes connections; reads in progress finish their
+   current try. Using the dataset afterwards starts a new pool. A forked child (DataLoader worker
+   process) starts with its own empty pool, connections and counters.
+
+HTTP(S) is read with the standard library (``http.client``), with keep-alive connections reused
+across threads and epochs: no event loop, no extra dependency, and every failure mode in reach
+of the retry logic. Every other scheme (``s3://``, ``gs://``, ``file://``, ...) goes through
+fsspec, whose async backends run on fsspec's own event-loop thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import logging
+import os
+import ssl
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urljoin, urlsplit
+
+from torch.utils.data import Dataset
+
+from threadloader._cache import ByteCache, DiskCache, MemoryCache
+from threadloader._retry import RetriesExhausted, RetryPolicy, call_with_retries, http_status
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "RemoteDecodeError",
+    "RemoteFiles",
+    "RemoteNotFoundError",
+    "RemoteReadError",
+    "RemoteStats",
+    "RetryPolicy",
+    "SkipBudgetExceededError",
+]
+
+logger = logging.getLogger(__name__)
+
+_HTTP = ("http://", "https://")
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_MAX_REDIRECTS = 5
+_MAX_IDLE_PER_HOST = 256  # keep-alive connections kept per host; more are closed on release
+_BODY_CHUNK = 1 << 18
+_RECENT_SKIPS = 32
+
+
+class RemoteReadError(OSError):
+    """An object could not be read: permanently, or after every retry.
+
+    Constructed from a message alone too, so that a loader re-raising a worker's exception
+    (torch's ``ExceptionWrapper``) raises this type, not a ``RuntimeError``.
+
+    Args:
+        message: names the URL, the tries and the last cause.
+        url: the object.
+        attempts: tries made.
+        cause: the last failure (also ``__cause__``).
+    """
+
+    def __init__(
+        self, message: str, *, url: str = "", attempts: int = 0, cause: BaseException | None = None
+    ) -> None:
+        super().__init__(message)
+        self.url, self.attempts, self.cause = url, attempts, cause
+
+    @classmethod
+    def _of(cls, url: str, attempts: int, cause: BaseException, gave_up: bool = False) -> Self:
+        why = "gave up reading (the dataset was closed)" if gave_up else "could not read"
+        tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+        message = f"{why} {url} after {tries}; last error: {type(cause).__name__}: {cause}"
+        return cls(message, url=url, attempts=attempts, cause=cause)
+
+
+class RemoteNotFoundError(RemoteReadError, FileNotFoundError):
+    """The object does not exist (HTTP 404/410, no such key or file). Never retried."""
+
+
+class RemoteDecodeError(ValueError):
+    """``decode`` raised on an object's bytes.
+
+    Args:
+        message: names the URL and what ``decode`` raised.
+        url: the object.
+        cause: what ``decode`` raised (also ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, url: str = "", cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.url, self.cause = url, cause
+
+
+class SkipBudgetExceededError(RuntimeError):
+    """One more item could not be delivered after ``max_skipped`` items were already skipped."""
+
+
+class HTTPStatusError(OSError):
+    """An HTTP response other than success; ``status`` decides whether it is retried."""
+
+    def __init__(self, url: str, status: int, reason: str, retry_after_s: float | None) -> None:
+        super().__init__(f"HTTP {status} {reason} for {url}")
+        self.status, self.retry_after_s = status, retry_after_s
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteStats:
+    """A snapshot of one dataset's counters in this process (``RemoteFiles.stats()``)."""
+
+    reads: int
+    """Objects read from storage (cache misses that succeeded)."""
+    read_bytes: int
+    """Bytes of those objects."""
+    read_s: float
+    """Seconds spent reading from storage, retries included, summed over threads."""
+    retries: int
+    """Tries beyond the first, over all reads. A request on a kept-alive connection that the
+    server had closed meanwhile is re-sent at once on a new one, and not counted."""
+    failures: int
+    """Items that could not be delivered (read failed for good, or decode raised)."""
+    skipped: int
+    """Of those, items left out of their batch under ``max_skipped``."""
+    cache_hits: int
+    cache_misses: int
+    cache_hit_bytes: int
+    """Bytes served from the caches."""
+    cache_stored_bytes: int
+    """Bytes in the caches now (the disk cache as this process knows it)."""
+    cache_evictions: int
+    skipped_urls: tuple[str, ...]
+    """The most recently skipped URLs, oldest first (at most 32)."""
+
+
+_MISS = object()  # not in any cache (an item may legitimately decode to None)
+
+
+class _Failure:
+    """An item that could not be delivered, carried back to the batch as a value."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _Counters:
+    """The numbers behind ``RemoteStats``; every update under one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        names = "reads read_bytes retries failures skipped cache_hits cache_misses cache_hit_bytes"
+        self._n = dict.fromkeys(names.split(), 0)
+        self._read_s = 0.0
+        self._skipped_urls: deque[str] = deque(maxlen=_RECENT_SKIPS)
+
+    def add(self, read_s: float = 0.0, **deltas: int) -> None:
+        with self._lock:
+            for key, value in deltas.items():
+                self._n[key] += value
+            self._read_s += read_s
+
+    def try_skip(self, url: str, budget: int) -> int | None:
+        """Count a skip if the budget allows it: the skip's number, else None."""
+        with self._lock:
+            if self._n["skipped"] >= budget:
+                return None
+            self._n["skipped"] += 1
+            self._skipped_urls.append(url)
+            return self._n["skipped"]
+
+    def snapshot(self, caches: Sequence[ByteCache]) -> RemoteStats:
+        usage = [c.usage() for c in caches]
+        with self._lock:
+            return RemoteStats(
+                **self._n,
+                read_s=self._read_s,
+                cache_stored_bytes=sum(u.stored_bytes for u in usage),
+                cache_evictions=sum(u.evictions for u in usage),
+                skipped_urls=tuple(self._skipped_urls),
+            )
+
+
+class _HTTPConnections:
+    """Keep-alive HTTP(S) connections by (scheme, host, port); each used by one thread at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
+        self._closed = False
+        self._ssl: ssl.SSLContext | None = None
+
+    def close(self) -> None:
+        """Close idle connections now; connections in use are closed when released."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    def _acquire(self, key: tuple[str, str, int]) -> tuple[http.client.HTTPConnection, bool]:
+        with self._lock:
+            conns = self._idle.get(key)
+            if conns:
+                return conns.pop(), True
+            if key[0] == "https" and self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            context = self._ssl
+        scheme, host, port = key
+        if scheme == "https":
+            return http.client.HTTPSConnection(host, port, context=context), False
+        return http.client.HTTPConnection(host, port), False
+
+    def _release(self, key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            conns = self._idle.setdefault(key, [])
+            if not self._closed and len(conns) < _MAX_IDLE_PER_HOST:
+                conns.append(conn)
+                return
+        conn.close()
+
+    def get(self, url: str, timeout_s: float, headers: Mapping[str, str]) -> bytes:
+        """GET ``url`` within ``timeout_s`` in all, following up to 5 redirects.
+
+        Raises:
+            HTTPStatusError: on a status other than 200 (after redirects).
+            TimeoutError, ConnectionError, http.client.HTTPException: as the exchange failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        for _ in range(_MAX_REDIRECTS + 1):
+            resp, body = self._exchange(url, deadline, headers)
+            if resp.status == 200:
+                return body
+            location = resp.getheader("Location")
+            if resp.status in _REDIRECTS and location:
+                url = urljoin(url, location)
+                continue
+            retry_after = resp.getheader("Retry-After")
+            seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
+            raise HTTPStatusError(url, resp.status, resp.reason, seconds)
+        raise HTTPStatusError(url, resp.status, "(too many redirects)", None)
+
+    def _exchange(
+        self, url: str, deadline: float, headers: Mapping[str, str]
+    ) -> tuple[http.client.HTTPResponse, bytes]:
+        parts = urlsplit(url)
+        scheme, host = parts.scheme.lower(), parts.hostname or ""
+        key = (scheme, host, parts.port or (443 if scheme == "https" else 80))
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        for first_try in (True, False):
+            conn, reused = self._acquire(key)
+            try:
+                _set_timeout(conn, deadline)
+                conn.request("GET", target, headers={"Accept-Encoding": "identity", **headers})
+                resp = conn.getresponse()
+                if resp.status == 200:
+                    body = _read_body(resp, conn, deadline)
+                elif resp.length is not None and resp.length <= 65536:
+                    body = resp.read()  # small error page: read it to keep the connection
+                else:
+                    resp.will_close = True
+                    body = b""
+            except ConnectionError:
+                conn.close()
+                if reused and first_try:
+                    continue  # the server closed an idle keep-alive connection: not a failure
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            if resp.will_close:
+                conn.close()
+            else:
+                self._release(key, conn)
+            return resp, body
+        raise AssertionError("unreachable")
+
+
+def _set_timeout(conn: http.client.HTTPConnection, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("the read's deadline passed")
+    conn.timeout = remaining
+    if conn.sock is not None:
+        conn.sock.settimeout(remaining)
+
+
+def _read_body(
+    resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, deadline: float
+) -> bytes:
+    chunks = []
+    while True:
+        _set_timeout(conn, deadline)  # the whole body within the deadline, not each recv
+        chunk = resp.read(_BODY_CHUNK)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    if resp.length:  # the connection ended before Content-Length bytes arrived
+        raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+    return b"".join(chunks)
+
+
+class _Runtime:
+    """The read pool and connections of one dataset in one process, until ``close()``.
+
+    Holds no reference to the dataset, so dropping the dataset can close it (finalizer).
+    """
+
+    def __init__(self, max_concurrency: int, name: str) -> None:
+        self.name = name
+        self.stop = threading.Event()  # set on close: retries give up instead of waiting
+        self.http = _HTTPConnections()
+        self.filesystems: dict[str, Any] = {}  # fsspec protocol -> filesystem
+        self._max_concurrency = max_concurrency
+        # Reads queued or running in the pool; bounds the executor's (otherwise unbounded) queue.
+        self._slots = threading.BoundedSemaphore(max(1, 2 * max_concurrency))
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        with _registry_lock:
+            _live_runtimes.add(self)
+        _register_exit_hook()
+
+    def __repr__(self) -> str:
+        return f"<_Runtime {self.name} pool={self._pool is not None} closed={self._closed}>"
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any] | None:
+        """Queue ``fn(*args)`` on the pool; None when the caller should run it itself."""
+        if not self._max_concurrency or not self._slots.acquire(blocking=False):
+            return None
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("closed")
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        self._max_concurrency, thread_name_prefix=self.name
+                    )
+                future = self._pool.submit(fn, *args)
+        except RuntimeError:  # closed, or the interpreter is shutting down
+            self._slots.release()
+            return None
+        future.add_done_callback(self._release_slot)
+        return future
+
+    def _release_slot(self, _: Future[Any]) -> None:
+        self._slots.release()
+
+    def filesystem(self, url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
+        """The fsspec filesystem for ``url``'s protocol, and the path within it."""
+        import fsspec  # only for non-HTTP URLs; installed with torch
+
+        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        with self._lock:
+            fs = self.filesystems.get(protocol)
+        if fs is None:
+            fs = fsspec.filesystem(protocol, **storage_options)
+            with self._lock:
+                fs = self.filesystems.setdefault(protocol, fs)
+        return fs, fs._strip_protocol(url)
+
+    def close(self) -> None:
+        """Stop retries, cancel queued reads, join the pool, close connections. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        self.stop.set()
+        if pool is not None:
+            # GC can run this on one of the pool's own threads, which cannot join itself.
+            own = threading.current_thread().name.startswith(f"{self.name}_")
+            pool.shutdown(wait=not own, cancel_futures=True)
+        self.http.close()
+        with _registry_lock:
+            _live_runtimes.discard(self)
+
+
+# WeakSet's own bookkeeping is Python code: every change and every walk under one lock.
+_registry_lock = threading.Lock()
+_live_runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
+_live_states: weakref.WeakSet[_State] = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _close_all_at_exit() -> None:
+    with _registry_lock:
+        runtimes = list(_live_runtimes)
+    for runtime in runtimes:
+        runtime.close()
+
+
+def _register_exit_hook() -> None:
+    # threading._register_atexit hooks run inside threading._shutdown(), before non-daemon
+    # threads (the pool's) are joined, and in reverse order of registration: ours, registered
+    # after concurrent.futures' own, runs first, so a read waiting to retry gives up at once.
+    global _exit_hook_registered
+    with _registry_lock:
+        if _exit_hook_registered:
+            return
+        try:
+            threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
+        except RuntimeError:
+            return  # already shutting down: concurrent.futures still joins the pool
+        _exit_hook_registered = True
+
+
+def _after_fork_in_child() -> None:
+    # The parent's pool threads do not exist here, its locks may have been held by them, and its
+    # sockets are shared with the parent: a child starts afresh, closing nothing of the parent's.
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    _live_runtimes.clear()
+    for state in list(_live_states):
+        state.reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    max_concurrency: int
+    retry: RetryPolicy
+    max_skipped: int
+    cache_dir: str | None
+    cache_max_bytes: int
+    memory_cache_bytes: int
+    storage_options: Mapping[str, Any]
+    name: str
+
+
+class _State:
+    """What one dataset holds in one process: counters, caches and the runtime (made lazily)."""
+
+    def __init__(self, config: _Config) -> None:
+        self.config = config
+        self.reset()
+        with _registry_lock:
+            _live_states.add(self)
+
+    def reset(self) -> None:
+        """Forget everything (a new process): new lock, counters, caches and runtime."""
+        self.lock = threading.Lock()
+        self.counters = _Counters()
+        self._runtime: _Runtime | None = None
+        self._caches: list[ByteCache] | None = None
+        self.warned_cache_write = False
+
+    def runtime(self) -> _Runtime:
+        with self.lock:
+            if self._runtime is None:
+                self._runtime = _Runtime(self.config.max_concurrency, self.config.name)
+            return self._runtime
+
+    def caches(self) -> list[ByteCache]:
+        caches = self._caches
+        if caches is not None:
+            return caches
+        with self.lock:
+            if self._caches is None:
+                made: list[ByteCache] = []
+                if self.config.memory_cache_bytes:
+                    made.append(MemoryCache(self.config.memory_cache_bytes))
+                if self.config.cache_dir is not None:
+                    made.append(DiskCache(self.config.cache_dir, self.config.cache_max_bytes))
+                self._caches = made
+            return self._caches
+
+    def close(self) -> None:
+        with self.lock:
+            runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            runtime.close()
+
+
+class RemoteFiles(Dataset[Any]):
+    """A map-style dataset of remote objects: item ``i`` is ``decode(bytes of urls[i])``.
+
+    Use it with ``ThreadDataLoader(..., num_workers=32)`` or more: workers mostly wait, and a
+    thread costs little. Each batch's reads are issued concurrently (see the module docstring
+    for the full behaviour, including what a skipped item does to its batch).
+
+    Example::
+
+        ds = RemoteFiles("s3://bucket/train/*.jpg", decode=decode_jpeg, cache_dir="/tmp/c")
+        loader = ThreadDataLoader(ds, batch_size=16, num_workers=32)
+
+    Args:
+        urls: the objects, in item order: a sequence of URLs or local paths (``s3://``,
+            ``gs://``, ``http(s)://``, ``file://``, any fsspec protocol), or one string: a glob
+            pattern, a directory/prefix to list recursively, or a single object. Listings are
+            sorted. HTTP locations cannot be listed.
+        decode: turns an object's bytes into the item; raw ``bytes`` when None. Runs in the
+            thread that read the object (a pool thread on a cache miss).
+        storage_options: passed to fsspec for non-HTTP URLs (credentials, endpoint, ...); for
+            HTTP(S) only ``headers`` (a mapping) is used.
+        max_concurrency: threads in the read pool shared by all loader workers; 0 reads each
+            batch one object after another in the calling thread.
+        retry: tries, backoff and per-try deadline (``RetryPolicy()``: 5 tries, 30 s each).
+        max_skipped: items that may be left out of their batch when they cannot be delivered,
+            over the dataset's life in this process; 0 raises on the first.
+        cache_dir: keep fetched objects on local disk here, for later epochs and processes.
+        cache_max_bytes: bound of the disk cache; least recently used objects are evicted.
+        memory_cache_bytes: keep up to this many bytes of objects in memory (0: no memory cache).
+
+    Raises:
+        ValueError: on an empty listing, an HTTP pattern, or a negative number.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        decode: Callable[[bytes], Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        max_concurrency: int = 32,
+        retry: RetryPolicy | None = None,
+        max_skipped: int = 0,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_max_bytes: int = 10 * 2**30,
+        memory_cache_bytes: int = 0,
+    ) -> None:
+        for arg, value in (
+            ("max_concurrency", max_concurrency),
+            ("max_skipped", max_skipped),
+            ("cache_max_bytes", cache_max_bytes),
+            ("memory_cache_bytes", memory_cache_bytes),
+        ):
+            if value < 0:
+                raise ValueError(f"{arg} must be >= 0, got {value}")
+        options = dict(storage_options or {})
+        self.urls: tuple[str, ...] = tuple(
+            _list(urls, options) if isinstance(urls, str) else (os.fspath(u) for u in urls)
+        )
+        self.decode = decode
+        self._headers: dict[str, str] = dict(options.get("headers") or {})
+        self._config = _Config(
+            max_concurrency=max_concurrency,
+            retry=retry if retry is not None else RetryPolicy(),
+            max_skipped=max_skipped,
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+            cache_max_bytes=cache_max_bytes,
+            memory_cache_bytes=memory_cache_bytes,
+            storage_options=options,
+            name=f"threadloader-remote-{id(self):x}",
+        )
+        self._start()
+
+    def _start(self) -> None:
+        self._state = _State(self._config)
+        # The finalizer holds the state, never self: dropping the dataset joins its threads.
+        self._finalizer = weakref.finalize(self, self._state.close)
+        self._finalizer.atexit = False  # the exit hook closes runtimes earlier than atexit would
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_state"], state["_finalizer"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
+
+    def __repr__(self) -> str:
+        c = self._config
+        first = f", first {self.urls[0]!r}" if self.urls else ""
+        cache = f", cache_dir={c.cache_dir!r}" if c.cache_dir else ""
+        n, conc = len(self.urls), c.max_concurrency
+        return f"RemoteFiles({n} objects{first}, max_concurrency={conc}{cache})"
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, index: int) -> Any:
+        """Item ``index``: read (or taken from a cache) and decoded, in the calling thread.
+
+        Raises:
+            IndexError: if ``index`` is out of range.
+            RemoteNotFoundError: if the object does not exist.
+            RemoteReadError: if it cannot be read, after retries for transient failures.
+            RemoteDecodeError: if ``decode`` raised.
+        """
+        url = self.urls[index]
+        caches = self._state.caches()
+        out = self._cached(url, caches)
+        if out is _MISS:
+            out = self._fetch(url, self._state.runtime(), caches)
+        if isinstance(out, _Failure):
+            raise out.error
+        return out
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The items of one batch, in order, their reads issued concurrently.
+
+        Returns:
+            One item per index, except items skipped under ``max_skipped``, which are left out:
+            the list is then shorter than ``indices`` (possibly empty).
+
+        Raises:
+            IndexError: if an index is out of range.
+            RemoteNotFoundError, RemoteReadError, RemoteDecodeError: for the first item (in
+                batch order) that cannot be delivered, when ``max_skipped`` is 0.
+            SkipBudgetExceededError: for the first such item past the ``max_skipped`` budget.
+        """
+        urls = [self.urls[i] for i in indices]
+        caches = self._state.caches()
+        results: list[Any] = [self._cached(url, caches) for url in urls]
+        misses = [pos for pos, r in enumerate(results) if r is _MISS]
+        if misses:
+            runtime = self._state.runtime()
+            queued: list[tuple[int, Future[Any]]] = []
+            mine = []
+            for pos in misses[:-1]:
+                future = runtime.submit(self._fetch, urls[pos], runtime, caches)
+                if future is None:
+                    mine.append(pos)
+                else:
+                    queued.append((pos, future))
+            mine.append(misses[-1])
+            for pos in mine:  # the calling thread would only wait: it reads too
+                results[pos] = self._fetch(urls[pos], runtime, caches)
+            for pos, future in queued:
+                try:
+                    results[pos] = future.result()
+                except CancelledError as e:  # closed while queued
+                    results[pos] = _Failure(RemoteReadError._of(urls[pos], 0, e, gave_up=True))
+        items = []
+        for url, out in zip(urls, results, strict=True):
+            if isinstance(out, _Failure):
+                self._skip_or_raise(url, out.error)
+            else:
+                items.append(out)
+        return items
+
+    def stats(self) -> RemoteStats:
+        """A snapshot of this dataset's counters in this process.
+
+        Returns:
+            Reads, retries, failures, skips and cache figures since the dataset was created
+            (or since this process was forked from the one that created it).
+        """
+        return self._state.counters.snapshot(self._state.caches())
+
+    def close(self) -> None:
+        """Join the read pool's threads and close connections now. Idempotent.
+
+        Queued reads are cancelled and reads waiting to retry give up; a read in progress
+        finishes its current try. The dataset stays usable: the next read starts a new pool.
+        """
+        self._state.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _cached(self, url: str, caches: list[ByteCache]) -> Any:
+        """The decoded item (or a _Failure) from the first cache that has it, else _MISS."""
+        if not caches:
+            return _MISS
+        counters = self._state.counters
+        for level, cache in enumerate(caches):
+            data = cache.get(url)
+            if data is not None:
+                for faster in caches[:level]:
+                    faster.put(url, data)
+                counters.add(cache_hits=1, cache_hit_bytes=len(data))
+                return self._decode(url, data)
+        counters.add(cache_misses=1)
+        return _MISS
+
+    def _fetch(self, url: str, runtime: _Runtime, caches: list[ByteCache]) -> Any:
+        """Read ``url`` with retries, fill the caches, decode: the item or a _Failure."""
+        counters = self._state.counters
+        start = time.monotonic()
+        try:
+            data = call_with_retries(
+                lambda timeout_s: self._read_once(url, runtime, timeout_s),
+                self._config.retry,
+                runtime.stop,
+                on_retry=lambda _: counters.add(retries=1),
+            )
+        except RetriesExhausted as e:
+            error = RemoteReadError._of(url, e.attempts, e.cause, gave_up=e.stopped)
+            return self._failed(error, e.cause, time.monotonic() - start)
+        except Exception as e:  # noqa: BLE001  # goes to the batch as a value
+            not_found = isinstance(e, FileNotFoundError) or http_status(e) in (404, 410)
+            error = (RemoteNotFoundError if not_found else RemoteReadError)._of(url, 1, e)
+            return self._failed(error, e, time.monotonic() - start)
+        counters.add(time.monotonic() - start, reads=1, read_bytes=len(data))
+        for cache in caches:
+            try:
+                cache.put(url, data)
+            except OSError as e:  # a full disk must not fail the read
+                if not self._state.warned_cache_write:
+                    self._state.warned_cache_write = True
+                    logger.warning("cannot write to the cache (%s); reading on without it", e)
+        return self._decode(url, data)
+
+    def _failed(self, error: Exception, cause: BaseException, seconds: float) -> _Failure:
+        error.__cause__ = cause
+        self._state.counters.add(seconds, failures=1)
+        return _Failure(error)
+
+    def _read_once(self, url: str, runtime: _Runtime, timeout_s: float) -> bytes:
+        if url.startswith(_HTTP):
+            return runtime.http.get(url, timeout_s, self._headers)
+        fs, path = runtime.filesystem(url, self._config.storage_options)
+        if getattr(fs, "async_impl", False):  # fsspec enforces the deadline on its loop
+            return bytes(fs.cat_file(path, timeout=timeout_s))
+        return bytes(fs.cat_file(path))
+
+    def _decode(self, url: str, data: bytes) -> Any:
+        if self.decode is None:
+            return data
+        try:
+            return self.decode(data)
+        except Exception as e:  # noqa: BLE001  # raised or skipped by the batch
+            message = f"decode failed for {url}: {type(e).__name__}: {e}"
+            return self._failed(RemoteDecodeError(message, url=url, cause=e), e, 0.0)
+
+    def _skip_or_raise(self, url: str, error: Exception) -> None:
+        budget = self._config.max_skipped
+        if budget:
+            number = self._state.counters.try_skip(url, budget)
+            if number is not None:
+                logger.warning("skipped %s (%d of max_skipped=%d): %s", url, number, budget, error)
+                return
+            raise SkipBudgetExceededError(
+                f"{url} could not be delivered and the skip budget is spent ({budget} items "
+                f"skipped, max_skipped={budget}): {error}"
+            ) from error
+        raise error
+
+
+def _list(pattern: str, storage_options: Mapping[str, Any]) -> list[str]:
+    """The objects a glob, a prefix/directory or a single URL names, as sorted URLs."""
+    if pattern.startswith(_HTTP):
+        raise ValueError(f"cannot list HTTP locations: pass a list of URLs, not {pattern!r}")
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(pattern, **storage_options)
+    if any(ch in path for ch in "*?["):
+        paths = [p for p, info in fs.glob(path, detail=True).items() if info["type"] == "file"]
+    elif fs.isdir(path):
+        paths = fs.find(path)
+    else:
+        paths = [path]
+    if not paths:
+        raise ValueError(f"{pattern!r} names no objects")
+    return sorted(fs.unstrip_protocol(p) for p in paths)

@@ -18,9 +18,9 @@ Cases:
 
   ``dl0-seq``          DataLoader(num_workers=0), sequential windows (the issue's baseline)
   ``dl0-shuffle``      DataLoader(num_workers=0), ``ShuffleSampler`` (global shuffle)
-  ``thread2-shuffle``  ThreadDataLoader(num_workers=2), ``ShuffleSampler``
-  ``thread2-block``    ThreadDataLoader(num_workers=2), ``BlockShuffleSampler(block_size=64)``
-  ``thread2-mixture``  ThreadDataLoader(num_workers=2), 70/30 ``Mixture`` of two shard sets
+  ``dl0-block``        DataLoader(num_workers=0), ``BlockShuffleSampler(block_size=64)``
+  ``dl0-mixture``      DataLoader(num_workers=0), 70/30 ``Mixture`` of two shard sets
+  ``thread2-*``        the same four through ThreadDataLoader(num_workers=2)
 
   Every measurement opens a fresh ``TokenWindows``, so mapping files and first-touch page faults
   are paid inside it, as in a real epoch. The shards sit in the page cache (they were just
@@ -50,6 +50,9 @@ BLOCK = 64
 CASES: tuple[str, ...] = (
     "dl0-seq",
     "dl0-shuffle",
+    "dl0-block",
+    "dl0-mixture",
+    "thread2-seq",
     "thread2-shuffle",
     "thread2-block",
     "thread2-mixture",
@@ -115,31 +118,27 @@ def shards(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
 
 
 def _open_loader(case: str, shards: list[str]) -> Iterator[Any]:
-    if case == "thread2-mixture":
+    loader_key, order = case.split("-")
+    dataset: Any
+    sampler: Any
+    if order == "mixture":
         half = len(shards) // 2
         sources = {
             "web": TokenWindows(shards[:half], SEQ_LEN),
             "code": TokenWindows(shards[half:], SEQ_LEN),
         }
-        mixture = Mixture(sources, {"web": 0.7, "code": 0.3}, seed=0)
-        return iter(
-            ThreadDataLoader(
-                mixture, batch_size=BATCH, sampler=MixtureSampler(mixture), num_workers=2
-            )
-        )
-    ds = TokenWindows(shards, SEQ_LEN)
-    if case == "dl0-seq":
-        return iter(DataLoader(ds, batch_size=BATCH))
-    if case == "dl0-shuffle":
-        return iter(DataLoader(ds, batch_size=BATCH, sampler=ShuffleSampler(ds, seed=0)))
-    sampler: Any
-    if case == "thread2-shuffle":
-        sampler = ShuffleSampler(ds, seed=0)
-    elif case == "thread2-block":
-        sampler = BlockShuffleSampler(ds, BLOCK, num_replicas=1, rank=0, seed=0)
+        dataset = Mixture(sources, {"web": 0.7, "code": 0.3}, seed=0)
+        sampler = MixtureSampler(dataset)
     else:
-        raise ValueError(f"unknown case {case!r}")
-    return iter(ThreadDataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=2))
+        dataset = TokenWindows(shards, SEQ_LEN)
+        sampler = {
+            "seq": None,
+            "shuffle": ShuffleSampler(dataset, seed=0),
+            "block": BlockShuffleSampler(dataset, BLOCK, num_replicas=1, rank=0, seed=0),
+        }[order]
+    if loader_key == "dl0":
+        return iter(DataLoader(dataset, batch_size=BATCH, sampler=sampler))
+    return iter(ThreadDataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=2))
 
 
 def test_throughput(

@@ -67,6 +67,7 @@ def test_getitems_returns_what_getitem_returns_in_the_asked_order(token_files: l
         for (bx, by), i in zip(ds.__getitems__(indices), indices, strict=True):
             x, y = ds[i]
             assert torch.equal(bx, x) and torch.equal(by, y)
+        assert ds.__getitems__([]) == []
 
 
 def test_windows_stay_inside_one_file_when_spanning_is_off(token_files: list[str]) -> None:
@@ -92,6 +93,16 @@ def test_npy_and_raw_files_of_the_same_tokens_give_the_same_windows(tmp_path: Pa
     assert len(raw) == len(npy)
     assert np.array_equal(raw.windows(range(len(raw))), npy.windows(range(len(npy))))
     assert np.array_equal(raw.windows([3])[0], tokens[192:257].astype(np.int64))
+
+
+def test_files_of_different_dtypes_and_byte_orders_concatenate(tmp_path: Path) -> None:
+    """uint16 .bin, uint32 .npy and big-endian int32 .npy shards read as one token stream."""
+    np.arange(0, 500, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    np.save(tmp_path / "b.npy", np.arange(500, 1000, dtype=np.uint32))
+    np.save(tmp_path / "c.npy", np.arange(1000, 1500, dtype=">i4"))
+    ds = TokenWindows([tmp_path / "a.bin", tmp_path / "b.npy", tmp_path / "c.npy"], seq_len=9)
+    indices = np.random.default_rng(0).integers(0, len(ds), 200)
+    assert np.array_equal(ds.windows(indices), indices[:, None] * 9 + np.arange(10))
 
 
 def test_header_bytes_are_skipped_in_raw_files(tmp_path: Path) -> None:

@@ -73,6 +73,8 @@ def _token_paths(files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]
 
 def _as_indices(indices: Any, length: int) -> _Ints:
     array = np.asarray(indices)
+    if array.size == 0:
+        return np.empty(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         raise TypeError(f"indices must be integers, got {array.dtype}")
     array = array.astype(np.int64, copy=False).reshape(-1)
@@ -146,6 +148,8 @@ class TokenWindows(Dataset[_Window]):
                 f"file(s) holding {self.num_tokens} tokens (first: {self.files[0].path})"
             )
         self._file_starts_list = self._file_starts.tolist()  # bisect for the one-item path
+        dtypes = {f.dtype for f in self.files}
+        self._dtype = dtypes.pop() if len(dtypes) == 1 else None
         self._cache = _token_files.MapCache(self.files, max_open_files)
 
     def __len__(self) -> int:
@@ -171,7 +175,9 @@ class TokenWindows(Dataset[_Window]):
             IndexError: if an index is outside ``[0, len(self))``.
         """
         starts = self.token_starts(indices)
-        return _token_files.gather(self._cache, self._file_starts, starts, self.seq_len + 1)
+        return _token_files.gather(
+            self._cache, self._file_starts, starts, self.seq_len + 1, self._dtype
+        )
 
     def __getitem__(self, index: int) -> _Window:
         """Return window ``index`` as ``(input, target)``, each int64 of shape ``(seq_len,)``.
@@ -188,7 +194,7 @@ class TokenWindows(Dataset[_Window]):
             begin = start - self._file_starts_list[file_no]
             if start + width <= self._file_starts_list[file_no + 1]:  # one file: plain slice
                 row = torch.from_numpy(
-                    self._cache.get(file_no)[begin : begin + width].astype(np.int64)
+                    self._cache.get(file_no)[0][begin : begin + width].astype(np.int64)
                 )
                 return row[:-1], row[1:]
         row = torch.from_numpy(self.windows([index])[0])

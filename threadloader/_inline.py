@@ -9,6 +9,7 @@ from typing import Any
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
+from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
 from threadloader._state import (
     Progress,
@@ -57,11 +58,12 @@ class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
                 self._dataset_kind,
                 self._dataset,
                 self._auto_collation,
-                self._collate_fn,
+                host_collate(loader, self._collate_fn, self._pin_memory),
                 self._drop_last,
             ),
             self._stats.caller,
         )
+        self._pin_memory = False  # pinned by the collate above, not again after it
         self._sampler_iter = begin_pass(self, loader, resume)
         if self._progress.dataset_states is None:
             self._progress.dataset_states = [None]
@@ -69,6 +71,9 @@ class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
         self._discard = resume.batches if resume is not None and resume.replay_data else 0
         if self._discard:
             warn_replay(dataset, self._discard)
+
+    def close(self) -> None:
+        """Nothing to stop: batches are made in the calling thread."""
 
     def _next_data(self) -> Any:
         start = time.perf_counter()

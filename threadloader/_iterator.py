@@ -39,6 +39,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
 from threadloader._concurrency import ConcurrencyController
+from threadloader._device import host_collate
 from threadloader._queues import QueueClosed
 from threadloader._state import (
     Progress,
@@ -80,11 +81,10 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             dataset_kind=self._dataset_kind,
             dataset=self._dataset,
             auto_collation=self._auto_collation,
-            collate_fn=self._collate_fn,
+            collate_fn=host_collate(loader, self._collate_fn, self._pin_memory),
             drop_last=self._drop_last,
             worker_init_fn=loader.worker_init_fn,
             num_workers=self._num_workers,
-            pin_memory_device=self._pin_memory_device if self._pin_memory else None,
             capture_state=self._dataset_kind == _DatasetKind.Iterable
             and dataset_is_stateful(self._dataset),
             resume_states=resume.worker_states if resume is not None else None,

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
-from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 from torch.utils.data._utils.worker import (
     _RNG,
     WorkerInfo,
@@ -87,7 +86,6 @@ class WorkerSpec:
     drop_last: bool
     worker_init_fn: Callable[[int], None] | None
     num_workers: int
-    pin_memory_device: str | None  # None: do not pin
     capture_state: bool = False  # IterableDataset with state_dict(): snapshot after each batch
     resume_states: list[Any] | None = None  # per-worker IterableDataset states to resume from
 
@@ -181,7 +179,7 @@ class Worker:
         return copy.deepcopy(dataset.state_dict())
 
     def run(self, task: Task, recorder: StageRecorder) -> Any:
-        """Fetch, collate (and pin) ``task``'s batch; the caller holds ``busy``.
+        """Fetch and collate ``task``'s batch (pinned, when the collate pins); holding ``busy``.
 
         Args:
             task: the batch to make.
@@ -198,12 +196,7 @@ class Worker:
         if self._ended:
             return None
         try:
-            data = self._fetcher.fetch(task.index, recorder)
-            if self.spec.pin_memory_device is not None:
-                start = time.perf_counter()
-                data = _torch_pin_memory(data, self.spec.pin_memory_device)
-                recorder.add("pin", time.perf_counter() - start)
-            return data
+            return self._fetcher.fetch(task.index, recorder)
         except StopIteration:
             if self.spec.dataset_kind != _DatasetKind.Iterable:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")

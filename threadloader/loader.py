@@ -7,16 +7,21 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
+from threadloader._device import DeviceEpochIterator, check_device_args, staging_pool
 from threadloader._inline import InlineDataLoaderIter
 from threadloader._iterator import ThreadedDataLoaderIter
 from threadloader._state import Progress, Resume, build_state, parse_state
+from threadloader.memory import BufferPool
 from threadloader.stats import EpochStats, LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
+
+ISOLATION_MODES = (None, "process")
 
 #: Above this many worker threads per core we warn, as torch warns above one process per core.
 #: Threads that mostly wait (object storage, HTTP) are cheap: dozens per core are legitimate.
@@ -60,11 +65,21 @@ class ThreadDataLoader(DataLoader[T_co]):
         persistent_workers: keep the worker threads across epochs.
         pin_memory_device: as DataLoader (deprecated there).
         in_order: as DataLoader: deliver in sampler order, or as batches complete.
+        device: (ours, keyword-only) deliver batches on this device (``"cuda"``, ``"cuda:1"``,
+            a ``torch.device``): a transfer thread copies them on its own CUDA stream while
+            the loop computes; workers collate straight into pinned staging buffers. ``None``
+            (default): batches stay on the host, as with DataLoader.
+        device_prefetch: (ours, keyword-only) batches kept on the device ahead of the loop.
+        isolation: (ours, keyword-only) ``None`` runs the worker threads in this process;
+            ``"process"`` runs them in one helper process, so they never compete with the
+            training thread for the GIL.
         log_every_s: (ours, keyword-only) log a one-line throughput / data-wait summary through
             the ``threadloader`` logger at INFO level at most this often; off by default.
 
     Raises:
-        ValueError: for every argument combination DataLoader rejects, with its message.
+        ValueError: for every argument combination DataLoader rejects, with its message; an
+            unknown ``isolation`` mode; ``device_prefetch`` < 1; an unknown device string.
+        RuntimeError: ``device`` names a CUDA device and CUDA is not available.
     """
 
     def __init__(
@@ -87,11 +102,21 @@ class ThreadDataLoader(DataLoader[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        device: str | int | torch.device | None = None,
+        device_prefetch: int = 2,
+        isolation: str | None = None,
         log_every_s: float | None = None,
     ) -> None:
         if log_every_s is not None and log_every_s <= 0:
             raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s}")
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        check_device_args(device, device_prefetch)
+        self.device = device
+        self.device_prefetch = device_prefetch
+        self.isolation = isolation
         self.log_every_s = log_every_s
+        self._staging: BufferPool | None = None
         super().__init__(
             dataset,
             batch_size,
@@ -116,15 +141,20 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         self._stats: EpochStats | None = None  # likewise
 
-    def __iter__(self) -> _BaseDataLoaderIter:
+    def __iter__(self) -> Any:
         if self._resume is not None and self._iterator is not None:
             # Persistent workers were seeded for another epoch: resume on fresh ones.
             self._iterator.close()  # type: ignore[attr-defined]
             self._iterator = None
         self._epochs_started += 1
-        it = super().__iter__()
-        self._progress = it._progress  # type: ignore[attr-defined]
-        self._stats = it._stats  # type: ignore[attr-defined]
+        if self.device is not None and self._staging is None:
+            self._staging = staging_pool(self)  # before the workers start: they collate into it
+        it: Any = super().__iter__()
+        if self.device is not None:
+            persistent = self._iterator is not None
+            it = DeviceEpochIterator(self, it, persistent)
+        self._progress = it._progress
+        self._stats = it._stats
         return it
 
     def stats(self) -> LoaderStats:

@@ -158,6 +158,10 @@ class EpochStats:
         self._log_every = log_every_s
         self._last_log = self._start
         self._end: float | None = None  # the epoch's end: wall time stops there
+        # With device=, the loop waits on the transfer stage, not on the epoch iterator (which
+        # the transfer thread drains): then this, not _wait, is the loop's data wait.
+        self._consumer_wait: float | None = None
+        self._consumer_batches = 0
 
     def on_next(self, waited: float, ready: bool, ran_here: bool, delivered: bool) -> None:
         """Record one ``next()`` call of the training loop."""
@@ -182,6 +186,12 @@ class EpochStats:
                     s.concurrency_limit,
                     s.num_workers,
                 )
+
+    def on_consumer_wait(self, waited: float, delivered: bool) -> None:
+        """Record the training loop's wait for one batch from the device stage."""
+        with self._lock:
+            self._consumer_wait = (self._consumer_wait or 0.0) + waited
+            self._consumer_batches += delivered
 
     def snapshot(self) -> LoaderStats:
         with self._lock:
@@ -210,6 +220,8 @@ class EpochStats:
         with self._lock:
             wait, nexts, ready = self._wait, self._nexts, self._ready
             batches, caller_batches = self._batches, self._caller_batches
+            if self._consumer_wait is not None:
+                wait, batches = self._consumer_wait, self._consumer_batches
         busy_threads = sum(worker_busy) / wall
         cpu_low, cpu_high = GIL_CPU_RANGE
         controller = self.controller

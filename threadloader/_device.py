@@ -1,0 +1,156 @@
+"""``device=``: an epoch whose batches arrive on the device, copied on a side stream.
+
+``iter(loader)`` with ``device`` set returns a ``DeviceEpochIterator``: a facade over the usual
+epoch iterator (threaded or inline), which a ``DevicePrefetcher``'s transfer thread drains, so
+that each batch's host-to-device copy is issued off the training thread and overlaps its compute.
+
+Consumer-aligned state: the transfer thread runs ``device_prefetch`` batches ahead of the loop,
+and the epoch iterator's ``Progress`` advances with it. Each host batch therefore travels with a
+snapshot of that progress (a ``Tagged`` leaf, which the copy leaves alone), and the facade's own
+``Progress`` -- the one the loader saves -- takes the snapshot of the batch it hands over.
+
+Memory path: with a CUDA device, workers collate straight into pinned staging buffers from a
+``BufferPool`` shared with the prefetcher, which returns each buffer to the pool once the copy
+that reads it has completed (its CUDA event). Without ``device``, ``pin_memory=True`` collates
+straight into torch's pinned host allocator: one copy instead of collate-then-pin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from threadloader._state import Progress
+from threadloader.memory import BufferPool, pinned_allocator, pinning_collate
+from threadloader.transfer import DevicePrefetcher, Tagged, device_from_arg
+
+#: Staging buffers per batch in flight: a batch may hold several tensors (inputs, targets...).
+BUFFERS_PER_BATCH = 4
+
+
+def staging_pool(loader: Any) -> BufferPool | None:
+    """The pinned staging pool for ``loader.device``; None when the device is not CUDA."""
+    if loader.device is None or device_from_arg(loader.device).type != "cuda":
+        return None
+    in_flight = (loader.prefetch_factor or 1) * max(loader.num_workers, 1) + loader.device_prefetch
+    return BufferPool(max_buffers=BUFFERS_PER_BATCH * (in_flight + 2))
+
+
+def host_collate(loader: Any, collate_fn: Callable[[Any], Any], pin: bool) -> Callable[[Any], Any]:
+    """The collate function workers run: straight into pinned memory when that is wanted.
+
+    Args:
+        loader: the ThreadDataLoader (its ``_staging`` pool, when ``device`` is CUDA).
+        collate_fn: the loader's collate function.
+        pin: torch's own decision to pin (``pin_memory=True`` and an accelerator present).
+    """
+    staging = getattr(loader, "_staging", None)
+    if staging is not None:
+        return pinning_collate(collate_fn, staging)
+    if pin:
+        return pinning_collate(collate_fn, pinned_allocator)
+    return collate_fn
+
+
+class _HostBatches:
+    """What the transfer thread pulls: host batches, each tagged with the progress after it.
+
+    Holds the epoch iterator strongly: the transfer thread is its only consumer.
+    """
+
+    def __init__(self, epoch: Any) -> None:
+        self._epoch = epoch
+
+    def __iter__(self) -> _HostBatches:
+        return self
+
+    def __next__(self) -> Tagged[Any]:
+        batch = next(self._epoch)
+        progress: Progress = self._epoch._progress
+        snapshot = dataclasses.replace(
+            progress,
+            dataset_states=list(progress.dataset_states or []) or None,
+            workers_alive=list(progress.workers_alive),
+        )
+        return Tagged(batch, snapshot)
+
+
+def _close(prefetcher: DevicePrefetcher[Any]) -> None:
+    prefetcher.close()
+
+
+class DeviceEpochIterator:
+    """One epoch, batches on ``loader.device``; what ``iter(loader)`` returns with ``device=``.
+
+    Args:
+        loader: the ThreadDataLoader.
+        epoch: the host-side epoch iterator, which only the transfer thread will drain.
+        persistent: the epoch iterator outlives this epoch (persistent workers): closing this
+            must not close it.
+    """
+
+    def __init__(self, loader: Any, epoch: Any, persistent: bool) -> None:
+        self._progress = dataclasses.replace(epoch._progress)  # what the loop has received
+        self._stats = epoch._stats
+        self._epoch_ref = weakref.ref(epoch)
+        self._prefetcher: DevicePrefetcher[Any] = DevicePrefetcher(
+            _HostBatches(epoch),
+            loader.device,
+            loader.device_prefetch,
+            pool=getattr(loader, "_staging", None),
+            on_close=None if persistent else epoch.close,
+            name=f"threadloader-{id(self):x}-transfer",
+        )
+        self._finalizer = weakref.finalize(self, _close, self._prefetcher)
+        self._issued = 0.0
+
+    def __iter__(self) -> DeviceEpochIterator:
+        return self
+
+    def __len__(self) -> int:
+        epoch = self._epoch_ref()
+        return len(epoch) if epoch is not None else 0
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        delivered = False
+        try:
+            tagged = next(self._prefetcher)
+            delivered = True
+        except StopIteration:
+            self._progress.exhausted = True
+            raise
+        except KeyboardInterrupt:
+            self.close()
+            raise
+        finally:
+            self._stats.on_consumer_wait(time.perf_counter() - start, delivered)
+        self._progress.__dict__.update(tagged.tag.__dict__)
+        issued = self._prefetcher.stats().issue_s
+        self._stats.caller.add("transfer", issued - self._issued)
+        self._issued = issued
+        return tagged.batch
+
+    def close(self) -> None:
+        """Stop the transfer thread (and, unless persistent, the workers). Idempotent."""
+        self._finalizer()
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        raise RuntimeError("a device epoch is not reset; iter(loader) makes a new one")
+
+
+def check_device_args(device: Any, device_prefetch: Any) -> None:
+    """Validate ``device=`` and ``device_prefetch=`` at construction, naming the bad value.
+
+    Raises:
+        ValueError, RuntimeError, TypeError: see ``transfer.device_from_arg``.
+        ValueError: ``device_prefetch`` is not an int >= 1.
+    """
+    is_int = isinstance(device_prefetch, int) and not isinstance(device_prefetch, bool)
+    if not is_int or device_prefetch < 1:
+        raise ValueError(f"device_prefetch must be an int >= 1, got {device_prefetch!r}")
+    if device is not None:
+        device_from_arg(device)

@@ -5,17 +5,33 @@ process per worker, pickling batches through shared memory, or copying the datas
 worker::
 
     from threadloader import ThreadDataLoader   # was: from torch.utils.data import DataLoader
+
+Beyond the loader: O(1)-memory rescalable samplers (``samplers``), token streams and live data
+mixing (``streams``), remote objects with retries and a cache (``remote``), pinned-memory
+collation and a CUDA-stream transfer stage (``memory``, ``transfer``), and per-epoch stats.
 """
 
 from threadloader.loader import ThreadDataLoader
+from threadloader.memory import BufferPool, pinned_collate
+from threadloader.remote import RemoteFiles
 from threadloader.samplers import DistributedShuffleSampler, ShuffleSampler
 from threadloader.stats import LoaderStats, StageStats
+from threadloader.streams import BlockShuffleSampler, Mixture, MixtureSampler, TokenWindows
+from threadloader.transfer import DevicePrefetcher
 
 __all__ = [
+    "BlockShuffleSampler",
+    "BufferPool",
+    "DevicePrefetcher",
     "DistributedShuffleSampler",
     "LoaderStats",
+    "Mixture",
+    "MixtureSampler",
+    "RemoteFiles",
     "ShuffleSampler",
     "StageStats",
     "ThreadDataLoader",
+    "TokenWindows",
+    "pinned_collate",
 ]
 assert sorted(__all__) == __all__

@@ -106,3 +106,15 @@ def test_workers_parked_at_limit_zero_never_stall_the_epoch(monkeypatch) -> None
     it = iter(loader)
     it._pool.gate.set_limit(0)  # as if the controller had already settled on 0
     assert torch.equal(torch.cat(list(it)), torch.arange(40))
+
+
+@pytest.mark.timeout(30)
+def test_persistent_workers_parked_at_limit_zero_start_the_next_epoch(monkeypatch) -> None:
+    """Workers parked at the gate across an epoch boundary do not stall the next epoch."""
+    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    loader = ThreadDataLoader(SlowInit(), batch_size=4, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    it._pool.gate.set_limit(0)  # parked for the whole first epoch
+    first = torch.cat(list(it))
+    second = torch.cat(list(loader))
+    assert torch.equal(first, torch.arange(40)) and torch.equal(second, torch.arange(40))

@@ -49,7 +49,7 @@ from threadloader._state import (
     dataset_is_stateful,
     warn_replay,
 )
-from threadloader._workers import Result, Task, WorkerPool, WorkerSpec
+from threadloader._workers import NewEpoch, Result, Task, WorkerPool, WorkerSpec
 from threadloader.stats import EpochStats
 
 if TYPE_CHECKING:
@@ -285,6 +285,10 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         if not worker.busy.acquire(blocking=False):
             return None  # the worker is running something: let it
         try:
+            head = worker.tasks.head()
+            if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
+                # A worker parked at the gate has not seen its new epoch: start it on its behalf.
+                worker.start_epoch(head.generation)
             if not worker.ready or not worker.tasks.take_head_if(task):
                 return None
             previous = _worker_info.swap(worker.info)

@@ -103,6 +103,11 @@ class BoundedQueue(Generic[T]):
                 self._cond.wait()
             return self._items[0]
 
+    def head(self) -> T | None:
+        """The oldest item, left in place, or None when empty (a snapshot)."""
+        with self._cond:
+            return self._items[0] if self._items else None
+
     def take_head_if(self, wanted: object) -> bool:
         """Remove the oldest item if it ``is`` ``wanted``; return whether it was removed.
 

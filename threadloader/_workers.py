@@ -58,7 +58,7 @@ class Task:
 
 
 @dataclass(frozen=True)
-class _NewEpoch:
+class NewEpoch:
     """Control message for persistent workers: start over on a fresh dataset iterator."""
 
     generation: int
@@ -130,7 +130,7 @@ class Worker:
         is_iterable = spec.dataset_kind == _DatasetKind.Iterable
         dataset = copy.copy(spec.dataset) if is_iterable else spec.dataset
         self.info = _make_worker_info(spec, worker_id, base_seed, dataset)
-        self.tasks: BoundedQueue[Task | _NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
+        self.tasks: BoundedQueue[Task | NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
         self.busy = threading.Lock()
         self.ready = False  # worker_init_fn ran and the fetcher exists (set under `busy`)
         self.generation = 0
@@ -229,7 +229,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
             msg = worker.tasks.peek()
         except QueueClosed:
             return
-        if isinstance(msg, _NewEpoch):
+        if isinstance(msg, NewEpoch):
             with worker.busy:
                 if worker.tasks.take_head_if(msg):
                     worker.start_epoch(msg.generation)
@@ -292,7 +292,7 @@ class WorkerPool:
         recorders: list[StageRecorder],
     ) -> None:
         n = spec.num_workers
-        # Bounds (see _queues): each worker holds at most max_tasks tasks plus one _NewEpoch;
+        # Bounds (see _queues): each worker holds at most max_tasks tasks plus one NewEpoch;
         # results hold at most the tasks in flight plus one stale result per worker.
         self.results: BoundedQueue[Result] = BoundedQueue(max_tasks + 2 * n, f"{name}-results")
         self.workers = [Worker(spec, i, base_seed, max_tasks + 1, recorders[i]) for i in range(n)]
@@ -333,7 +333,7 @@ class WorkerPool:
         """
         self.generation += 1
         for w in self.workers:
-            w.tasks.replace_all(_NewEpoch(self.generation))
+            w.tasks.replace_all(NewEpoch(self.generation))
         return self.generation
 
     def close(self, wait: bool = True) -> None:

@@ -118,6 +118,7 @@ class ConcurrencyController:
         self._settle_windows = SETTLE_WINDOWS_MIN
         self._warmup = WARMUP_WINDOWS
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
+        self._alone_won = False  # the last comparison of limit 0 with 1 favoured 0
 
     def on_batch(self) -> int | None:
         """Count one delivered batch; returns the new limit when it changes, else None."""
@@ -139,11 +140,7 @@ class ConcurrencyController:
         That is the GIL-bound signature: with a limit of 1 the training thread still runs the
         batches the worker has not started, so two threads fetch; only at 0 is it one.
         """
-        if self.minimum != 0 or self.limit != 0:
-            return False
-        alone = self._rates.get(0, 0.0)
-        more = [r for k, r in self._rates.items() if k >= 1]
-        return bool(more) and max(more) < alone
+        return self.minimum == 0 and self.limit == 0 and self._alone_won
 
     def _decide(self, rate: float) -> int | None:
         if self._warmup:
@@ -155,6 +152,9 @@ class ConcurrencyController:
             base = self._rates.get(self._settled_at, 0.0)
             lower = self.limit < self._settled_at
             keep = rate >= base * (KEEP_LOWER if lower else KEEP_HIGHER)
+            if self.limit == 0 or self._settled_at == 0:
+                # A comparison between the training thread alone and with workers.
+                self._alone_won = keep if self.limit == 0 else not keep
             if keep:
                 self._settled_at = self.limit
                 self._settle_windows = SETTLE_WINDOWS_MIN

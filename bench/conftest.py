@@ -42,6 +42,14 @@ MEMORY_GOAL = 1.25
 _STORE_KEY = pytest.StashKey["BenchStore"]()
 
 
+def _load_average() -> float:
+    """The 1-minute load average, or -1 where the OS has none: tells how noisy a run was."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return -1.0
+
+
 @dataclasses.dataclass
 class ThroughputRow:
     """One measured round of one loader on one workload."""
@@ -73,6 +81,7 @@ class BenchStore:
     throughput: list[ThroughputRow] = dataclasses.field(default_factory=list)
     memory: list[MemoryRow] = dataclasses.field(default_factory=list)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    load_at_start: float = dataclasses.field(default_factory=lambda: _load_average())
 
     def add_throughput(self, **fields: Any) -> None:
         """Record a :class:`ThroughputRow` and fill the ratios its round now allows."""
@@ -208,10 +217,18 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     tr = terminalreporter
     med = store.medians()
     tr.section("threadloader: loader comparison (medians of interleaved rounds)")
+    load_at_end = _load_average()
+    cpus = os.cpu_count() or 1
     tr.write_line(
-        f"size={store.size}, rounds={store.rounds}, cpus={os.cpu_count()}; ratios are medians "
-        "of per-round ratios"
+        f"size={store.size}, rounds={store.rounds}, cpus={cpus}, load average "
+        f"{store.load_at_start:.1f} at start, {load_at_end:.1f} at end; ratios are medians of "
+        "per-round ratios"
     )
+    if max(store.load_at_start, load_at_end) > cpus:
+        tr.write_line(
+            "note: the load average exceeded the cpu count: other jobs shared the machine, "
+            "so single rounds are noisy; compare the per-round ratios below"
+        )
     if med:
         tr.write_line("")
         header = f"{'workload':9s}{'loader':44s}{'samples/s':>11s}{'1st batch':>11s}"
@@ -258,6 +275,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
                     "size": store.size,
                     "rounds": store.rounds,
                     "cpus": os.cpu_count(),
+                    "load_average": [store.load_at_start, load_at_end],
                     "throughput": med,
                     "memory": mem,
                     "goals": goals,

@@ -158,6 +158,22 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
+    def redispatch(self) -> None:
+        """Drop every batch dispatched and not delivered, and dispatch again from the sampler.
+
+        For a sampler that was just rewound to the delivered position (a live mixture-weight
+        change): in-flight results become stale (new generation) and are discarded on arrival.
+        """
+        if not self._in_order:
+            raise ValueError("a live change of the index stream needs in_order=True")
+        self._generation = self._pool.new_epoch()
+        self._task_info.clear()
+        self._send_idx = self._rcvd_idx
+        self._tasks_outstanding = 0
+        self._workers_num_tasks = [0] * self._num_workers
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
     def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
         if self._tasks_outstanding >= max_tasks:

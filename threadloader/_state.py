@@ -199,6 +199,13 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
     }
 
 
+def _sampler_checks_sources(loader: Any) -> bool:
+    """A MixtureSampler checks each source's length by name; sources may be added at restart."""
+    from threadloader.streams import MixtureSampler
+
+    return isinstance(loader.sampler, MixtureSampler)
+
+
 def _length(dataset: Any) -> int | None:
     try:
         return len(dataset)
@@ -246,7 +253,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     if state["dataset_kind"] != kind:
         raise ValueError(f"loader state is for a {state['dataset_kind']} dataset, this is {kind}")
     length = _length(loader.dataset) if kind == "map" else None
-    if state["dataset_length"] != length:
+    if state["dataset_length"] != length and not _sampler_checks_sources(loader):
         raise ValueError(
             f"loader state is for a dataset of length {state['dataset_length']}, "
             f"this dataset has length {length}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -139,6 +140,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = 0
         self._resume: Resume | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
+        self._host_epoch: weakref.ref[Any] | None = None
         self._stats: EpochStats | None = None  # likewise
 
     def __iter__(self) -> Any:
@@ -150,6 +152,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         it: Any = super().__iter__()
+        self._host_epoch = weakref.ref(it)
         if self.device is not None:
             persistent = self._iterator is not None
             it = DeviceEpochIterator(self, it, persistent)
@@ -180,6 +183,43 @@ class ThreadDataLoader(DataLoader[T_co]):
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
         return ThreadedDataLoaderIter(self, resume)
+
+    def set_mixture_weights(self, weights: Mapping[str, float]) -> int:
+        """Change a ``threadloader.Mixture``'s weights from the next batch the loop requests.
+
+        The batches workers prefetched under the old weights are dropped and fetched again
+        (map-style: only indices are recomputed, the data is read once). The change is recorded
+        in the sampler's state with its position, so a resume reproduces the stream. With
+        ``device=``, the ``device_prefetch`` batches already on the device keep the old weights.
+
+        Args:
+            weights: source name -> weight (see ``Mixture.set_weights``).
+
+        Returns:
+            The global stream position the new weights take effect from.
+
+        Raises:
+            TypeError: the loader's sampler is not a ``MixtureSampler``.
+            ValueError: the weights are invalid (see ``Mixture.set_weights``).
+        """
+        from threadloader.streams import MixtureSampler
+
+        sampler = self.sampler
+        if not isinstance(sampler, MixtureSampler):
+            raise TypeError(
+                f"set_mixture_weights needs a MixtureSampler, this loader samples with "
+                f"{type(sampler).__name__}"
+            )
+        mixture: Any = self.dataset
+        epoch = self._host_epoch() if self._host_epoch is not None else None
+        if epoch is None or self._progress is None or self._progress.exhausted:
+            return int(mixture.set_weights(weights))
+        consumed = self._progress.batches * (self.batch_size or 1)
+        position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
+        redispatch = getattr(epoch, "redispatch", None)
+        if redispatch is not None:
+            redispatch()
+        return position
 
     def state_dict(self) -> dict[str, Any]:
         """Where the training loop stands: enough for ``load_state_dict`` to resume exactly.

@@ -21,7 +21,7 @@ import threading
 import time
 
 #: A window is at least this long and this many batches before its rate counts.
-WINDOW_S = 0.05
+WINDOW_S = 0.02
 WINDOW_BATCHES = 8
 #: Keep a lower limit when its rate is at least this fraction of the current one.
 KEEP_LOWER = 0.95

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-from threadloader import transfer
 from threadloader.transfer import DevicePrefetcher, Tagged, device_from_arg
 
 
@@ -364,7 +363,12 @@ def test_cpu_device_resolves_to_cpu() -> None:
     assert device_from_arg(torch.device("cpu:0")) == torch.device("cpu")
 
 
-def test_private_exit_hook_api_exists() -> None:
-    """The exit hook relies on threading._register_atexit (a private API): pin it."""
-    assert callable(threading._register_atexit)  # type: ignore[attr-defined]
-    assert transfer._register_exit_hook is not None
+def test_a_live_prefetcher_is_closed_by_the_exit_hook() -> None:
+    """The shared exit hook tracks a running prefetcher and forgets it once closed."""
+    from threadloader import _exit_hook
+
+    p = DevicePrefetcher(iter(range(100)), "cpu", depth=2)
+    assert p._transfer in set(_exit_hook._live)
+    _exit_hook._close_all()  # what interpreter exit runs
+    assert not p.thread.is_alive()
+    assert p._transfer not in set(_exit_hook._live)

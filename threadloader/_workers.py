@@ -20,7 +20,6 @@ import copy
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ from torch.utils.data._utils.worker import (
     _IterableDatasetStopIteration,
 )
 
-from threadloader import _worker_info
+from threadloader import _exit_hook, _worker_info
 from threadloader._concurrency import Gate
 from threadloader._fetch import Fetcher
 from threadloader._queues import BoundedQueue, QueueClosed
@@ -251,27 +250,6 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
         del msg  # a blocked peek() must not pin the last batch's task (CPython's thread.py)
 
 
-_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def _close_all_at_exit() -> None:
-    for pool in list(_live_pools):
-        pool.close()
-
-
-def _register_exit_hook() -> None:
-    # threading._register_atexit runs inside threading._shutdown(), *before* the interpreter joins
-    # non-daemon threads; a plain atexit hook runs after that join, i.e. too late to matter.
-    # Private API, pinned by tests/test_shutdown.py.
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if not _exit_hook_registered:
-            threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
-            _exit_hook_registered = True
-
-
 class WorkerPool:
     """The worker threads of one iterator: started together, closed and joined together.
 
@@ -301,15 +279,14 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._threads: list[threading.Thread] = []
-        _register_exit_hook()
-        _live_pools.add(self)
+        _exit_hook.track(self)
         try:
             for w in self.workers:
                 t = threading.Thread(
                     target=_worker_loop,
                     args=(w, self.gate, self.results),
                     name=f"{name}-worker{w.id}",
-                    daemon=True,  # never block exit; _close_all_at_exit joins them first
+                    daemon=True,  # never block exit; the exit hook joins them first
                 )
                 t.start()
                 self._threads.append(t)
@@ -357,4 +334,4 @@ class WorkerPool:
         for t in self._threads:
             if t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))
-        _live_pools.discard(self)
+        _exit_hook.untrack(self)

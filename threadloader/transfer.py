@@ -45,6 +45,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from threadloader import _exit_hook
 from threadloader.memory import _DESCEND, BufferPool, PoolStats, _map_batch
 
 __all__ = ["DevicePrefetcher", "Tagged", "TransferStats", "device_from_arg"]
@@ -368,7 +369,7 @@ class _Transfer:
             target=_transfer_loop,
             args=(self, source),
             name=name,
-            daemon=True,  # never block exit; _close_all_at_exit joins it first
+            daemon=True,  # never block exit; the exit hook joins it first
         )
 
     def next(self) -> Any:
@@ -421,7 +422,7 @@ class _Transfer:
         if self.thread.ident is not None and self.thread is not threading.current_thread():
             self.thread.join(JOIN_TIMEOUT_S)
         self.source = None  # the source (an epoch and its workers) may now be collected
-        _live.discard(self)
+        _exit_hook.untrack(self)
         if error is not None:
             try:
                 raise error
@@ -470,26 +471,6 @@ def _finish(handoff: _Handoff, failure: _Failure | None) -> None:
         handoff.put(failure)
     if handoff.take_slot():
         handoff.put(_END)
-
-
-_live: weakref.WeakSet[_Transfer] = weakref.WeakSet()
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def _close_all_at_exit() -> None:
-    for transfer in list(_live):
-        transfer.close()
-
-
-def _register_exit_hook() -> None:
-    # threading._register_atexit runs inside threading._shutdown(), before the interpreter joins
-    # non-daemon threads; a plain atexit hook would run after that join (see _workers).
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if not _exit_hook_registered:
-            threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
-            _exit_hook_registered = True
 
 
 class DevicePrefetcher(Generic[T]):
@@ -551,8 +532,7 @@ class DevicePrefetcher(Generic[T]):
         )
         # The finalizer holds the _Transfer, never self: break, del and GC all end the thread.
         self._finalizer = weakref.finalize(self, self._transfer.close)
-        _register_exit_hook()
-        _live.add(self._transfer)
+        _exit_hook.track(self._transfer)
         try:
             self._transfer.thread.start()
         except BaseException:

@@ -1,0 +1,233 @@
+"""PyTorch Lightning: thread-safe worker seeding, and a callback that logs the loader's stats.
+
+Imported only where Lightning is installed, as ``lightning`` (``lightning.pytorch``) or
+``pytorch_lightning``; ``import threadloader`` never imports it::
+
+    from threadloader.lightning import ThreadLoaderMonitor
+    trainer = Trainer(callbacks=[ThreadLoaderMonitor(every_n_steps=50)])
+
+What works with no help from this module (``tests/test_lightning.py`` proves each):
+
+- ``Trainer.fit`` with a ThreadDataLoader returned by a LightningModule or LightningDataModule,
+  also under ``strategy="ddp"`` / ``"ddp_spawn"``. Lightning re-creates the loader to insert its
+  ``DistributedSampler``, from the ``__init__`` arguments it recorded or from the instance's
+  attributes; every ThreadDataLoader option is stored as an attribute of its own name, so every
+  option, keyword-only ones included, survives either way.
+- Checkpoints: Lightning saves the train loader's ``state_dict()`` and, for ``fit(ckpt_path=...)``
+  from a mid-epoch checkpoint, calls ``load_state_dict()`` before ``iter()``: the epoch resumes
+  with the batches not trained on yet, each rank its own.
+- ``Fabric.setup_dataloaders``.
+
+Where Lightning and a stateful loader meet, and what follows:
+
+- Lightning writes checkpoints on rank 0, so every rank resumes from rank 0's loader state. That
+  is right for map-style datasets (ranks advance in lockstep, and each rank re-derives its own
+  indices from its own sampler) and wrong for an IterableDataset that shards by rank: save each
+  rank's ``state_dict()`` yourself then.
+- An IterableDataset without ``__len__``: Lightning fetches one batch ahead of ``training_step``
+  to know which batch is the last, so a checkpoint's loader state already counts that batch, and
+  a resume skips it.
+- ``DistributedShuffleSampler`` (resumes on another world size): pass it with
+  ``Trainer(use_distributed_sampler=False)``; otherwise Lightning wraps it in its
+  ``DistributedSamplerWrapper``, which materialises every index and deals them out again by rank.
+- A checkpoint taken at the end of an epoch does not restore loader state (Lightning's choice):
+  the next epoch starts from the sampler's ``set_epoch``, as with torch's DataLoader.
+- ``seed_everything(workers=True)`` installs a ``worker_init_fn`` that reseeds the process-global
+  RNGs: see ``thread_worker_init_fn``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import get_worker_info
+
+from threadloader.loader import ThreadDataLoader
+
+
+def _import_lightning() -> tuple[Any, Any]:
+    """Lightning's trainer package and its fabric package: ``lightning``'s, else the standalone."""
+    for trainer, fabric in (
+        ("lightning.pytorch", "lightning.fabric"),
+        ("pytorch_lightning", "lightning_fabric"),
+    ):
+        try:
+            return importlib.import_module(trainer), importlib.import_module(fabric)
+        except ImportError:
+            continue
+    raise ImportError(
+        "threadloader.lightning needs PyTorch Lightning: pip install lightning "
+        "(or pytorch-lightning)"
+    )
+
+
+pl, _fabric = _import_lightning()
+_seed = importlib.import_module(_fabric.__name__ + ".utilities.seed")
+pl_worker_init_function = _seed.pl_worker_init_function
+rank_zero_only = importlib.import_module(_fabric.__name__ + ".utilities.rank_zero").rank_zero_only
+_Callback: Any = pl.Callback
+
+__all__ = [
+    "ThreadLoaderMonitor",
+    "for_threads",
+    "is_lightning_worker_init_fn",
+    "thread_worker_init_fn",
+]
+
+#: Where Lightning's process-worker seeding lives, in either distribution of Lightning.
+_LIGHTNING_SEEDING = frozenset(
+    {
+        ("lightning_fabric.utilities.seed", "pl_worker_init_function"),
+        ("lightning.fabric.utilities.seed", "pl_worker_init_function"),
+    }
+)
+
+
+def is_lightning_worker_init_fn(fn: object) -> bool:
+    """Whether ``fn`` is Lightning's ``pl_worker_init_function``, bare or in a ``partial``."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    key = (getattr(target, "__module__", None), getattr(target, "__qualname__", None))
+    return key in _LIGHTNING_SEEDING
+
+
+def thread_worker_init_fn(worker_id: int, rank: int | None = None) -> None:
+    """Lightning's worker seeding, for a worker thread: seed its own generators, not the process's.
+
+    ``seed_everything(workers=True)`` makes Lightning set every loader's ``worker_init_fn`` to
+    ``pl_worker_init_function``, which reseeds the process-global ``torch``, ``random`` and
+    ``numpy`` RNGs from the worker's base seed, its id and the global rank. In a worker process
+    those RNGs are the worker's own. In a worker thread they are the training thread's and every
+    other worker's: each worker's start would reseed the training loop's RNG (dropout, sampling)
+    at a moment that depends on thread scheduling, and the workers would draw from one shared,
+    racing stream.
+
+    This function mixes the same three numbers (``np.random.SeedSequence``) into the generators
+    of the calling worker only: ``get_worker_info().rng``, which
+    ``torch.random.thread_safe_generator()`` returns. So each worker, and each rank, draws its
+    own augmentations, a rerun draws the same ones, and the process-global RNGs are left alone.
+    In a worker process (no thread ``rng``) it is Lightning's own function.
+
+    Args:
+        worker_id: the worker's id, as torch passes it.
+        rank: the global rank (Lightning binds it); by default torch.distributed's, else the
+            one Lightning read from the environment.
+    """
+    info = get_worker_info()
+    if info is None or info.worker_method != "thread" or info.rng is None:
+        pl_worker_init_function(worker_id, rank)
+        return
+    global_rank = rank if rank is not None else _global_rank()
+    base_seed = info.seed - worker_id  # the epoch's base seed, as Lightning backs it out
+    seeds = np.random.SeedSequence([base_seed, worker_id, global_rank])
+    torch_seed, python_seed = (int(s) for s in seeds.generate_state(2, dtype=np.uint64))
+    rng = info.rng
+    rng.torch_generator.manual_seed(torch_seed)
+    rng.random_generator.seed(python_seed)
+    if isinstance(rng.numpy_generator, np.random.Generator):
+        bits = rng.numpy_generator.bit_generator  # the Generator is shared: reseed it in place
+        bits.state = type(bits)(seeds.spawn(1)[0]).state
+
+
+def _global_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(getattr(rank_zero_only, "rank", 0) or 0)  # what Lightning read from the env
+
+
+def for_threads(worker_init_fn: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """Return ``worker_init_fn``, or ``thread_worker_init_fn`` in place of Lightning's seeding.
+
+    The rank Lightning bound into its ``partial`` is kept.
+    """
+    if not is_lightning_worker_init_fn(worker_init_fn):
+        return worker_init_fn
+    if isinstance(worker_init_fn, functools.partial):
+        return functools.partial(
+            thread_worker_init_fn, *worker_init_fn.args, **worker_init_fn.keywords
+        )
+    return thread_worker_init_fn
+
+
+def _thread_loaders(tree: Any, name: str = "") -> Iterator[tuple[str, ThreadDataLoader[Any]]]:
+    """Each ThreadDataLoader in a Lightning train-dataloader structure, with a name for it."""
+    if isinstance(tree, ThreadDataLoader):
+        yield name, tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _thread_loaders(value, f"{name}/{key}" if name else str(key))
+    elif isinstance(tree, Sequence) and not isinstance(tree, (str, bytes)):
+        for i, value in enumerate(tree):
+            yield from _thread_loaders(value, f"{name}/{i}" if name else str(i))
+
+
+class ThreadLoaderMonitor(_Callback):
+    """Log each ThreadDataLoader's data wait and throughput to the Trainer's loggers.
+
+    Every ``every_n_steps`` training batches it reads ``loader.stats()`` and logs, over the
+    batches since its previous log (or since the epoch started):
+
+    - ``threadloader/wait_fraction``: share of wall time ``training_step``'s loop spent blocked
+      in ``next()``; near 0 the loader keeps up, near 1 training is data-bound;
+    - ``threadloader/batches_per_s`` and, with a ``batch_size``, ``threadloader/samples_per_s``;
+    - ``threadloader/workers_fetching``: how many worker threads may fetch at once (adaptive).
+
+    With several train loaders, each metric name carries the loader's key or position
+    (``threadloader/<key>/wait_fraction``). Metrics are logged at ``trainer.global_step``
+    through ``trainer.loggers``, which write on rank 0 only, so they describe rank 0's loader.
+
+    Args:
+        every_n_steps: log after every this many training batches.
+
+    Raises:
+        ValueError: ``every_n_steps`` is below 1.
+    """
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._batches = 0
+        self._last: dict[str, tuple[int, float, float]] = {}  # name -> batches, wall_s, wait_s
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Count the batch; every ``every_n_steps`` batches, log the loaders' stats."""
+        self._batches += 1
+        if self._batches % self.every_n_steps:
+            return
+        metrics = self.metrics(trainer.train_dataloader)
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    def metrics(self, loaders: Any) -> dict[str, float]:
+        """The metrics for ``loaders`` (a loader, or a list or dict of them) since the last call.
+
+        Loaders that are not ThreadDataLoaders, or have not started an epoch, are skipped.
+        """
+        metrics: dict[str, float] = {}
+        for name, loader in _thread_loaders(loaders):
+            try:
+                stats = loader.stats()
+            except RuntimeError:  # no epoch started yet
+                continue
+            batches, wall, wait = stats.batches, stats.wall_s, stats.wait_s
+            last = self._last.get(name)
+            if last is not None and batches >= last[0] and wall >= last[1]:  # same epoch
+                batches, wall, wait = batches - last[0], wall - last[1], wait - last[2]
+            self._last[name] = (stats.batches, stats.wall_s, stats.wait_s)
+            prefix = f"threadloader/{name}/" if name else "threadloader/"
+            metrics[prefix + "wait_fraction"] = wait / wall if wall > 0 else 0.0
+            metrics[prefix + "batches_per_s"] = batches / wall if wall > 0 else 0.0
+            if loader.batch_size:
+                metrics[prefix + "samples_per_s"] = (
+                    batches * loader.batch_size / wall if wall else 0.0
+                )
+            metrics[prefix + "workers_fetching"] = float(stats.concurrency_limit)
+        return metrics

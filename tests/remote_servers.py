@@ -69,7 +69,9 @@ class Faults:
     latency_s: float = 0.0
     error_rate: float = 0.0  # share of requests answered 503
     reset_rate: float = 0.0  # share of requests whose connection is reset, no answer
-    truncate_rate: float = 0.0  # share answered with half the body, then the connection closed
+    truncate_rate: float = 0.0  # share answered with part of the body, then the connection closed
+    truncate_first: int = 0  # the first N requests of every path answer a truncated body
+    truncate_keep: float = 0.5  # share of the body a truncated answer sends (0: none of it)
     fail_first: int = 0  # the first N requests of every path answer 503
     always_fail: frozenset[str] = frozenset()  # these paths always answer 503
     status_for: Mapping[str, int] = dataclasses.field(default_factory=dict)  # fixed answers
@@ -167,6 +169,8 @@ class FaultyHTTPServer:
             return "status"
         if path in f.always_fail or seen <= f.fail_first:
             return "503"
+        if seen <= f.fail_first + f.truncate_first:
+            return "truncate"
         for kind, rate in (("reset", f.reset_rate), ("503", f.error_rate)):
             if draw < rate:
                 return kind
@@ -187,8 +191,7 @@ class FaultyHTTPServer:
 
     def _handle(self, h: _Handler) -> None:
         path = h.path.lstrip("/")
-        length = int(h.headers.get("Content-Length") or 0)
-        request_body = h.rfile.read(length) if length else b""
+        request_body = _read_request_body(h)
         if self.faults.latency_s:
             time.sleep(self.faults.latency_s)
         fault = self._decide(path.split("?")[0])
@@ -208,18 +211,19 @@ class FaultyHTTPServer:
                 h.send_header("Retry-After", self.faults.retry_after)
             h.send_header("Content-Length", str(len(body)))
             h.end_headers()
-            h.wfile.write(body)
+            if h.command != "HEAD":  # an answer to HEAD has no body, whatever its length says
+                h.wfile.write(body)
             return
         status, headers, body = self._answer(h, path, request_body)
         h.send_response(status)
         for name, value in headers:
             h.send_header(name, value)
-        h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         if h.command == "HEAD":
             return
-        if fault == "truncate" and status == 200 and len(body) > 1:
-            h.wfile.write(body[: len(body) // 2])
+        if fault == "truncate" and status == 200 and body:
+            # Content-Length announced the whole body: the client must notice the shortfall.
+            h.wfile.write(body[: min(int(len(body) * self.faults.truncate_keep), len(body) - 1)])
             h.close_connection = True
             return
         h.wfile.write(body)
@@ -227,22 +231,52 @@ class FaultyHTTPServer:
     def _answer(
         self, h: _Handler, path: str, request_body: bytes
     ) -> tuple[int, list[tuple[str, str]], bytes]:
+        """Status, headers (Content-Length included) and body of the answer to ``h``.
+
+        For HEAD the body is empty but Content-Length is the length a GET would have: the
+        object's size, which clients read from it (s3fs's ``info()``), not 0.
+        """
         if self.upstream is None:
             data = self.objects.get(path)
             if data is None:
-                return 404, [], b"not found"
-            return 200, [("Content-Type", "application/octet-stream")], data
+                return 404, [("Content-Length", "9")], b"not found"
+            length = ("Content-Length", str(len(data)))
+            return 200, [("Content-Type", "application/octet-stream"), length], data
         conn = http.client.HTTPConnection(self.upstream, timeout=30)
         try:
-            headers = {k: v for k, v in h.headers.items() if k.lower() != "connection"}
-            conn.request(h.command, h.path, body=request_body, headers=headers)
+            hop = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+            headers = {k: v for k, v in h.headers.items() if k.lower() not in hop}
+            if request_body or h.command in ("PUT", "POST"):
+                headers["Content-Length"] = str(len(request_body))  # the body, de-chunked
+            conn.request(h.command, h.path, body=request_body or None, headers=headers)
             resp = conn.getresponse()
-            body = resp.read()
-            skip = {"connection", "content-length", "transfer-encoding", "keep-alive", "date"}
-            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in skip]
+            body = resp.read()  # de-chunked; empty for HEAD
+            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in hop | {"date"}]
+            if h.command == "HEAD":
+                length = resp.getheader("Content-Length")
+                if length is not None:
+                    kept.append(("Content-Length", length))
+            else:
+                kept.append(("Content-Length", str(len(body))))
             return resp.status, kept, body
         finally:
             conn.close()
+
+
+def _read_request_body(h: _Handler) -> bytes:
+    """The request's body, whether sent with Content-Length or chunked."""
+    if "chunked" not in (h.headers.get("Transfer-Encoding") or "").lower():
+        length = int(h.headers.get("Content-Length") or 0)
+        return h.rfile.read(length) if length else b""
+    chunks = []
+    while True:
+        size = int(h.rfile.readline().split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            while h.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                pass
+            return b"".join(chunks)
+        chunks.append(h.rfile.read(size))
+        h.rfile.readline()  # the CRLF after each chunk
 
 
 class MotoS3:
@@ -280,7 +314,11 @@ class MotoS3:
 
 
 def s3_storage_options(endpoint: str) -> dict[str, Any]:
-    """s3fs options for a loopback endpoint, with the client's own retries off (ours retry)."""
+    """s3fs options for a loopback endpoint, with botocore's retries off (ours retry).
+
+    s3fs's own loop (``S3FileSystem.retries``, not an option) still retries broken connections
+    and truncated bodies inside one of our tries; error statuses (503) reach our retries.
+    """
     return {
         "key": "testing",
         "secret": "testing",

@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import logging
 import pickle
+import socket
 import subprocess
 import sys
 import textwrap
@@ -100,6 +101,58 @@ def test_s3_objects_arrive_once_per_epoch_through_a_failing_proxy(moto: MotoS3) 
             assert ds.stats().retries > 0 and sum(proxy.injected.values()) > 0
         finally:
             ds.close()
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5])
+def test_a_body_shorter_than_its_content_length_is_retried_never_delivered(
+    server: FaultyHTTPServer, keep: float
+) -> None:
+    """Each object's first answer announces its length, sends none (or half), and closes."""
+    server.faults = Faults(truncate_first=1, truncate_keep=keep)
+    urls = [server.url(f"obj/{i}") for i in range(8)]
+    with RemoteFiles(urls, retry=FAST) as ds:
+        assert ds.__getitems__(list(range(8))) == [OBJECTS[f"obj/{i}"] for i in range(8)]
+        stats = ds.stats()
+    assert server.injected["truncate"] == 8
+    assert stats.retries == 8 and stats.reads == 8 and stats.failures == 0
+
+
+def test_answers_to_head_carry_the_length_but_no_body(server: FaultyHTTPServer) -> None:
+    """A HEAD's answer, 503 or 200, ends after its headers: a body would be read as the next
+    answer on a kept-alive connection. Its Content-Length is the object's, as for a GET."""
+    server.faults = Faults(fail_first=1)
+    answers = []
+    for _ in range(2):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"HEAD /obj/1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            answers.append(b"".join(iter(lambda s=sock: s.recv(65536), b"")))
+    (failed_head, failed_rest), (head, rest) = (a.split(b"\r\n\r\n", 1) for a in answers)
+    assert failed_head.startswith(b"HTTP/1.1 503") and failed_rest == b""
+    assert head.startswith(b"HTTP/1.1 200") and rest == b""
+    assert f"Content-Length: {len(OBJECTS['obj/1'])}".encode() in head
+
+
+def test_the_proxy_forwards_the_object_size_in_head_answers(moto: MotoS3) -> None:
+    """s3fs's info() through the proxy (a HEAD) gives the object's size, not 0."""
+    import fsspec
+
+    bucket = moto.new_bucket({"k": b"0123456789"})
+    with FaultyHTTPServer(upstream=moto.address) as proxy:
+        fs = fsspec.filesystem("s3", **s3_storage_options(proxy.url().rstrip("/")))
+        assert fs.info(f"{bucket}/k")["size"] == 10
+        assert fs.cat_file(f"{bucket}/k") == b"0123456789"
+
+
+def test_s3_reads_through_a_truncating_proxy_deliver_whole_objects(moto: MotoS3) -> None:
+    """GET bodies cut short (or empty) under their Content-Length never arrive as items."""
+    objects = dict(list(OBJECTS.items())[:8])
+    bucket = moto.new_bucket(objects)
+    faults = Faults(truncate_first=2, truncate_keep=0.0)  # each key: its HEAD, then a cut GET
+    with FaultyHTTPServer(upstream=moto.address, faults=faults) as proxy:
+        options = s3_storage_options(proxy.url().rstrip("/"))
+        with RemoteFiles(f"s3://{bucket}/obj/*", storage_options=options, retry=FAST) as ds:
+            assert ds.__getitems__(list(range(8))) == list(objects.values())
+        assert proxy.injected["truncate"] >= 8
 
 
 def test_exhausted_retries_raise_naming_the_url_and_the_last_cause(

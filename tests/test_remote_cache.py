@@ -77,7 +77,8 @@ def test_the_memory_cache_serves_repeats_and_stays_bounded(server: FaultyHTTPSer
     """memory_cache_bytes keeps the most recent objects up to its bound; repeats hit it."""
     urls = _urls(server)[:4]
     bound = sum(len(OBJECTS[f"obj/{i}"]) for i in (2, 3))
-    with RemoteFiles(urls, memory_cache_bytes=bound, retry=FAST) as ds:
+    # One read after another: a concurrent batch fills the cache in the order its reads end.
+    with RemoteFiles(urls, memory_cache_bytes=bound, max_concurrency=0, retry=FAST) as ds:
         ds.__getitems__([0, 1, 2, 3])
         ds.__getitems__([2, 3])
         stats = ds.stats()

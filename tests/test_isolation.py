@@ -1,0 +1,699 @@
+"""isolation="process": the worker threads run in one helper process, and nothing else changes.
+
+The behaviour tests of the in-process loader run here again through the isolated iterator, on
+their own datasets and helpers (imported, not copied): same batches and order as torch, worker
+info and worker_init_fn, errors with their original type and traceback, resume, timeout, stats.
+Then what only isolation has: the helper process never outlives its use, however the epoch
+ends and even when the training process is SIGKILLed; slots are never overwritten while a batch
+is held; the training process starts no thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from helpers import (
+    assert_epochs_equal,
+    assert_outcomes_match,
+    assert_same_multiset,
+    collect,
+    collect_epochs,
+    outcomes,
+    torch_epochs,
+    torch_outcomes,
+    worker_ids_named,
+)
+from test_resume import Ids, StatefulShards, assert_resumes_exactly
+from test_same_batches_as_torch import SCENARIOS, Dicts, Numbers, SizedStream
+from test_worker_errors import (
+    FailsAtFive,
+    StreamFailsInWorkerOne,
+    collate_fails_on_five,
+    init_fails_in_worker_one,
+)
+from test_worker_info import (
+    Labelled,
+    SeedReporter,
+    _seeds_by_worker,
+    keep_list,
+    label_this_workers_copy,
+)
+from torch.utils.data import Dataset, IterableDataset
+
+from threadloader import ThreadDataLoader, _isolated_worker, _isolation
+from threadloader._isolation import IsolatedDataLoaderIter
+
+HELPER_PREFIX = "threadloader-helper-"
+
+
+class IsolatedLoader(ThreadDataLoader[Any]):
+    """``ThreadDataLoader(isolation="process")``, dispatching to the isolated iterator itself.
+
+    Works before and after loader.py routes ``isolation="process"`` to ``IsolatedDataLoaderIter``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, isolation="process", **kwargs)
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        resume, self._resume = self._resume, None
+        self.check_worker_number_rationality()
+        return IsolatedDataLoaderIter(self, resume)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_helper_starts() -> None:
+    # Every helper is forked from the forkserver; one that already imported pytest (which the
+    # test modules holding these datasets import) starts each helper ~0.1 s faster.
+    server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_pid is None:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(
+            ["__main__", "threadloader._isolated_worker", "pytest"]
+        )
+
+
+def _helpers() -> list[Any]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith(HELPER_PREFIX)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if not _gone(p)]
+
+
+@pytest.fixture(autouse=True)
+def _no_helper_left_behind() -> Iterator[None]:
+    threads = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 10
+    while _helpers() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _helpers() == []
+    extra = [t for t in threading.enumerate() if t not in threads and t.name.startswith("thread")]
+    assert extra == [], "isolation started a thread in the training process"
+
+
+# --------------------------------------------------------------------------------------------
+# Same batches as torch
+
+
+SAME_BATCHES = [
+    "sequential",
+    "shuffle with generator",
+    "batch_size None shuffled",
+    "custom batch_sampler object",
+    "drop_last shuffled",
+    "custom collate_fn",
+    "custom collate_fn without batching",
+    "tensors shuffled",
+    "numpy arrays",
+    "numpy arrays without batching",
+    "dicts",
+    "namedtuples",
+    "strings",
+    "__getitems__",
+]
+
+
+@pytest.mark.parametrize("scenario", SAME_BATCHES)
+def test_same_batches_in_same_order_as_dataloader(scenario: str) -> None:
+    """For each sampling/collation scenario, every batch equals torch's, in the same order."""
+    make_dataset, make_kwargs = SCENARIOS[scenario]
+    dataset = make_dataset()
+    theirs = torch_epochs(dataset, **make_kwargs())[0]
+    assert_epochs_equal(collect(IsolatedLoader(dataset, num_workers=2, **make_kwargs())), theirs)
+
+
+def test_three_workers_and_prefetch_factor_give_the_same_batches() -> None:
+    """num_workers=3, prefetch_factor=3: still torch's shuffled batches, in order."""
+    make_dataset, make_kwargs = SCENARIOS["tensors shuffled"]
+    theirs = torch_epochs(make_dataset(), **make_kwargs())[0]
+    loader = IsolatedLoader(make_dataset(), num_workers=3, prefetch_factor=3, **make_kwargs())
+    assert_epochs_equal(collect(loader), theirs)
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_three_shuffled_epochs_match_dataloader(persistent_workers: bool) -> None:
+    """Three epochs of one shuffled loader give torch's three (one helper when persistent)."""
+    kwargs = {"batch_size": 4, "shuffle": True, "persistent_workers": persistent_workers}
+    theirs = torch_epochs(
+        Numbers(), epochs=3, generator=torch.Generator().manual_seed(21), num_workers=2, **kwargs
+    )
+    loader = IsolatedLoader(
+        Numbers(), generator=torch.Generator().manual_seed(21), num_workers=2, **kwargs
+    )
+    pids = set()
+    for epoch in range(3):
+        it = iter(loader)
+        pids.add(it.helper_pid)  # type: ignore[attr-defined]
+        assert_epochs_equal(list(it), theirs[epoch])
+        del it
+    assert len(pids) == (1 if persistent_workers else 3)
+    del loader
+    gc.collect()
+
+
+def test_in_order_false_yields_the_same_multiset_of_batches() -> None:
+    """in_order=False yields torch's batches, each exactly once."""
+    kwargs = {"batch_size": 3, "shuffle": True}
+    theirs = torch_epochs(Dicts(), generator=torch.Generator().manual_seed(8), **kwargs)[0]
+    loader = IsolatedLoader(
+        Dicts(), generator=torch.Generator().manual_seed(8), in_order=False, num_workers=2, **kwargs
+    )
+    assert_same_multiset(collect(loader), theirs)
+
+
+def test_iterable_dataset_is_sharded_and_ordered_like_dataloader() -> None:
+    """An IterableDataset sharded by get_worker_info() gives torch's batches in torch's order."""
+    theirs = torch_epochs(SizedStream(actual=23), batch_size=3, num_workers=2)[0]
+    ours = collect(IsolatedLoader(SizedStream(actual=23), batch_size=3, num_workers=2))
+    assert_epochs_equal(ours, theirs)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker info, seeds, worker_init_fn
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_worker_seeds_equal_torch_process_workers_seeds(persistent_workers: bool) -> None:
+    """Worker w's seed in each of two epochs equals torch's worker w seed for the same generator."""
+    kwargs = {
+        "batch_size": 2, "shuffle": True, "num_workers": 2,
+        "persistent_workers": persistent_workers, "collate_fn": keep_list,
+    }  # fmt: skip
+    theirs = torch_epochs(
+        SeedReporter(), epochs=2, generator=torch.Generator().manual_seed(99), **kwargs
+    )
+    loader = IsolatedLoader(SeedReporter(), generator=torch.Generator().manual_seed(99), **kwargs)
+    ours = collect_epochs(loader, 2)
+    for epoch in range(2):
+        assert [[i for i, _, _ in b] for b in ours[epoch]] == [
+            [i for i, _, _ in b] for b in theirs[epoch]
+        ]
+        assert _seeds_by_worker(ours[epoch]) == _seeds_by_worker(theirs[epoch])
+    del loader
+    gc.collect()
+
+
+def test_worker_init_fn_configures_only_its_workers_iterable_copy() -> None:
+    """worker_init_fn labelling get_worker_info().dataset gives torch's output."""
+    kwargs = {"batch_size": 2, "num_workers": 2, "worker_init_fn": label_this_workers_copy}
+    theirs = torch_epochs(Labelled(), **kwargs)[0]
+    dataset = Labelled()
+    assert_epochs_equal(collect(IsolatedLoader(dataset, **kwargs)), theirs)
+    assert dataset.label == "unset"
+
+
+class InfoInHelper(Dataset[Any]):
+    """Item i: (i, worker id, worker_method, pid, whether thread_safe_generator is the worker's)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> Any:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        own = torch.random.thread_safe_generator() is info.rng.torch_generator
+        return (index, info.id, info.worker_method, os.getpid(), own)
+
+
+def test_get_worker_info_answers_in_the_helpers_threads_only() -> None:
+    """Items are fetched in the helper's threads, each seeing its own WorkerInfo and generator."""
+    batches = collect(IsolatedLoader(InfoInHelper(), batch_size=None, num_workers=2))
+    assert [b[0] for b in batches] == list(range(8))
+    assert {b[1] for b in batches} == {0, 1}
+    assert {b[2] for b in batches} == {"thread"}
+    assert len({b[3] for b in batches}) == 1 and batches[0][3] != os.getpid()
+    assert all(b[4] for b in batches)
+    assert torch.utils.data.get_worker_info() is None
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+def _all_outcomes(loader: Any, limit: int = 30) -> list[Any]:
+    iterator = iter(loader)
+    try:
+        return outcomes(iterator, limit)
+    finally:
+        del iterator
+
+
+def _assert_wraps_original(error: BaseException, message: str, raiser: str) -> None:
+    text = str(error)
+    assert message in text, text
+    assert "Traceback (most recent call last)" in text, text
+    assert raiser in text, text  # the original frame is quoted
+    assert "test_worker_errors.py" in text, text
+
+
+@pytest.mark.parametrize("batch_size", [2, None])
+def test_getitem_error_is_raised_from_next_and_the_epoch_goes_on(batch_size: int | None) -> None:
+    """A __getitem__ error reaches next() as torch's type with traceback; later batches follow."""
+    kwargs = {"batch_size": batch_size, "num_workers": 2}
+    theirs = torch_outcomes(FailsAtFive(), limit=30, **kwargs)
+    ours = _all_outcomes(IsolatedLoader(FailsAtFive(), **kwargs))
+    assert_outcomes_match(ours, theirs, ["cannot read item 5"])
+    error = next(o.error for o in ours if o.error is not None)
+    assert type(error) is ValueError
+    _assert_wraps_original(error, "cannot read item 5", "explode_in_getitem")
+    assert worker_ids_named(str(error).splitlines()[0])[0] in (0, 1)
+
+
+def test_iterable_error_ends_that_shard_and_others_continue_like_dataloader() -> None:
+    """An exception inside an IterableDataset's iteration: raised once, other workers go on."""
+    kwargs = {"batch_size": 3, "num_workers": 2}
+    theirs = torch_outcomes(StreamFailsInWorkerOne(), limit=30, **kwargs)
+    ours = _all_outcomes(IsolatedLoader(StreamFailsInWorkerOne(), **kwargs))
+    assert_outcomes_match(ours, theirs, ["stream of worker 1 broke"])
+    error = next(o.error for o in ours if o.error is not None)
+    _assert_wraps_original(error, "stream of worker 1 broke", "explode_in_iter")
+
+
+def test_collate_and_worker_init_errors_are_raised_like_dataloader() -> None:
+    """collate_fn and worker_init_fn errors: raised at torch's batch, type and traceback kept."""
+    kwargs = {"batch_size": 2, "num_workers": 2, "collate_fn": collate_fails_on_five}
+    ours = _all_outcomes(IsolatedLoader(list(range(12)), **kwargs))
+    assert_outcomes_match(ours, torch_outcomes(list(range(12)), limit=30, **kwargs))
+    _assert_wraps_original(
+        next(o.error for o in ours if o.error), "cannot collate [4, 5]", "explode_in_collate"
+    )
+    kwargs = {"batch_size": 2, "num_workers": 2, "worker_init_fn": init_fails_in_worker_one}
+    iterator = iter(IsolatedLoader(list(range(12)), **kwargs))
+    ours = outcomes(iterator, 2)
+    del iterator
+    assert_outcomes_match(ours, torch_outcomes(list(range(12)), limit=2, **kwargs))
+    assert ours[1].error is not None and 1 in worker_ids_named(str(ours[1].error).splitlines()[0])
+    _assert_wraps_original(ours[1].error, "worker 1 could not start", "explode_in_init")
+
+
+class CannotLoadInHelper(Dataset[int]):
+    """Unpickling it anywhere but where it was made raises LookupError."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["pid"] != os.getpid():
+            raise LookupError("this dataset only opens in its own process")
+        self.__dict__.update(state)
+
+
+def test_dataset_that_cannot_be_loaded_in_the_helper_raises_its_error() -> None:
+    """A dataset failing to unpickle in the helper: next() raises that error, type preserved."""
+    iterator = iter(IsolatedLoader(CannotLoadInHelper(), num_workers=2))
+    with pytest.raises(LookupError, match="only opens in its own process") as info:
+        next(iterator)
+    assert "isolation helper process" in str(info.value)
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(iterator)
+
+
+class Unpicklable(Dataset[int]):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_unpicklable_dataset_raises_at_iter_and_starts_nothing() -> None:
+    """iter() of a dataset that cannot be pickled raises the pickling error; no helper is left."""
+    with pytest.raises(TypeError, match="pickle"):
+        iter(IsolatedLoader(Unpicklable(), num_workers=2))
+
+
+def test_fork_context_is_refused() -> None:
+    """multiprocessing_context='fork' is refused, naming the reason and what to pass instead."""
+    with pytest.raises(ValueError, match="not 'fork'"):
+        iter(IsolatedLoader(Numbers(), num_workers=2, multiprocessing_context="fork"))
+    with pytest.raises(ValueError, match="isolation must be None or 'process'"):
+        _isolation.check_isolation("processes")
+
+
+def test_helper_killed_mid_epoch_raises_naming_its_pid() -> None:
+    """A helper that dies (OOM killer, kill -9) makes next() raise RuntimeError with its pid."""
+    iterator = iter(IsolatedLoader(SlowItems(delay=0.05), batch_size=2, num_workers=2))
+    next(iterator)
+    pid = iterator.helper_pid  # type: ignore[attr-defined]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"pid\(s\) {pid}\) exited unexpectedly"):
+        for _ in range(20):
+            next(iterator)
+
+
+# --------------------------------------------------------------------------------------------
+# Timeout, stats, state
+
+
+class SlowItems(Dataset[torch.Tensor]):
+    """Map-style of ``n`` items; each takes ``delay`` seconds, item ``slow_at`` takes 2 s."""
+
+    def __init__(self, n: int = 64, delay: float = 0.0, slow_at: int = -1) -> None:
+        self.n, self.delay, self.slow_at = n, delay, slow_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        time.sleep(2.0 if index == self.slow_at else self.delay)
+        return torch.tensor(index)
+
+
+def test_slow_batch_raises_torchs_timeout_error_and_ends_the_helper() -> None:
+    """A batch later than `timeout` raises torch's RuntimeError; the stuck helper is ended."""
+    loader = IsolatedLoader(SlowItems(slow_at=5), batch_size=1, num_workers=2, timeout=0.5)
+    iterator = iter(loader)
+    pid = iterator.helper_pid  # type: ignore[attr-defined]
+    got = []
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0.5 seconds"):
+        for _ in range(10):
+            got.append(int(next(iterator)))
+    assert got == [0, 1, 2, 3, 4]
+    assert _wait_gone([pid], 2.0) == []
+
+
+def test_stats_count_batches_data_wait_and_helper_stage_times() -> None:
+    """stats(): batches delivered, the loop's data wait, fetch/collate timed in the helper."""
+    loader = IsolatedLoader(SlowItems(n=32, delay=0.01), batch_size=4, num_workers=2)
+    assert len(collect(loader)) == 8
+    stats = loader.stats()
+    assert stats.batches == 8
+    assert stats.num_workers == 2
+    assert 0.02 < stats.wait_s <= stats.wall_s
+    assert stats.stages["fetch"].count == 8 and stats.stages["fetch"].total_s > 0.25
+    assert stats.stages["collate"].count == 8
+    assert sum(stats.worker_busy_s) > 0.25 and stats.batches_run_by_caller == 0
+    assert "8 batches" in str(stats)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 5])
+def test_resume_yields_exactly_the_batches_not_yet_seen(cut: int) -> None:
+    """Shuffled map-style epoch: a state taken after `cut` batches resumes with the rest."""
+    assert_resumes_exactly(
+        lambda: IsolatedLoader(
+            Ids(), batch_size=8, shuffle=True, num_workers=2,
+            generator=torch.Generator().manual_seed(7),
+        ),
+        cut,
+    )  # fmt: skip
+
+
+def test_state_is_consumer_aligned_not_prefetch_aligned() -> None:
+    """After 3 next() calls the state says 3 batches, whatever the helper prefetched."""
+    loader = IsolatedLoader(Ids(), batch_size=4, num_workers=2, prefetch_factor=4)
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    time.sleep(0.2)  # let the helper run ahead
+    assert loader.state_dict()["batches_yielded"] == 3
+    del iterator
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_stateful_iterable_dataset_resumes_per_worker(cut: int) -> None:
+    """Each worker's IterableDataset copy resumes from the state of its last delivered batch."""
+    assert_resumes_exactly(
+        lambda: IsolatedLoader(StatefulShards(), batch_size=3, num_workers=2), cut
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The ring: what is delivered is never overwritten, slots come back, sizes grow
+
+
+def test_batches_kept_by_the_loop_are_never_overwritten() -> None:
+    """list(loader) keeps every batch: none is overwritten by later ones (the ring grows)."""
+    make_dataset, make_kwargs = SCENARIOS["tensors shuffled"]
+    theirs = torch_epochs(make_dataset(), **make_kwargs())[0]
+    kept = list(IsolatedLoader(make_dataset(), num_workers=2, prefetch_factor=1, **make_kwargs()))
+    assert_epochs_equal(kept, theirs)
+
+
+def test_slots_return_when_batches_are_dropped() -> None:
+    """A loop that drops each batch reuses the first segment's slots; none is added."""
+    iterator = iter(IsolatedLoader(Ids(400), batch_size=4, num_workers=2))
+    for batch in iterator:
+        assert batch.shape == (4,)
+    reader = iterator._link.reader  # type: ignore[attr-defined]
+    assert len(reader._segments) == 1
+
+
+class Growing(Dataset[Any]):
+    """Item i: a tensor of i + 1 floats (padded per batch by collate) and a numpy array."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> Any:
+        return torch.full((1 + index * 50,), float(index)), np.arange(index, dtype=np.int32)
+
+
+def pad_and_keep_numpy(items: list[Any]) -> dict[str, Any]:
+    """A collate_fn with variable-size tensors (padded) and numpy arrays left as they are."""
+    width = max(t.numel() for t, _ in items)
+    padded = torch.zeros(len(items), width)
+    for row, (t, _) in enumerate(items):
+        padded[row, : t.numel()] = t
+    return {"x": padded, "x_t": padded.t(), "arrays": [a for _, a in items], "n": len(items)}
+
+
+def test_batches_larger_than_the_slots_grow_the_ring_and_arrive_intact() -> None:
+    """Batches growing past the slot size arrive exactly, numpy leaves and strides included."""
+    loader = IsolatedLoader(Growing(), batch_size=4, num_workers=2, collate_fn=pad_and_keep_numpy)
+    reference = [
+        pad_and_keep_numpy([Growing()[i] for i in range(k, k + 4)]) for k in range(0, 40, 4)
+    ]
+    for ours, want in zip(loader, reference, strict=True):
+        assert torch.equal(ours["x"], want["x"]) and ours["x_t"].stride() == want["x_t"].stride()
+        assert ours["n"] == 4
+        for a, b in zip(ours["arrays"], want["arrays"], strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_a_delivered_batch_is_writable_and_its_own() -> None:
+    """Writing into a delivered batch changes neither the next batches nor the dataset."""
+    iterator = iter(IsolatedLoader(Ids(40), batch_size=4, num_workers=2))
+    first = next(iterator)
+    first.fill_(-1)
+    rest = list(iterator)
+    assert [int(x) for b in rest for x in b] == list(range(4, 40))
+
+
+# --------------------------------------------------------------------------------------------
+# Shutdown: the helper process never outlives its use
+
+
+def test_helper_ends_after_exhaustion() -> None:
+    """Iterating to the end ends and joins the helper before StopIteration is raised."""
+    iterator = iter(IsolatedLoader(Ids(40), batch_size=4, num_workers=2))
+    assert len(_helpers()) == 1
+    assert len(list(iterator)) == 10
+    assert _helpers() == []
+
+
+def test_helper_ends_after_break_del_and_garbage_collection() -> None:
+    """break, del and a reference cycle collected by gc each end the helper."""
+    loader = IsolatedLoader(Ids(400), batch_size=4, num_workers=2)
+    for _ in loader:
+        break
+    assert _helpers() == []
+    iterator = iter(loader)
+    next(iterator)
+    del iterator
+    assert _helpers() == []
+    iterator = iter(loader)
+    next(iterator)
+    holder: dict[str, object] = {"it": iterator}
+    holder["self"] = holder
+    del iterator, holder
+    assert len(_helpers()) == 1
+    gc.collect()
+    assert _helpers() == []
+
+
+def test_helper_ends_when_the_iterator_is_dropped_after_a_worker_exception() -> None:
+    """Leaving the loop through a worker's exception ends the helper."""
+    with pytest.raises(ValueError, match="cannot read item 5"):
+        for _ in IsolatedLoader(FailsAtFive(), batch_size=2, num_workers=2):
+            pass
+    assert _helpers() == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_keyboard_interrupt_while_waiting_ends_the_helper() -> None:
+    """Ctrl-C while next() waits for a slow batch raises KeyboardInterrupt and ends the helper."""
+    iterator = iter(IsolatedLoader(SlowItems(delay=0.2), batch_size=8, num_workers=2))
+    pid = iterator.helper_pid  # type: ignore[attr-defined]
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+    finally:
+        timer.join()
+    assert _helpers() == [] and _gone(pid)
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(iterator)
+
+
+def test_persistent_helper_survives_epochs_and_ends_with_the_loader() -> None:
+    """persistent_workers keeps one helper across epochs, also abandoned ones; del ends it."""
+    loader = IsolatedLoader(Ids(40), batch_size=4, num_workers=2, persistent_workers=True)
+    assert len(list(loader)) == 10
+    first = _helpers()
+    for _ in range(2):
+        for _batch in loader:
+            break
+        assert _helpers() == first
+    assert [int(x) for b in loader for x in b] == list(range(40))  # parked batches given back
+    del loader
+    gc.collect()
+    assert _helpers() == []
+
+
+_CHILD = """
+import os, sys, time, torch
+from torch.utils.data import TensorDataset
+from threadloader import ThreadDataLoader
+from threadloader._isolation import IsolatedDataLoaderIter
+loader = ThreadDataLoader(TensorDataset(torch.arange(10_000)), batch_size=2, num_workers=2)
+it = IsolatedDataLoaderIter(loader)
+next(it)
+print(it.helper_pid, flush=True)
+{tail}
+"""
+
+
+def _child_tree(tail: str) -> tuple[subprocess.Popen[str], int, list[int]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_CHILD.format(tail=tail))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), proc.communicate(timeout=30)
+    helper = int(line)
+    try:
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    return proc, helper, tree
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_helper_exits_when_the_training_process_is_sigkilled() -> None:
+    """SIGKILL of the training process (no cleanup runs there) still ends the helper."""
+    proc, helper, tree = _child_tree("time.sleep(60)")
+    assert helper in tree
+    proc.kill()
+    proc.wait(timeout=10)
+    proc.communicate()
+    assert _wait_gone([helper, *tree], timeout=10.0) == []
+
+
+def test_interpreter_exit_with_a_live_iterator_ends_the_helper() -> None:
+    """A script ending with an iterator still referenced exits cleanly, helper included."""
+    proc, helper, _ = _child_tree("")
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert stderr == ""
+    assert _wait_gone([helper], timeout=5.0) == []
+
+
+@pytest.mark.skipif(
+    "spawn" not in multiprocessing.get_all_start_methods(), reason="needs the spawn start method"
+)
+def test_spawn_context_gives_the_same_batches() -> None:
+    """multiprocessing_context='spawn' (the default where there is no forkserver) works too."""
+    kwargs = {"batch_size": 5, "shuffle": True}
+    theirs = torch_epochs(Numbers(), generator=torch.Generator().manual_seed(3), **kwargs)[0]
+    loader = IsolatedLoader(
+        Numbers(), num_workers=2, multiprocessing_context="spawn",
+        generator=torch.Generator().manual_seed(3), **kwargs,
+    )  # fmt: skip
+    assert_epochs_equal(collect(loader), theirs)
+
+
+def test_pin_memory_without_accelerator_warns_like_torch_and_gives_the_batches() -> None:
+    """pin_memory=True where there is nothing to pin for: torch's warning, the same batches."""
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present: tests/cuda covers pinning")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = collect(IsolatedLoader(Ids(20), batch_size=4, num_workers=2, pin_memory=True))
+    assert any("pin_memory" in str(w.message) for w in caught)
+    assert [int(x) for b in ours for x in b] == list(range(20))
+
+
+def test_helper_runs_one_set_of_threads_per_loader() -> None:
+    """The helper runs num_workers worker threads (and its reader); the dataset is loaded once."""
+    iterator = iter(IsolatedLoader(ThreadsInHelper(), batch_size=None, num_workers=3))
+    names = next(iterator)
+    del iterator
+    workers = sorted(n for n in names if n.startswith("threadloader-helper-worker"))
+    assert workers == [f"threadloader-helper-worker{i}" for i in range(3)]
+    assert len(names) == 4  # and the main thread, which waits for the end
+
+
+class ThreadsInHelper(Dataset[Any]):
+    """Item: the names of the threads of the process it is fetched in, once all workers run."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Any:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            names = [t.name for t in threading.enumerate()]
+            if sum(n.startswith("threadloader-helper-worker") for n in names) == info.num_workers:
+                break
+            time.sleep(0.01)
+        return names
+
+
+_ = (itertools, IterableDataset, _isolated_worker)

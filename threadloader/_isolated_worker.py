@@ -1,0 +1,319 @@
+"""What runs in the isolation helper process: the N worker threads, and the loop feeding them.
+
+``isolation="process"`` moves the worker threads out of the training process, so that their
+Python work no longer competes with the training loop for its GIL. The helper is one process
+(started with forkserver or spawn by ``_isolation``) that holds the one copy of the dataset and
+runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
+thread its ``WorkerInfo``, seeds, ``worker_init_fn`` and IterableDataset copy.
+
+How the helper behaves; where the code disagrees with this, the code is wrong.
+
+1. Each worker thread reads its own task pipe (the training process already chose the worker,
+   in torch's round-robin order), runs its tasks in order, collates each batch into a
+   shared-memory slot (``_shm_ring``) and writes the result message itself: no hand-off to
+   another thread. Slot releases travel with the tasks; an epoch message restarts persistent
+   workers and drops the abandoned epoch's tasks still queued.
+2. The main thread only waits for the end: the training process closing the control pipe (its
+   ``close()``, or the kernel closing it when the process dies, even by SIGKILL) or the parent
+   pid changing. It then ends the process at once with ``os._exit``: worker threads are not
+   joined, since one stuck in user code must not keep the process alive, and nothing in the
+   helper needs cleaning up (its shared memory has no name).
+3. A worker whose pipe reaches EOF stops; the main thread ends the process.
+4. Ctrl-C in a terminal reaches the whole process group; the helper ignores SIGINT and lets the
+   training process decide, as torch's workers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler, send_handle
+from typing import Any
+
+import torch
+from torch._utils import ExceptionWrapper
+
+from threadloader import _worker_info
+from threadloader._shm_ring import Packed, RingWriter, Segment, SlotAllocator, pack
+from threadloader._timing import StageRecorder
+from threadloader._workers import Task, Worker, WorkerSpec
+from threadloader.memory import pinned_collate
+
+# Message tags. Training process -> helper, on a worker's task pipe:
+TASK = 0  # (TASK, idx, generation, index, released slot keys)
+EPOCH = 1  # (EPOCH, generation, released slot keys): persistent workers start over
+RELEASE = 2  # (RELEASE, released slot keys)
+# Helper -> training process, on the result socket:
+RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings)
+SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
+RETIRE = 12  # (RETIRE, seg_id)
+FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start
+
+#: Seconds between checks that the training process still exists, when no message arrives.
+PARENT_CHECK_S = 1.0
+#: Slots per segment beyond the batches in flight: the batch being delivered, the one the
+#: training loop still holds, and releases still travelling back with a later task (a worker
+#: reads them when it reads that task). A slot costs memory only once written, and free slots
+#: are reused last-freed-first, so spare slots cost address space, not memory.
+SPARE_SLOTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class HelperSpec:
+    """Everything the helper needs, sent once when it starts.
+
+    Attributes:
+        worker: what the worker threads share (the loader's dataset, collate_fn, ...).
+        base_seed: torch's per-iterator seed; worker ``i`` gets ``base_seed + i``.
+        max_tasks: batches in flight at most (``num_workers * prefetch_factor``).
+        collate_into_slots: ``collate_fn`` is torch's ``default_collate``, so batches can be
+            stacked straight into shared memory.
+    """
+
+    worker: WorkerSpec
+    base_seed: int
+    max_tasks: int
+    collate_into_slots: bool
+
+
+class PickledOnce:
+    """Carries an object into the helper as bytes, unpickled by the helper's own code.
+
+    Pickled while the process starts (inside multiprocessing's pickling of the process
+    object), so torch's reductions can hand tensors over as shared memory instead of copying
+    them; unpickled by ``helper_main`` inside a ``try``, so a dataset whose class cannot be
+    imported there is reported as an error instead of killing the helper before it can speak.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self._data: bytes | None = None
+
+    def __getstate__(self) -> bytes:
+        return bytes(ForkingPickler.dumps(self.obj, pickle.HIGHEST_PROTOCOL))
+
+    def __setstate__(self, state: bytes) -> None:
+        self.obj = None
+        self._data = state
+
+    def load(self) -> Any:
+        """The object, unpickled from the bytes received."""
+        assert self._data is not None
+        return pickle.loads(self._data)
+
+
+class _Sender:
+    """The one writer of the result socket: every message goes through ``send`` under a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.ring: RingWriter | None = None
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send ``msg`` (after any pending segment retirements); exit if the parent is gone."""
+        self.send_bytes(ForkingPickler.dumps(msg))
+
+    def send_bytes(self, payload: bytes | memoryview) -> None:
+        """Send a message pickled by ``ForkingPickler``; exit if the parent is gone."""
+        try:
+            with self._lock:
+                self._flush_retired()
+                self._conn.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            _exit_now(0)
+
+    def announce(self, segment: Segment, fd: int) -> None:
+        """Tell the training process about a new segment and pass it the descriptor."""
+        try:
+            with self._lock:
+                self._conn.send((SEGMENT, segment.seg_id, segment.slot_bytes, segment.count))
+                send_handle(self._conn, fd, 0)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            _exit_now(0)
+
+    def _flush_retired(self) -> None:
+        if self.ring is not None and self.ring.has_retired:
+            for seg_id in self.ring.take_retired():
+                self._conn.send((RETIRE, seg_id))
+
+
+class _Timings(StageRecorder):
+    """Collects one batch's stage durations, to travel with its result to ``stats()``."""
+
+    def __init__(self) -> None:
+        super().__init__("batch")
+        self.events: list[tuple[str, float]] = []
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.events.append((stage, seconds))
+
+
+class _IntoSlot:
+    """The collate_fn the helper's workers run: collate, then put the batch into a slot.
+
+    With torch's ``default_collate`` the slot is taken first and the batch is stacked straight
+    into it (``pinned_collate`` with a slot allocator); any other ``collate_fn`` runs as the
+    user wrote it and its tensors are copied in by ``pack``.
+    """
+
+    def __init__(self, collate_fn: Callable[[Any], Any], ring: RingWriter, direct: bool) -> None:
+        self._collate_fn = collate_fn
+        self._ring = ring
+        self._direct = direct
+
+    def __call__(self, batch: Any) -> Packed:
+        allocator = None
+        if self._direct:
+            slot = self._ring.acquire()
+            if slot is not None:
+                allocator = SlotAllocator(slot)
+        if allocator is None:
+            return pack(self._collate_fn(batch), self._ring, None)
+        try:
+            data = pinned_collate(batch, allocator)
+        except BaseException:
+            self._ring.release([allocator.slot.key])
+            raise
+        return pack(data, self._ring, allocator)
+
+
+def _worker_loop(worker: Worker, tasks: Connection, ring: RingWriter, sender: _Sender) -> None:
+    """What one worker thread of the helper runs: read its own pipe, run its tasks in order.
+
+    Each worker reads its tasks straight from its pipe: no hand-off through another thread. What
+    is already waiting is read at once, so that an epoch restart (persistent workers) drops the
+    tasks of the abandoned epoch queued before it instead of running them.
+    """
+    _worker_info.set_for_thread(worker.info)
+    with worker.busy:
+        worker.initialize()
+    pending: deque[tuple[Any, ...]] = deque()
+    waiting = select.poll()  # Connection.poll(0) builds a selector per call: 10x the cost
+    waiting.register(tasks.fileno(), select.POLLIN)
+    while True:
+        try:
+            if not pending:
+                pending.append(tasks.recv())
+            while waiting.poll(0):
+                pending.append(tasks.recv())
+        except (EOFError, OSError):
+            return  # the training process closed the pipe: the helper is ending
+        msg = pending.popleft()
+        tag = msg[0]
+        if tag == TASK:
+            _, idx, generation, index, released = msg
+            if released:
+                ring.release(released)
+            if generation != worker.generation or any(m[0] == EPOCH for m in pending):
+                continue  # an abandoned epoch's
+            task = Task(idx, index, generation)
+            timings = _Timings()
+            with worker.busy:
+                data = worker.run(task, timings)
+                state = worker.snapshot() if data is not None else None
+            if data is not None:
+                _send_result(sender, worker.id, task, data, state, timings.events)
+            del data, task, state
+        elif tag == EPOCH:
+            ring.release(msg[2])
+            with worker.busy:
+                worker.start_epoch(msg[1])
+        elif tag == RELEASE:
+            ring.release(msg[1])
+        del msg
+
+
+def _send_result(
+    sender: _Sender, worker_id: int, task: Task, data: Any, state: Any, timings: Any
+) -> None:
+    head = (RESULT, task.idx, worker_id, task.generation)
+    try:
+        payload = ForkingPickler.dumps((*head, data, state, timings))
+    except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
+        where = f"in threadloader worker thread {worker_id}, batch {task.idx}"
+        payload = ForkingPickler.dumps((*head, ExceptionWrapper(where=where), None, timings))
+    sender.send_bytes(payload)
+
+
+class _Helper:
+    """The helper's state: the ring, the workers and their threads."""
+
+    def __init__(self, spec: HelperSpec, tasks: list[Connection], sender: _Sender) -> None:
+        self.ring = RingWriter(sender.announce, 2 * spec.max_tasks + SPARE_SLOTS)
+        sender.ring = self.ring
+        collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
+        worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
+        n = worker_spec.num_workers
+        self.workers = [
+            Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in range(n)
+        ]
+        self.threads = [
+            threading.Thread(
+                target=_worker_loop,
+                args=(w, tasks[w.id], self.ring, sender),
+                name=f"threadloader-helper-worker{w.id}",
+                daemon=True,
+            )
+            for w in self.workers
+        ]
+        for t in self.threads:
+            t.start()
+
+
+def _wait_for_the_end(control: Connection) -> None:
+    """Return when the training process closes the control pipe, or is gone (point 3)."""
+    parent = os.getppid()
+    while True:
+        try:
+            if control.poll(PARENT_CHECK_S):
+                return  # EOF (or anything at all: only the end is ever signalled)
+        except OSError:
+            return
+        if os.getppid() != parent:
+            return
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110  # a closed stream must not stop the exit
+            pass
+    os._exit(code)
+
+
+def helper_main(
+    spec: PickledOnce, control: Connection, tasks: list[Connection], results: Connection
+) -> None:
+    """The helper process's entry point (a ``multiprocessing.Process`` target).
+
+    Args:
+        spec: the ``HelperSpec``, still pickled.
+        control: read end of a pipe the training process only ever closes: EOF means "exit".
+        tasks: read end of each worker's task pipe.
+        results: this process's end of the result socket.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)  # as torch's workers: N threads already use the cores
+    _worker_info.install()
+    sender = _Sender(results)
+    try:
+        _Helper(spec.load(), tasks, sender)
+    except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+        error = ExceptionWrapper(where="in threadloader's isolation helper process, starting")
+        sender.send((FATAL, error))
+        _exit_now(1)
+        return
+    try:
+        _wait_for_the_end(control)
+    finally:
+        _exit_now(0)

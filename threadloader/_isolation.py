@@ -1,0 +1,545 @@
+"""One epoch with the worker threads in a helper process: ``isolation="process"``.
+
+On a GIL build of Python, worker threads compete with the training thread for the GIL: the
+training loop's own Python work (launching kernels, optimizer steps) gets slower even when the
+loader is fast. Isolation moves the N worker threads into one helper process
+(``_isolated_worker``) and brings batches back through a shared-memory slot ring
+(``_shm_ring``): the training process only draws indices, writes one small message per batch
+and reads one back. Compared with torch's N worker processes: one copy of the dataset instead of
+N, threads that share it, and no per-tensor shared-memory file per batch.
+
+How an epoch behaves; where the code disagrees with this, the code is wrong.
+
+1. The sampler runs here, in the training process, and dispatch follows torch's
+   ``_MultiProcessingDataLoaderIter`` exactly (as ``_iterator`` does): batch ``i`` goes to the
+   next live worker in round-robin order, at most ``prefetch_factor * num_workers`` batches are
+   in flight, one new batch is dispatched for each delivered. So batches, their order, which
+   worker made which batch, seeds and resume (``_state.begin_pass``) are those of the threaded
+   iterator, and of torch.
+2. The helper starts with ``forkserver`` (``spawn`` where there is none, or the loader's
+   ``multiprocessing_context`` when it is one of these two), never ``fork``: forking a process
+   that runs threads can copy a lock another thread holds. The forkserver preloads threadloader
+   and torch, so a helper starts in tens of milliseconds. The loader's dataset, collate_fn and
+   worker_init_fn are pickled once per helper (``PickledOnce``): one copy of the dataset.
+3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
+   rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
+   slot, and the slot goes back to the helper only when nothing references the batch any more
+   (``_shm_ring`` point 4); released slots travel with the next task message.
+4. A worker error is raised from ``__next__`` at that batch's turn with the original type, the
+   worker id, the batch's indices and the original traceback text; the epoch goes on if
+   ``next()`` is called again, as in torch. The helper dying (killed, out of memory) raises
+   ``RuntimeError`` naming its pid and exit code. A ``timeout`` expiring ends the epoch.
+5. Drained, abandoned (``break``, ``del``, garbage collection), ``KeyboardInterrupt``, timeout,
+   interpreter exit: the helper is told to exit, its pipes are closed, and it is joined (then
+   killed if it has not exited within ``CLOSE_WAIT_S``). The finalizer holds the link to the
+   helper, never this iterator. The helper also exits on its own when this process dies, even
+   by SIGKILL (``_isolated_worker`` point 3).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import multiprocessing.forkserver
+import select
+import time
+import weakref
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import TYPE_CHECKING, Any
+
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.worker import _IterableDatasetStopIteration
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from threadloader._concurrency import ConcurrencyController
+from threadloader._isolated_worker import (
+    EPOCH,
+    FATAL,
+    RESULT,
+    RETIRE,
+    SEGMENT,
+    TASK,
+    HelperSpec,
+    PickledOnce,
+    helper_main,
+)
+from threadloader._iterator import _reraise
+from threadloader._shm_ring import Packed, RingReader
+from threadloader._state import (
+    Progress,
+    ProgressMixin,
+    Resume,
+    begin_pass,
+    dataset_is_stateful,
+    warn_replay,
+)
+from threadloader._workers import Result, WorkerSpec
+from threadloader.memory import pin_batch, pinned_allocator
+from threadloader.stats import EpochStats
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from threadloader.loader import ThreadDataLoader
+
+#: Seconds ``close()`` waits for the helper to exit before killing it.
+CLOSE_WAIT_S = 5.0
+#: Values the loader's ``isolation=`` option accepts.
+ISOLATION_MODES = (None, "process")
+_PRELOAD = "threadloader._isolated_worker"
+
+
+def check_isolation(isolation: object, multiprocessing_context: object = None) -> None:
+    """Validate ``ThreadDataLoader(isolation=..., multiprocessing_context=...)``.
+
+    Args:
+        isolation: the option's value.
+        multiprocessing_context: the loader's context (a name or a context object), if any.
+
+    Raises:
+        ValueError: ``isolation`` is not None or "process", or the helper would be started
+            with ``fork``.
+    """
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(f"isolation must be None or 'process', got {isolation!r}")
+    if isolation is not None and multiprocessing_context is not None:
+        method = (
+            multiprocessing_context
+            if isinstance(multiprocessing_context, str)
+            else getattr(multiprocessing_context, "get_start_method", lambda: None)()
+        )
+        if method == "fork":
+            raise ValueError(
+                "isolation='process' starts its helper process with 'forkserver' or 'spawn', "
+                "not 'fork': forking a process that runs threads can copy a lock another thread "
+                "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
+            )
+
+
+def helper_context(multiprocessing_context: Any = None) -> BaseContext:
+    """The multiprocessing context that starts helpers: forkserver, or spawn where there is none.
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+
+    Returns:
+        A context whose start method is ``forkserver`` or ``spawn``.
+
+    Raises:
+        ValueError: the given context starts processes with ``fork``.
+    """
+    check_isolation("process", multiprocessing_context)
+    if multiprocessing_context is None:
+        methods = multiprocessing.get_all_start_methods()
+        multiprocessing_context = "forkserver" if "forkserver" in methods else "spawn"
+    ctx = (
+        multiprocessing.get_context(multiprocessing_context)
+        if isinstance(multiprocessing_context, str)
+        else multiprocessing_context
+    )
+    if ctx.get_start_method() == "forkserver":
+        _preload_in_forkserver(ctx)
+    return ctx
+
+
+def _preload_in_forkserver(ctx: Any) -> None:
+    # The preload list only counts when the forkserver starts; keep what the user asked for.
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return
+    modules = list(getattr(server, "_preload_modules", ["__main__"]))
+    if _PRELOAD not in modules:
+        ctx.set_forkserver_preload([*modules, _PRELOAD])
+
+
+class HelperDied(RuntimeError):
+    """The helper process ended while the training process was waiting for it."""
+
+
+class _Link:
+    """This process's handle on one helper: its process, its pipes, its ring, and its end.
+
+    Pipes: a control pipe this side only ever closes (the helper exits on its EOF), one task
+    pipe per worker thread, and one result socket back (a socket: descriptors travel on it).
+
+    Args:
+        ctx: the multiprocessing context to start the helper with.
+        spec: what the helper runs.
+        name: the helper's process name, e.g. ``threadloader-helper-7f3a``.
+
+    Raises:
+        Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
+    """
+
+    def __init__(self, ctx: BaseContext, spec: HelperSpec, name: str) -> None:
+        control_r, control_w = ctx.Pipe(duplex=False)
+        task_pipes = [ctx.Pipe(duplex=False) for _ in range(spec.worker.num_workers)]
+        result_here, result_there = ctx.Pipe(duplex=True)
+        self.control: Connection = control_w
+        self.tasks: list[Connection] = [w for _, w in task_pipes]
+        self.results: Connection = result_here
+        self.reader = RingReader()
+        self.closed = False
+        theirs = [control_r, *(r for r, _ in task_pipes), result_there]
+        self.process = ctx.Process(  # type: ignore[attr-defined]
+            target=helper_main,
+            args=(PickledOnce(spec), control_r, [r for r, _ in task_pipes], result_there),
+            name=name,
+            daemon=True,  # multiprocessing ends it at interpreter exit too
+        )
+        try:
+            self.process.start()
+        except BaseException:
+            for conn in [*theirs, *self._ours()]:
+                conn.close()
+            self.closed = True
+            raise
+        for conn in theirs:
+            conn.close()
+        self._waiting = select.poll()
+        self._waiting.register(self.results.fileno(), select.POLLIN)
+
+    def _ours(self) -> list[Connection]:
+        return [self.control, *self.tasks, self.results]
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<helper pid={self.process.pid} {state} {self.reader!r}>"
+
+    def send(self, worker_id: int, msg: tuple[Any, ...]) -> None:
+        """Send ``msg`` to worker ``worker_id`` of the helper.
+
+        Raises:
+            HelperDied: the helper is gone.
+            RuntimeError: this link was closed.
+        """
+        self._check_open()
+        try:
+            self.tasks[worker_id].send(msg)
+        except OSError:
+            raise self._died() from None
+
+    def ready(self) -> bool:
+        """Whether a message is waiting (a snapshot)."""
+        # Connection.poll(0) builds a selector per call: ten times the cost of this.
+        return not self.closed and bool(self._waiting.poll(0))
+
+    def receive(self, timeout: float | None) -> tuple[Any, ...]:
+        """The next result message, mapping or unmapping segments announced before it.
+
+        Args:
+            timeout: seconds to wait at most; None waits until a message or the helper's end.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout``.
+            HelperDied: the helper process ended.
+            RuntimeError: this link was closed, or the helper could not start (the original
+                exception's type, from its ``ExceptionWrapper``).
+        """
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self.results
+        while True:
+            try:
+                arrived = deadline is None or conn.poll(max(0.0, deadline - time.monotonic()))
+                msg = conn.recv() if arrived else None
+            except (EOFError, OSError):
+                raise self._died() from None
+            if msg is None:
+                raise TimeoutError
+            tag = msg[0]
+            if tag == RESULT:
+                return msg
+            if tag == SEGMENT:
+                _, seg_id, slot_bytes, count = msg
+                self.reader.add_segment(seg_id, slot_bytes, count, recv_handle(conn))
+            elif tag == RETIRE:
+                self.reader.retire(msg[1])
+            elif tag == FATAL:
+                self.close()
+                _reraise(msg[1])
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                "this threadloader iterator was closed (KeyboardInterrupt, timeout or close()); "
+                "start a new epoch with iter(loader)"
+            )
+
+    def _died(self) -> HelperDied:
+        self.process.join(CLOSE_WAIT_S)
+        code = self.process.exitcode
+        self.close()
+        return HelperDied(
+            f"DataLoader worker (pid(s) {self.process.pid}) exited unexpectedly: "
+            f"threadloader's isolation helper process ended with exit code {code}"
+        )
+
+    def close(self) -> None:
+        """Tell the helper to exit, close the pipes, join it (kill it if it lingers).
+
+        Idempotent; safe from a finalizer and from any thread.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self._ours():  # the control pipe's EOF tells the helper to exit
+            try:
+                conn.close()
+            except OSError:
+                pass
+        process = self.process
+        if process.pid is None:
+            return
+        process.join(CLOSE_WAIT_S)
+        if process.exitcode is None:
+            process.kill()
+            process.join(CLOSE_WAIT_S)
+
+
+class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
+    """The iterator of ``ThreadDataLoader(..., num_workers=N, isolation="process")``, N > 0.
+
+    Same interface as ``ThreadedDataLoaderIter``: a ``Progress`` the loader keeps for
+    ``state_dict()``, an ``EpochStats`` in ``_stats`` for ``stats()``, and ``close()``.
+
+    Args:
+        loader: the loader this epoch belongs to.
+        resume: a checked state to resume from (``ThreadDataLoader.load_state_dict``).
+
+    Raises:
+        ValueError: the loader's ``multiprocessing_context`` starts processes with ``fork``.
+        Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
+    """
+
+    def __init__(self, loader: ThreadDataLoader[Any], resume: Resume | None = None) -> None:
+        self._progress = Progress()
+        super().__init__(loader)
+        self._resume = resume
+        if resume is not None:
+            self._base_seed = resume.base_seed
+        self._prefetch_factor: int = loader.prefetch_factor or 0
+        self._in_order: bool = loader.in_order
+        self._max_tasks = max(1, self._prefetch_factor * self._num_workers)
+        self._log_every_s = getattr(loader, "log_every_s", None)
+        spec = HelperSpec(
+            worker=WorkerSpec(
+                dataset_kind=self._dataset_kind,
+                dataset=self._dataset,
+                auto_collation=self._auto_collation,
+                collate_fn=self._collate_fn,
+                drop_last=self._drop_last,
+                worker_init_fn=loader.worker_init_fn,
+                num_workers=self._num_workers,
+                capture_state=self._dataset_kind == _DatasetKind.Iterable
+                and dataset_is_stateful(self._dataset),
+                resume_states=resume.worker_states if resume is not None else None,
+            ),
+            base_seed=int(self._base_seed),
+            max_tasks=self._max_tasks,
+            collate_into_slots=self._auto_collation and self._collate_fn is default_collate,
+        )
+        ctx = helper_context(loader.multiprocessing_context)
+        self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
+        # The finalizer holds the link, never self: break, del and GC all end the helper.
+        self._finalizer = weakref.finalize(self, self._link.close)
+        self._generation = 0
+        self._new_stats()
+        self._reset(loader, first_iter=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} delivered={self._rcvd_idx} dispatched={self._send_idx} "
+            f"in_flight={self._tasks_outstanding} {self._link!r}>"
+        )
+
+    @property
+    def helper_pid(self) -> int | None:
+        """The helper process's pid (None before it started)."""
+        return self._link.process.pid
+
+    def close(self) -> None:
+        """End the helper process now. Idempotent; later ``next()`` calls raise RuntimeError."""
+        self._finalizer()
+
+    def _new_stats(self) -> None:
+        self._stats = EpochStats(self._num_workers, self._log_every_s)
+        # No adaptive concurrency across a process boundary: every worker always fetches.
+        self._stats.controller = ConcurrencyController(self._num_workers, minimum=self._num_workers)
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        resume = self._resume if first_iter else None
+        self._resume = None
+        if not first_iter:
+            # torch's _BaseDataLoaderIter.__init__ already made the first epoch's sampler
+            # iterator: a second iter() would restart a positional sampler's resumed pass.
+            super()._reset(loader, first_iter)
+            self._generation += 1
+            released = self._link.reader.take_released() + self._parked_slots()
+            for worker_id in range(self._num_workers):
+                self._link.send(worker_id, (EPOCH, self._generation, released))
+                released = []
+            self._new_stats()
+        self._sampler_iter = begin_pass(self, loader, resume)
+        self._discard = resume.batches if resume is not None and resume.replay_data else 0
+        if self._discard:
+            warn_replay(self._dataset, self._discard)
+        self._send_idx = 0  # number of the next batch to dispatch
+        self._rcvd_idx = 0  # number of the next batch to deliver (in order)
+        # batch number -> (worker_id,) while in flight, (worker_id, result) once parked
+        self._task_info: dict[int, tuple[Any, ...]] = {}
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        progress = self._progress
+        progress.dataset_states = [None] * self._num_workers
+        progress.next_worker = 0
+        if resume is not None and resume.worker_states is not None:
+            progress.dataset_states = list(resume.worker_states)
+            if resume.workers_status is not None:
+                self._workers_status = list(resume.workers_status)
+            progress.next_worker = resume.next_worker % self._num_workers
+            for _ in range(progress.next_worker):
+                next(self._worker_queue_idx_cycle)
+        progress.workers_alive = self._workers_status  # the same list: torch's logic updates it
+        for _ in range(self._max_tasks):
+            self._try_put_index()
+
+    def _parked_slots(self) -> list[Any]:
+        """Slots of batches parked in the reorder table of an abandoned epoch."""
+        task_info = getattr(self, "_task_info", {})
+        return [
+            info[1].data.key
+            for info in task_info.values()
+            if len(info) == 2 and isinstance(info[1].data, Packed) and info[1].data.key is not None
+        ]
+
+    def _try_put_index(self) -> None:
+        if self._tasks_outstanding >= self._max_tasks:
+            raise AssertionError("more batches in flight than num_workers * prefetch_factor")
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):  # the next live worker, round robin (torch's order)
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id] and (
+                self._in_order
+                or self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status)
+            ):
+                break
+        else:
+            return
+        released = self._link.reader.take_released()
+        self._link.send(worker_id, (TASK, self._send_idx, self._generation, index, released))
+        self._task_info[self._send_idx] = (worker_id,)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _next_index(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self._sampler_iter)
+        finally:
+            self._stats.caller.add("sampler", time.perf_counter() - start)
+
+    def _next_data(self) -> Any:
+        start = time.perf_counter()
+        self._ready = True
+        delivered = False
+        try:
+            while self._discard:  # replaying an IterableDataset without state (_state point 4)
+                self._next_batch()
+                self._discard -= 1
+            data = self._next_batch()
+            delivered = True
+            return data
+        except StopIteration:
+            self._progress.exhausted = True
+            raise
+        except KeyboardInterrupt:
+            self.close()  # Ctrl-C while waiting: the epoch is over, the helper must not linger
+            raise
+        finally:
+            self._stats.on_next(time.perf_counter() - start, self._ready, False, delivered)
+
+    def _next_batch(self) -> Any:
+        while True:
+            # Skip batches dispatched to workers whose IterableDataset ran out before them.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info is not None:
+                    if len(info) == 2 or self._workers_status[info[0]]:
+                        break
+                    del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self.close()
+                raise StopIteration
+
+            info = self._task_info[self._rcvd_idx]
+            if len(info) == 2:  # arrived earlier, parked in the reorder table
+                del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+                return self._process_data(info[1])
+
+            result = self._get_result()
+            self._tasks_outstanding -= 1
+            if isinstance(result.data, _IterableDatasetStopIteration):
+                self._workers_status[result.data.worker_id] = False
+                self._try_put_index()
+                continue
+            if result.idx != self._rcvd_idx:
+                if not self._in_order:
+                    del self._task_info[result.idx]
+                    return self._process_data(result)
+                self._task_info[result.idx] += (result,)
+                continue
+            del self._task_info[result.idx]
+            self._rcvd_idx += 1
+            return self._process_data(result)
+
+    def _get_result(self) -> Result:
+        """The next result of this epoch from the helper; stale epochs' are given back."""
+        link = self._link
+        if not link.ready():
+            self._ready = False
+        wait = self._timeout if self._timeout > 0 else None
+        while True:
+            try:
+                msg = link.receive(wait)
+            except TimeoutError:
+                self.close()
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            _, idx, worker_id, generation, data, state, timings = msg
+            recorder = self._stats.workers[worker_id]
+            for stage, seconds in timings:
+                recorder.add(stage, seconds)
+            if generation == self._generation:
+                return Result(idx, worker_id, generation, data, state)
+            if isinstance(data, Packed):
+                link.reader.discard(data)
+
+    def _process_data(self, result: Result) -> Any:
+        worker_id = result.worker_id
+        self._workers_num_tasks[worker_id] -= 1
+        self._try_put_index()
+        progress = self._progress
+        if result.state is not None and progress.dataset_states is not None:
+            progress.dataset_states[worker_id] = result.state
+        progress.next_worker = (worker_id + 1) % self._num_workers
+        data = result.data
+        if isinstance(data, ExceptionWrapper):
+            _reraise(data)
+        data = self._link.reader.unpack(data)
+        if self._pin_memory:
+            start = time.perf_counter()
+            data = pin_batch(data, pinned_allocator)  # the one copy pinning needs frees the slot
+            self._stats.caller.add("pin", time.perf_counter() - start)
+        return data

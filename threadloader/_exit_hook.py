@@ -1,13 +1,17 @@
 """Close every live thread owner before the interpreter joins its threads.
 
 ``threading._register_atexit`` runs its callbacks inside ``threading._shutdown()``, *before*
-the interpreter joins non-daemon threads; a plain ``atexit`` hook runs after that join, i.e. too
-late to matter. Private API (bpo-39812), pinned by tests/test_shutdown.py. One hook serves every
-owner: worker pools, transfer stages, remote read pools.
+the interpreter joins non-daemon threads, in reverse order of registration; a plain ``atexit``
+hook runs after that join, i.e. too late to matter. Private API (bpo-39812), pinned by
+tests/test_shutdown.py. One hook serves every owner: worker pools, transfer stages, the read
+pools of remote datasets. It is registered on first use, after ``concurrent.futures`` (imported
+by then) registered its own, so it runs first: a read waiting to retry gives up before that
+pool is joined.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -17,13 +21,16 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
-_live: weakref.WeakSet[Closable] = weakref.WeakSet()
+# WeakSet's own bookkeeping is Python code: every change and every walk happens under the lock.
 _lock = threading.Lock()
+_live: weakref.WeakSet[Closable] = weakref.WeakSet()
 _registered = False
 
 
 def _close_all() -> None:
-    for owner in list(_live):
+    with _lock:
+        owners = list(_live)
+    for owner in owners:
         owner.close()
 
 
@@ -31,12 +38,29 @@ def track(owner: Closable) -> None:
     """Close ``owner`` at interpreter exit unless it was closed (or collected) before."""
     global _registered
     with _lock:
-        if not _registered:
-            threading._register_atexit(_close_all)  # type: ignore[attr-defined]
-            _registered = True
         _live.add(owner)
+        if _registered:
+            return
+        try:
+            threading._register_atexit(_close_all)  # type: ignore[attr-defined]
+        except RuntimeError:
+            return  # already shutting down: nothing will run after this anyway
+        _registered = True
 
 
 def untrack(owner: Closable) -> None:
     """``owner`` closed itself: nothing to do for it at exit."""
-    _live.discard(owner)
+    with _lock:
+        _live.discard(owner)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's threads do not exist in a forked child and its lock may have been held by one
+    # of them: the child starts with nothing to close.
+    global _lock
+    _lock = threading.Lock()
+    _live.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

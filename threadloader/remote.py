@@ -52,6 +52,7 @@ from urllib.parse import urljoin, urlsplit
 
 from torch.utils.data import Dataset
 
+from threadloader import _exit_hook
 from threadloader._cache import ByteCache, DiskCache, MemoryCache
 from threadloader._retry import RetriesExhausted, RetryPolicy, call_with_retries, http_status
 
@@ -349,9 +350,7 @@ class _Runtime:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
-        with _registry_lock:
-            _live_runtimes.add(self)
-        _register_exit_hook()
+        _exit_hook.track(self)
 
     def __repr__(self) -> str:
         return f"<_Runtime {self.name} pool={self._pool is not None} closed={self._closed}>"
@@ -404,37 +403,12 @@ class _Runtime:
             own = threading.current_thread().name.startswith(f"{self.name}_")
             pool.shutdown(wait=not own, cancel_futures=True)
         self.http.close()
-        with _registry_lock:
-            _live_runtimes.discard(self)
+        _exit_hook.untrack(self)
 
 
 # WeakSet's own bookkeeping is Python code: every change and every walk under one lock.
 _registry_lock = threading.Lock()
-_live_runtimes: weakref.WeakSet[_Runtime] = weakref.WeakSet()
 _live_states: weakref.WeakSet[_State] = weakref.WeakSet()
-_exit_hook_registered = False
-
-
-def _close_all_at_exit() -> None:
-    with _registry_lock:
-        runtimes = list(_live_runtimes)
-    for runtime in runtimes:
-        runtime.close()
-
-
-def _register_exit_hook() -> None:
-    # threading._register_atexit hooks run inside threading._shutdown(), before non-daemon
-    # threads (the pool's) are joined, and in reverse order of registration: ours, registered
-    # after concurrent.futures' own, runs first, so a read waiting to retry gives up at once.
-    global _exit_hook_registered
-    with _registry_lock:
-        if _exit_hook_registered:
-            return
-        try:
-            threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]
-        except RuntimeError:
-            return  # already shutting down: concurrent.futures still joins the pool
-        _exit_hook_registered = True
 
 
 def _after_fork_in_child() -> None:
@@ -442,7 +416,6 @@ def _after_fork_in_child() -> None:
     # sockets are shared with the parent: a child starts afresh, closing nothing of the parent's.
     global _registry_lock
     _registry_lock = threading.Lock()
-    _live_runtimes.clear()
     for state in list(_live_states):
         state.reset()
 

@@ -12,6 +12,10 @@ process a rank, over gloo on CPU. Each writes its index log (and ``save`` its lo
   of the epoch.
 
 Both run once with ``drop_last=False`` (pad) and once with ``drop_last=True`` (drop).
+
+A second resume in the same epoch: on ``CHAIN_WORLD`` (3) ranks, ``resume`` also reads
+``CHAIN_AFTER`` batches of a resumed epoch (``drop_last=False``, 2 workers) and saves again; on 1
+rank it resumes from that second state and reads to the end.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from threadloader import DistributedShuffleSampler, ThreadDataLoader
 
 N, BATCH, EPOCH, SEED, SAVE_AFTER = 101, 4, 3, 1, 5
 SAVE_WORKERS, RESUME_WORKERS = 2, (2, 4)
+CHAIN_WORLD, CHAIN_AFTER = 3, 2
 _COLLECTIVES = (
     "all_gather",
     "all_gather_object",
@@ -113,8 +118,35 @@ def resume(rank: int, world: int, port: int, out: str) -> None:
                 seen = [batch.tolist() for batch in loader]
                 name = f"resume-w{world}-n{workers}-d{int(drop_last)}-rank{rank}"
                 _write(out, name, seen, loader.state_dict())
+        if world == CHAIN_WORLD:
+            _save_again(rank, world, out)
+        elif world == 1:
+            _resume_again(rank, world, out)
     finally:
         dist.destroy_process_group()
+
+
+def _save_again(rank: int, world: int, out: str) -> None:
+    """Resume the 2-rank state, read ``CHAIN_AFTER`` batches, save again (no collective)."""
+    loader, sampler = _loader(False, SAVE_WORKERS)
+    loader.load_state_dict(torch.load(Path(out) / f"state-d0-rank{rank % 2}.pt"))
+    sampler.set_epoch(EPOCH)
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(CHAIN_AFTER)]
+    with _no_collectives():
+        state = loader.state_dict()
+    del it
+    torch.save(state, Path(out) / f"chain-rank{rank}.pt")
+    _write(out, f"chain-save-w{world}-rank{rank}", seen, state)
+
+
+def _resume_again(rank: int, world: int, out: str) -> None:
+    """Resume the state saved by the resumed run; read to the end of the epoch."""
+    loader, sampler = _loader(False, SAVE_WORKERS)
+    loader.load_state_dict(torch.load(Path(out) / f"chain-rank{rank % CHAIN_WORLD}.pt"))
+    sampler.set_epoch(EPOCH)
+    seen = [batch.tolist() for batch in loader]
+    _write(out, f"chain-resume-w{world}-rank{rank}", seen, loader.state_dict())
 
 
 def _write(out: str, name: str, seen: list[list[int]], state: dict[str, Any]) -> None:

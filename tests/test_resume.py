@@ -324,3 +324,45 @@ def test_state_is_plain_data() -> None:
     next(it)
     assert plain(loader.state_dict())
     del it
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("sampler_kind", ["shuffle", "distributed", "torch"])
+def test_a_resumed_epoch_can_be_saved_and_resumed_again(
+    num_workers: int, sampler_kind: str
+) -> None:
+    """Save after 3 batches, resume, save again after 2 more, resume: the epoch, exactly."""
+
+    def make() -> ThreadDataLoader[Any]:
+        if sampler_kind == "torch":
+            return ThreadDataLoader(
+                Ids(80),
+                batch_size=4,
+                shuffle=True,
+                num_workers=num_workers,
+                generator=torch.Generator().manual_seed(3),
+            )
+        sampler = (
+            ShuffleSampler(80, seed=2)
+            if sampler_kind == "shuffle"
+            else DistributedShuffleSampler(Ids(80), num_replicas=1, rank=0, seed=2)
+        )
+        return ThreadDataLoader(Ids(80), batch_size=4, sampler=sampler, num_workers=num_workers)
+
+    reference = torch.cat(list(make())).tolist()
+    first = make()
+    it = iter(first)
+    got = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    second = make()
+    second.load_state_dict(state)
+    it = iter(second)
+    got += [next(it) for _ in range(2)]
+    state = second.state_dict()
+    assert state["batches_yielded"] == 5
+    del it
+    third = make()
+    third.load_state_dict(state)
+    got += list(third)
+    assert torch.cat(got).tolist() == reference

@@ -59,6 +59,9 @@ class Progress:
     """
 
     batches: int = 0  # batches __next__ returned this epoch (torch's _num_yielded)
+    # Of those, the ones delivered before a positional sampler's resumed pass began: its cursor
+    # already counts them, so only ``batches - resumed_batches`` come from the current pass.
+    resumed_batches: int = 0
     exhausted: bool = False
     # What the epoch's index stream started from (point 2): set by begin_pass.
     base_seed: int = 0
@@ -68,6 +71,10 @@ class Progress:
     dataset_states: list[Any] | None = None
     next_worker: int = 0
     workers_alive: list[bool] = field(default_factory=list)
+
+    def pass_batches(self) -> int:
+        """Batches delivered from the sampler's current pass (see ``resumed_batches``)."""
+        return self.batches - self.resumed_batches
 
 
 class ProgressMixin:
@@ -124,6 +131,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     sampler_iter: Iterator[Any] = it._sampler_iter
     progress: Progress = it._progress
     progress.exhausted = False
+    progress.resumed_batches = 0
     if resume is None:
         progress.base_seed = int(it._base_seed)
         progress.rng_source, progress.rng_state = snapshot_rng(loader)
@@ -146,6 +154,8 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
             pass
     progress.dataset_states = resume.worker_states
     progress.batches = resume.batches
+    if positional_sampler(loader) is not None:
+        progress.resumed_batches = resume.batches  # the sampler resumes at its own cursor
     return sampler_iter
 
 
@@ -172,7 +182,8 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
     sampler_state = None
     if positional is not None:
         sampler, per_batch = positional
-        sampler_state = sampler.state_dict_at(batches * per_batch)
+        this_pass = batches - (progress.resumed_batches if progress is not None else 0)
+        sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
         if fresh and progress is not None:
             sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
     live = not fresh and progress is not None

@@ -214,7 +214,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         epoch = self._host_epoch() if self._host_epoch is not None else None
         if epoch is None or self._progress is None or self._progress.exhausted:
             return int(mixture.set_weights(weights))
-        consumed = self._progress.batches * (self.batch_size or 1)
+        consumed = self._progress.pass_batches() * (self.batch_size or 1)
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
         redispatch = getattr(epoch, "redispatch", None)
         if redispatch is not None:

@@ -16,7 +16,9 @@ What works with no help from this module (``tests/test_lightning.py`` proves eac
 - Checkpoints: Lightning saves the train loader's ``state_dict()`` and, for ``fit(ckpt_path=...)``
   from a mid-epoch checkpoint, calls ``load_state_dict()`` before ``iter()``: the epoch resumes
   with the batches not trained on yet, each rank its own.
-- ``Fabric.setup_dataloaders``.
+- ``Fabric.setup_dataloaders``. Its wrapper has no ``state_dict``, and sets the sampler's epoch
+  from its own count of ``iter()`` calls, which a new wrapper starts at 0: save and load through
+  ``fabric_state_dict`` / ``fabric_load_state_dict``, which reach the loader and align the count.
 
 Where Lightning and a stateful loader meet, and what follows:
 
@@ -74,6 +76,8 @@ _Callback: Any = pl.Callback
 
 __all__ = [
     "ThreadLoaderMonitor",
+    "fabric_load_state_dict",
+    "fabric_state_dict",
     "for_threads",
     "is_lightning_worker_init_fn",
     "thread_worker_init_fn",
@@ -151,6 +155,41 @@ def for_threads(worker_init_fn: Callable[[int], None] | None) -> Callable[[int],
             thread_worker_init_fn, *worker_init_fn.args, **worker_init_fn.keywords
         )
     return thread_worker_init_fn
+
+
+def _unwrap(dataloader: Any) -> ThreadDataLoader[Any]:
+    """The ThreadDataLoader inside Fabric's ``_FabricDataLoader`` wrapper (or given itself)."""
+    inner = getattr(dataloader, "_dataloader", dataloader)
+    if not isinstance(inner, ThreadDataLoader):
+        raise TypeError(f"expected a ThreadDataLoader, or Fabric's wrapper of one; got {inner!r}")
+    return inner
+
+
+def fabric_state_dict(dataloader: Any) -> dict[str, Any]:
+    """``state_dict()`` of the ThreadDataLoader that ``Fabric.setup_dataloaders`` returned.
+
+    Raises:
+        TypeError: ``dataloader`` is not a ThreadDataLoader or Fabric's wrapper of one.
+    """
+    return _unwrap(dataloader).state_dict()
+
+
+def fabric_load_state_dict(dataloader: Any, state: Mapping[str, Any]) -> None:
+    """``load_state_dict(state)`` for a loader from ``Fabric.setup_dataloaders``.
+
+    Fabric's wrapper calls the sampler's ``set_epoch`` with its own count of ``iter()`` calls
+    before each epoch, and a new wrapper counts from 0: resuming epoch 3 it would set epoch 0,
+    and the rest of epoch 0's order (or, with ``DistributedShuffleSampler``, all of it) would
+    come instead. Both count ``iter()`` calls, so the count is set from the state's ``epoch``.
+
+    Raises:
+        TypeError: ``dataloader`` is not a ThreadDataLoader or Fabric's wrapper of one.
+        ValueError: as ``ThreadDataLoader.load_state_dict``.
+    """
+    _unwrap(dataloader).load_state_dict(state)
+    if dataloader is not _unwrap(dataloader) and hasattr(dataloader, "_num_iter_calls"):
+        started = int(state["epoch"])  # iter() calls before the state was taken, this one included
+        dataloader._num_iter_calls = started - 1 if state["in_progress"] else started
 
 
 def _thread_loaders(tree: Any, name: str = "") -> Iterator[tuple[str, ThreadDataLoader[Any]]]:

@@ -12,6 +12,10 @@ optimizer) waits for the GIL. This bench runs a fixed Python-heavy consumer step
 - ``peak MiB``: peak PSS of the whole process tree during the loader-alone phase
   (``threadloader._memory_probe.PeakSampler``), helper and forkserver processes included; ``above``
   is the part above the tree's PSS once the dataset was built.
+- ``shm MiB``: peak growth of the machine's shared memory (``Shmem`` in ``/proc/meminfo``) in the
+  same phase. PSS only sees pages some process maps: DataLoader's workers unmap each batch's
+  shared-memory file once sent, so batches in flight to the main process are invisible to PSS
+  but not to this column. (It is machine-wide: other jobs' shared memory adds noise.)
 
 Loaders: ``thread2`` ThreadDataLoader(num_workers=2) in-process, ``iso2`` the same with
 ``isolation="process"``, ``dl2`` DataLoader(num_workers=2). Every measurement runs in a fresh
@@ -38,12 +42,14 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import Self
 
 LOADERS: dict[str, str] = {
     "thread2": "ThreadDataLoader(2)",
@@ -106,7 +112,7 @@ def measure(workload: str, key: str, size: str, seconds: float) -> dict[str, Any
     base = tree_pss_bytes()
     loader = _make_loader(key, spec.dataset, spec.batch_size)
     batches = _batches(loader)
-    with PeakSampler() as peak:
+    with PeakSampler() as peak, _ShmemPeak() as shm:
         for _ in range(WARMUP):
             next(batches)
         n, start = 0, time.perf_counter()
@@ -138,7 +144,41 @@ def measure(workload: str, key: str, size: str, seconds: float) -> dict[str, Any
         "samples_s": samples_s,
         "peak_mib": peak.peak_bytes / 2**20,
         "above_mib": (peak.peak_bytes - base) / 2**20,
+        "shm_mib": shm.peak_growth / 2**20,
     }
+
+
+def _shmem_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _ShmemPeak:
+    """Peak growth of the machine's ``Shmem`` while the block runs (sampled every 20 ms)."""
+
+    def __init__(self) -> None:
+        self.peak_growth = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-shmem", daemon=True)
+        self._base = 0
+
+    def __enter__(self) -> Self:
+        if os.path.exists("/proc/meminfo"):
+            self._base = _shmem_bytes()
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_growth = max(self.peak_growth, _shmem_bytes() - self._base)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _run_one(workload: str, key: str, size: str, seconds: float) -> dict[str, Any]:
@@ -194,10 +234,11 @@ def table(rows: list[dict[str, Any]]) -> str:
         "samples_s",
         "peak_mib",
         "above_mib",
+        "shm_mib",
     )
     header = (
         f"{'workload':9s}{'loader':40s}{'alone ms':>9s}{'step ms':>9s}{'slowdown':>9s}"
-        f"{'batches/s':>10s}{'samples/s':>11s}{'peak MiB':>9s}{'above':>7s}"
+        f"{'batches/s':>10s}{'samples/s':>11s}{'peak MiB':>9s}{'above':>7s}{'shm':>6s}"
     )
     lines = [header]
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
@@ -213,7 +254,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"{workload:9s}{label:40s}{m['step_alone_ms']:9.2f}{m['step_ms']:9.2f}"
                 f"{m['slowdown']:9.2f}{m['batches_s']:10.1f}{m['samples_s']:11,.0f}"
-                f"{m['peak_mib']:9.0f}{m['above_mib']:7.0f}"
+                f"{m['peak_mib']:9.0f}{m['above_mib']:7.0f}{m['shm_mib']:6.0f}"
             )
     lines.append("")
     lines.append("goals (issue 10), medians of per-round ratios:")

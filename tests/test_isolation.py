@@ -361,6 +361,37 @@ def test_unpicklable_dataset_raises_at_iter_and_starts_nothing() -> None:
         iter(IsolatedLoader(Unpicklable(), num_workers=2))
 
 
+class StateFailsAfterTwo(IterableDataset[int]):
+    """A stateful IterableDataset whose state_dict() raises once two items were read."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[int]:
+        while self.pos < 10:
+            self.pos += 1
+            yield self.pos
+
+    def state_dict(self) -> dict[str, int]:
+        if self.pos > 2:
+            raise OSError("state store unreachable")
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def test_a_failure_outside_user_batches_ends_the_helper_and_is_raised() -> None:
+    """An error the helper cannot attribute to one batch (a state snapshot) is raised, not hung."""
+    iterator = iter(IsolatedLoader(StateFailsAfterTwo(), batch_size=2, num_workers=1))
+    assert next(iterator).tolist() == [1, 2]
+    with pytest.raises(OSError, match="state store unreachable") as info:
+        next(iterator)
+    assert "isolation helper process, worker thread 0" in str(info.value)
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(iterator)
+
+
 def test_fork_context_is_refused() -> None:
     """multiprocessing_context='fork' is refused, naming the reason and what to pass instead."""
     with pytest.raises(ValueError, match="not 'fork'"):

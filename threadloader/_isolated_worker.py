@@ -11,13 +11,14 @@ How the helper behaves; where the code disagrees with this, the code is wrong.
 1. Each worker thread reads its own task pipe (the training process already chose the worker,
    in torch's round-robin order), runs its tasks in order, collates each batch into a
    shared-memory slot (``_shm_ring``) and writes the result message itself: no hand-off to
-   another thread. Slot releases travel with the tasks; an epoch message restarts persistent
-   workers and drops the abandoned epoch's tasks still queued.
-2. The main thread only waits for the end: the training process closing the control pipe (its
-   ``close()``, or the kernel closing it when the process dies, even by SIGKILL) or the parent
-   pid changing. It then ends the process at once with ``os._exit``: worker threads are not
-   joined, since one stuck in user code must not keep the process alive, and nothing in the
-   helper needs cleaning up (its shared memory has no name).
+   another thread. An epoch message restarts persistent workers and drops the abandoned
+   epoch's tasks still queued.
+2. The main thread reads the control pipe: slots the training process released go straight
+   back to the ring (a worker busy with a long batch must not hold up other workers' reuse of
+   them), and its EOF -- the training process's ``close()``, or the kernel closing it when that
+   process dies, even by SIGKILL -- or a change of parent pid ends the process at once with
+   ``os._exit``. Worker threads are not joined: one stuck in user code must not keep the
+   process alive, and nothing in the helper needs cleaning up (its shared memory has no name).
 3. A worker whose pipe reaches EOF stops; the main thread ends the process.
 4. Ctrl-C in a terminal reaches the whole process group; the helper ignores SIGINT and lets the
    training process decide, as torch's workers do.
@@ -48,14 +49,14 @@ from threadloader._workers import Task, Worker, WorkerSpec
 from threadloader.memory import pinned_collate
 
 # Message tags. Training process -> helper, on a worker's task pipe:
-TASK = 0  # (TASK, idx, generation, index, released slot keys)
-EPOCH = 1  # (EPOCH, generation, released slot keys): persistent workers start over
-RELEASE = 2  # (RELEASE, released slot keys)
+TASK = 0  # (TASK, idx, generation, index)
+EPOCH = 1  # (EPOCH, generation): persistent workers start over
+# On the control pipe: lists of released slot keys, then EOF (exit).
 # Helper -> training process, on the result socket:
 RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings)
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
 RETIRE = 12  # (RETIRE, seg_id)
-FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start
+FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
 
 #: Seconds between checks that the training process still exists, when no message arrives.
 PARENT_CHECK_S = 1.0
@@ -186,7 +187,17 @@ class _IntoSlot:
         return pack(data, self._ring, allocator)
 
 
-def _worker_loop(worker: Worker, tasks: Connection, ring: RingWriter, sender: _Sender) -> None:
+def _worker_loop(worker: Worker, tasks: Connection, sender: _Sender) -> None:
+    """A worker thread's body; a failure of the helper's own code ends the helper, loudly."""
+    try:
+        _run_worker(worker, tasks, sender)
+    except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+        where = f"in threadloader's isolation helper process, worker thread {worker.id}"
+        sender.send((FATAL, ExceptionWrapper(where=where)))
+        _exit_now(1)
+
+
+def _run_worker(worker: Worker, tasks: Connection, sender: _Sender) -> None:
     """What one worker thread of the helper runs: read its own pipe, run its tasks in order.
 
     Each worker reads its tasks straight from its pipe: no hand-off through another thread. What
@@ -210,9 +221,7 @@ def _worker_loop(worker: Worker, tasks: Connection, ring: RingWriter, sender: _S
         msg = pending.popleft()
         tag = msg[0]
         if tag == TASK:
-            _, idx, generation, index, released = msg
-            if released:
-                ring.release(released)
+            _, idx, generation, index = msg
             if generation != worker.generation or any(m[0] == EPOCH for m in pending):
                 continue  # an abandoned epoch's
             task = Task(idx, index, generation)
@@ -224,11 +233,8 @@ def _worker_loop(worker: Worker, tasks: Connection, ring: RingWriter, sender: _S
                 _send_result(sender, worker.id, task, data, state, timings.events)
             del data, task, state
         elif tag == EPOCH:
-            ring.release(msg[2])
             with worker.busy:
                 worker.start_epoch(msg[1])
-        elif tag == RELEASE:
-            ring.release(msg[1])
         del msg
 
 
@@ -259,7 +265,7 @@ class _Helper:
         self.threads = [
             threading.Thread(
                 target=_worker_loop,
-                args=(w, tasks[w.id], self.ring, sender),
+                args=(w, tasks[w.id], sender),
                 name=f"threadloader-helper-worker{w.id}",
                 daemon=True,
             )
@@ -269,14 +275,15 @@ class _Helper:
             t.start()
 
 
-def _wait_for_the_end(control: Connection) -> None:
-    """Return when the training process closes the control pipe, or is gone (point 3)."""
+def _serve_control(control: Connection, ring: RingWriter) -> None:
+    """Give released slots back to the ring until the control pipe ends or the parent is gone."""
     parent = os.getppid()
     while True:
         try:
             if control.poll(PARENT_CHECK_S):
-                return  # EOF (or anything at all: only the end is ever signalled)
-        except OSError:
+                ring.release(control.recv())
+                continue
+        except (EOFError, OSError):
             return
         if os.getppid() != parent:
             return
@@ -298,7 +305,7 @@ def helper_main(
 
     Args:
         spec: the ``HelperSpec``, still pickled.
-        control: read end of a pipe the training process only ever closes: EOF means "exit".
+        control: read end of the control pipe: released slots, then EOF, which means "exit".
         tasks: read end of each worker's task pipe.
         results: this process's end of the result socket.
     """
@@ -307,13 +314,13 @@ def helper_main(
     _worker_info.install()
     sender = _Sender(results)
     try:
-        _Helper(spec.load(), tasks, sender)
+        helper = _Helper(spec.load(), tasks, sender)
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
         error = ExceptionWrapper(where="in threadloader's isolation helper process, starting")
         sender.send((FATAL, error))
         _exit_now(1)
         return
     try:
-        _wait_for_the_end(control)
+        _serve_control(control, helper.ring)
     finally:
         _exit_now(0)

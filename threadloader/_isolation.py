@@ -24,7 +24,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more
-   (``_shm_ring`` point 4); released slots travel with the next task message.
+   (``_shm_ring`` point 4); released slots go back on the control pipe when the next task is
+   sent.
 4. A worker error is raised from ``__next__`` at that batch's turn with the original type, the
    worker id, the batch's indices and the original traceback text; the epoch goes on if
    ``next()`` is called again, as in torch. The helper dying (killed, out of memory) raises
@@ -162,8 +163,8 @@ class HelperDied(RuntimeError):
 class _Link:
     """This process's handle on one helper: its process, its pipes, its ring, and its end.
 
-    Pipes: a control pipe this side only ever closes (the helper exits on its EOF), one task
-    pipe per worker thread, and one result socket back (a socket: descriptors travel on it).
+    Pipes: a control pipe (released slots; the helper exits on its EOF), one task pipe per
+    worker thread, and one result socket back (a socket: descriptors travel on it).
 
     Args:
         ctx: the multiprocessing context to start the helper with.
@@ -219,6 +220,19 @@ class _Link:
         self._check_open()
         try:
             self.tasks[worker_id].send(msg)
+        except OSError:
+            raise self._died() from None
+
+    def release(self, keys: list[Any]) -> None:
+        """Give slots back to the helper (its main thread returns them to the ring at once).
+
+        Raises:
+            HelperDied: the helper is gone.
+            RuntimeError: this link was closed.
+        """
+        self._check_open()
+        try:
+            self.control.send(keys)
         except OSError:
             raise self._died() from None
 
@@ -378,10 +392,9 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             # iterator: a second iter() would restart a positional sampler's resumed pass.
             super()._reset(loader, first_iter)
             self._generation += 1
-            released = self._link.reader.take_released() + self._parked_slots()
+            self._link.release(self._link.reader.take_released() + self._parked_slots())
             for worker_id in range(self._num_workers):
-                self._link.send(worker_id, (EPOCH, self._generation, released))
-                released = []
+                self._link.send(worker_id, (EPOCH, self._generation))
             self._new_stats()
         self._sampler_iter = begin_pass(self, loader, resume)
         self._discard = resume.batches if resume is not None and resume.replay_data else 0
@@ -435,7 +448,9 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         else:
             return
         released = self._link.reader.take_released()
-        self._link.send(worker_id, (TASK, self._send_idx, self._generation, index, released))
+        if released:
+            self._link.release(released)
+        self._link.send(worker_id, (TASK, self._send_idx, self._generation, index))
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1

@@ -182,6 +182,10 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.num_workers == 0:
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
+        if self.isolation == "process":
+            from threadloader._isolation import IsolatedDataLoaderIter
+
+            return IsolatedDataLoaderIter(self, resume)
         return ThreadedDataLoaderIter(self, resume)
 
     def set_mixture_weights(self, weights: Mapping[str, float]) -> int:

@@ -500,12 +500,15 @@ def test_batches_kept_by_the_loop_are_never_overwritten() -> None:
 
 
 def test_slots_return_when_batches_are_dropped() -> None:
-    """A loop that drops each batch reuses the first segment's slots; none is added."""
+    """A loop that drops each batch reuses slots: 100 batches fit in the first slots made."""
     iterator = iter(IsolatedLoader(Ids(400), batch_size=4, num_workers=2))
     for batch in iterator:
         assert batch.shape == (4,)
-    reader = iterator._link.reader  # type: ignore[attr-defined]
-    assert len(reader._segments) == 1
+    segments = iterator._link.reader._segments.values()  # type: ignore[attr-defined]
+    first = next(iter(segments)).count
+    # Without reuse, 100 batches would need 100 slots; releases that lag on a loaded machine
+    # may add one segment as large as the first.
+    assert sum(s.count for s in segments) <= 2 * first < 100
 
 
 class Growing(Dataset[Any]):
@@ -679,10 +682,11 @@ def test_interpreter_exit_with_a_live_iterator_ends_the_helper() -> None:
 )
 def test_spawn_context_gives_the_same_batches() -> None:
     """multiprocessing_context='spawn' (the default where there is no forkserver) works too."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(46.0).reshape(23, 2))  # torch only
     kwargs = {"batch_size": 5, "shuffle": True}
-    theirs = torch_epochs(Numbers(), generator=torch.Generator().manual_seed(3), **kwargs)[0]
+    theirs = torch_epochs(dataset, generator=torch.Generator().manual_seed(3), **kwargs)[0]
     loader = IsolatedLoader(
-        Numbers(), num_workers=2, multiprocessing_context="spawn",
+        dataset, num_workers=2, multiprocessing_context="spawn",
         generator=torch.Generator().manual_seed(3), **kwargs,
     )  # fmt: skip
     assert_epochs_equal(collect(loader), theirs)

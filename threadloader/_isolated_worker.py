@@ -27,6 +27,7 @@ How the helper behaves; where the code disagrees with this, the code is wrong.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 import pickle
 import select
@@ -43,6 +44,7 @@ import torch
 from torch._utils import ExceptionWrapper
 
 from threadloader import _worker_info
+from threadloader._concurrency import ConcurrencyController
 from threadloader._shm_ring import Packed, RingWriter, Segment, SlotAllocator, pack
 from threadloader._timing import StageRecorder
 from threadloader._workers import Task, Worker, WorkerSpec
@@ -53,7 +55,7 @@ TASK = 0  # (TASK, idx, generation, index)
 EPOCH = 1  # (EPOCH, generation): persistent workers start over
 # On the control pipe: lists of released slot keys, then EOF (exit).
 # Helper -> training process, on the result socket:
-RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings)
+RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings, fetch limit)
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
 RETIRE = 12  # (RETIRE, seg_id)
 FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
@@ -187,17 +189,76 @@ class _IntoSlot:
         return pack(data, self._ring, allocator)
 
 
-def _worker_loop(worker: Worker, tasks: Connection, sender: _Sender) -> None:
+class _OrderedGate:
+    """Lets at most ``limit`` tasks run at once; waiting tasks enter in batch order.
+
+    In order because the training process delivers in order: with one task running at a time,
+    the batch it waits for runs first, not a later one of a worker that happened to wake first.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self.limit = limit
+        self._active = 0
+        self._waiting: list[tuple[int, int]] = []  # heap of (generation, batch number)
+
+    def enter(self, key: tuple[int, int]) -> None:
+        with self._cond:
+            heapq.heappush(self._waiting, key)
+            while self._active >= self.limit or self._waiting[0] != key:
+                self._cond.wait()
+            heapq.heappop(self._waiting)
+            self._active += 1
+            self._cond.notify_all()  # the next waiter in order may enter too
+
+    def exit(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def set_limit(self, limit: int) -> None:
+        with self._cond:
+            self.limit = limit
+            self._cond.notify_all()
+
+
+class _Pacer:
+    """How many worker threads fetch at once: the in-process loader's controller, run here.
+
+    A GIL-holding dataset (token windows, Python transforms) makes two threads slower than
+    one, each waiting for the other's GIL hand-offs; a GIL-releasing one (image decode, numpy)
+    scales. ``ConcurrencyController`` hill-climbs the limit on the rate at which batches are
+    made, keeping fewer threads when more do not help: they also leave more CPU to the
+    training process. Batches and their order never depend on it.
+    """
+
+    def __init__(self, num_workers: int) -> None:
+        self.gate = _OrderedGate(num_workers)
+        self._controller = ConcurrencyController(num_workers, minimum=1)
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return self.gate.limit
+
+    def on_batch(self) -> None:
+        with self._lock:
+            limit = self._controller.on_batch()
+        if limit is not None:
+            self.gate.set_limit(limit)
+
+
+def _worker_loop(worker: Worker, tasks: Connection, sender: _Sender, pacer: _Pacer) -> None:
     """A worker thread's body; a failure of the helper's own code ends the helper, loudly."""
     try:
-        _run_worker(worker, tasks, sender)
+        _run_worker(worker, tasks, sender, pacer)
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
         where = f"in threadloader's isolation helper process, worker thread {worker.id}"
         sender.send((FATAL, ExceptionWrapper(where=where)))
         _exit_now(1)
 
 
-def _run_worker(worker: Worker, tasks: Connection, sender: _Sender) -> None:
+def _run_worker(worker: Worker, tasks: Connection, sender: _Sender, pacer: _Pacer) -> None:
     """What one worker thread of the helper runs: read its own pipe, run its tasks in order.
 
     Each worker reads its tasks straight from its pipe: no hand-off through another thread. What
@@ -226,11 +287,16 @@ def _run_worker(worker: Worker, tasks: Connection, sender: _Sender) -> None:
                 continue  # an abandoned epoch's
             task = Task(idx, index, generation)
             timings = _Timings()
-            with worker.busy:
-                data = worker.run(task, timings)
-                state = worker.snapshot() if data is not None else None
+            pacer.gate.enter((generation, idx))
+            try:
+                with worker.busy:
+                    data = worker.run(task, timings)
+                    state = worker.snapshot() if data is not None else None
+            finally:
+                pacer.gate.exit()
             if data is not None:
-                _send_result(sender, worker.id, task, data, state, timings.events)
+                _send_result(sender, worker.id, task, data, state, timings.events, pacer.limit)
+                pacer.on_batch()
             del data, task, state
         elif tag == EPOCH:
             with worker.busy:
@@ -239,14 +305,21 @@ def _run_worker(worker: Worker, tasks: Connection, sender: _Sender) -> None:
 
 
 def _send_result(
-    sender: _Sender, worker_id: int, task: Task, data: Any, state: Any, timings: Any
+    sender: _Sender,
+    worker_id: int,
+    task: Task,
+    data: Any,
+    state: Any,
+    timings: Any,
+    limit: int,
 ) -> None:
     head = (RESULT, task.idx, worker_id, task.generation)
     try:
-        payload = ForkingPickler.dumps((*head, data, state, timings))
+        payload = ForkingPickler.dumps((*head, data, state, timings, limit))
     except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
         where = f"in threadloader worker thread {worker_id}, batch {task.idx}"
-        payload = ForkingPickler.dumps((*head, ExceptionWrapper(where=where), None, timings))
+        error = ExceptionWrapper(where=where)
+        payload = ForkingPickler.dumps((*head, error, None, timings, limit))
     sender.send_bytes(payload)
 
 
@@ -259,13 +332,14 @@ class _Helper:
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
         n = worker_spec.num_workers
+        self.pacer = _Pacer(n)
         self.workers = [
             Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in range(n)
         ]
         self.threads = [
             threading.Thread(
                 target=_worker_loop,
-                args=(w, tasks[w.id], sender),
+                args=(w, tasks[w.id], sender, self.pacer),
                 name=f"threadloader-helper-worker{w.id}",
                 daemon=True,
             )

@@ -361,6 +361,7 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         # The finalizer holds the link, never self: break, del and GC all end the helper.
         self._finalizer = weakref.finalize(self, self._link.close)
         self._generation = 0
+        self._concurrency = ConcurrencyController(self._num_workers, minimum=1)
         self._new_stats()
         self._reset(loader, first_iter=True)
 
@@ -381,8 +382,9 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
 
     def _new_stats(self) -> None:
         self._stats = EpochStats(self._num_workers, self._log_every_s)
-        # No adaptive concurrency across a process boundary: every worker always fetches.
-        self._stats.controller = ConcurrencyController(self._num_workers, minimum=self._num_workers)
+        # The helper adapts how many of its threads fetch at once and reports it with each
+        # result; this controller only carries that number to stats().
+        self._stats.controller = self._concurrency
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         resume = self._resume if first_iter else None
@@ -532,10 +534,11 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             except TimeoutError:
                 self.close()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
-            _, idx, worker_id, generation, data, state, timings = msg
+            _, idx, worker_id, generation, data, state, timings, limit = msg
             recorder = self._stats.workers[worker_id]
             for stage, seconds in timings:
                 recorder.add(stage, seconds)
+            self._concurrency.limit = limit  # the helper's, for stats()
             if generation == self._generation:
                 return Result(idx, worker_id, generation, data, state)
             if isinstance(data, Packed):

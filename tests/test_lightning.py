@@ -262,13 +262,34 @@ def _trainer(tmp_path: Path, **kwargs: Any) -> Any:
     )
 
 
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "shuffle",
+        pytest.param(
+            "threadloader",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="loader bugs: (1) a resumed loader's len() is the resumed pass's batches "
+                "(DistributedShuffleSampler's len()), and Lightning, which counts the batches "
+                "before the resume itself, ends the epoch early; (2) after a resume, state_dict() "
+                "gives a positional sampler the batches since the epoch began, where it counts "
+                "from the resumed pass",
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_from_mid_epoch_checkpoints_matches_an_uninterrupted_run(
-    tmp_path: Path, num_workers: int
+    tmp_path: Path, num_workers: int, sampler: str
 ) -> None:
-    """Two crashes (mid-epoch 0, mid-epoch 1), two resumes: the batches of one uninterrupted run."""
+    """Three crashes (mid-epoch 0, twice in epoch 1), three resumes: the batches of one
+    uninterrupted run, with shuffle=True or with DistributedShuffleSampler."""
 
     def make() -> ThreadDataLoader[Any]:
+        if sampler == "threadloader":
+            order = DistributedShuffleSampler(Ids(), num_replicas=1, rank=0, seed=5)
+            return ThreadDataLoader(Ids(), batch_size=4, sampler=order, num_workers=num_workers)
         generator = torch.Generator().manual_seed(5)
         return ThreadDataLoader(
             Ids(), batch_size=4, shuffle=True, num_workers=num_workers, generator=generator
@@ -279,7 +300,7 @@ def test_resume_from_mid_epoch_checkpoints_matches_an_uninterrupted_run(
     _trainer(tmp_path, max_epochs=2).fit(whole)
     seen: list[tuple[int, list[int]]] = []
     ckpt = None
-    for i, stop in enumerate([2, 9, None]):
+    for i, stop in enumerate([2, 8, 10, None]):
         pl.seed_everything(3)
         model = Model(make())
         callbacks = [] if stop is None else [StopAt(stop, tmp_path / f"{i}.ckpt")]

@@ -405,7 +405,7 @@ def _run_in_lockstep(
     """Each rank reads `steps` indices (all if None); return them and the one state all ranks save."""
     for s in samplers:
         s.set_epoch(epoch)
-    (share,) = {len(s) for s in samplers}  # every rank gets the same share: DDP needs it
+    (share,) = {s.remaining() for s in samplers}  # every rank gets the same share: DDP needs it
     read: list[int] = []
     for s in samplers:
         mine = list(itertools.islice(iter(s), steps))
@@ -471,7 +471,9 @@ def test_chained_resumes_compose(drop_last: bool) -> None:
         ranks = _ranks(length, world, drop_last)
         for s in ranks:
             s.load_state_dict(state)
-        assert len(ranks[0]) * world == _expected_epoch(length, start, world, drop_last) - start
+        assert (
+            ranks[0].remaining() * world == _expected_epoch(length, start, world, drop_last) - start
+        )
         more, state = _run_in_lockstep(ranks, steps, epoch=1)
         read += more
         start = int(state["cursor"])  # type: ignore[call-overload]
@@ -482,17 +484,18 @@ def test_chained_resumes_compose(drop_last: bool) -> None:
         assert set(seen) == set(range(length)) and sum(seen.values()) - length < 2
 
 
-def test_len_is_the_remaining_share_while_a_resume_is_pending_or_running() -> None:
-    """len() after load_state_dict is what the resumed pass yields; then num_samples again."""
+def test_remaining_is_the_resumed_share_and_len_the_whole_epochs() -> None:
+    """remaining() after load_state_dict is what the resumed pass yields, then num_samples
+    again; len() is num_samples throughout, as trainers that count batches expect."""
     _, state = _run_in_lockstep(_ranks(50, 4, False), 5, epoch=0)  # 20 of 50 consumed
     sampler = DistributedShuffleSampler(range(50), num_replicas=3, rank=1)
     sampler.load_state_dict(state)
-    assert len(sampler) == 10 and sampler.num_samples == 17
+    assert sampler.remaining() == 10 and len(sampler) == sampler.num_samples == 17
     it = iter(sampler)
     next(it)
-    assert len(sampler) == 10
+    assert sampler.remaining() == 10 and len(sampler) == 17
     assert len(list(it)) == 9
-    assert len(sampler) == 17
+    assert sampler.remaining() == 17
     assert len(list(sampler)) == 17
 
 

@@ -49,7 +49,14 @@ from threadloader._state import (
     dataset_is_stateful,
     warn_replay,
 )
-from threadloader._workers import NewEpoch, Result, Task, WorkerPool, WorkerSpec
+from threadloader._workers import (
+    NewEpoch,
+    Result,
+    Task,
+    WorkerPool,
+    WorkerSpec,
+    thread_safe_init_fn,
+)
 from threadloader.stats import EpochStats
 
 if TYPE_CHECKING:
@@ -83,7 +90,7 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             auto_collation=self._auto_collation,
             collate_fn=host_collate(loader, self._collate_fn, self._pin_memory),
             drop_last=self._drop_last,
-            worker_init_fn=loader.worker_init_fn,
+            worker_init_fn=thread_safe_init_fn(loader.worker_init_fn),
             num_workers=self._num_workers,
             capture_state=self._dataset_kind == _DatasetKind.Iterable
             and dataset_is_stateful(self._dataset),

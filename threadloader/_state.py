@@ -199,6 +199,7 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
         "rng_source": source,
         "rng_state": rng_state.clone(),
         "sampler": sampler_state,
+        "sampler_epoch": _sampler_epoch(loader),
         "dataset_kind": kind,
         "dataset_length": _length(loader.dataset) if kind == "map" else None,
         "num_workers": loader.num_workers,
@@ -208,6 +209,11 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
     }
+
+
+def _sampler_epoch(loader: Any) -> int | None:
+    epoch = getattr(loader.sampler, "epoch", None)
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
 def _sampler_checks_sources(loader: Any) -> bool:
@@ -233,6 +239,7 @@ _REQUIRED = (
     "rng_source",
     "rng_state",
     "sampler",
+    "sampler_epoch",
     "dataset_kind",
     "dataset_length",
     "num_workers",
@@ -303,6 +310,11 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 f"loader has {expected} workers: an IterableDataset resumes on the same number "
                 "of workers"
             )
+    epoch = state["sampler_epoch"]
+    if epoch is not None and callable(getattr(loader.sampler, "set_epoch", None)):
+        # Trainers (Lightning) may call iter() before set_epoch() on resume, and the workers'
+        # first indices are drawn at iter(): the sampler must already be in the saved epoch.
+        loader.sampler.set_epoch(epoch)
     if positional is not None:
         positional[0].load_state_dict(state["sampler"])
     return Resume(

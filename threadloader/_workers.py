@@ -17,6 +17,7 @@ from a finalizer, from an interpreter-exit hook and from one of its own threads.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import threading
 import time
@@ -104,6 +105,28 @@ def _make_worker_info(spec: WorkerSpec, worker_id: int, base_seed: int, dataset:
         rng=rng,
         worker_method="thread",
     )
+
+
+_LIGHTNING_MODULES = ("lightning", "lightning_fabric", "pytorch_lightning")
+
+
+def thread_safe_init_fn(fn: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """``fn``, or a thread-safe stand-in for Lightning's ``pl_worker_init_function``.
+
+    ``seed_everything(workers=True)`` makes Lightning install a worker_init_fn that reseeds the
+    process-global ``random``, ``numpy`` and ``torch`` RNGs: right in a worker process, wrong in
+    a worker thread (every thread would reseed everyone's RNG). ``threadloader.lightning`` seeds
+    the worker's own generators instead, from the same rank and seed. Recognised by name, so
+    that Lightning is imported only when it is in use.
+    """
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__name__", "")
+    module = (getattr(target, "__module__", "") or "").split(".")[0]
+    if name != "pl_worker_init_function" or module not in _LIGHTNING_MODULES:
+        return fn
+    from threadloader.lightning import for_threads
+
+    return for_threads(fn)
 
 
 class Worker:

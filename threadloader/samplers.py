@@ -365,8 +365,17 @@ class DistributedShuffleSampler(Sampler[int]):
         self._pass: _Pass | None = None
 
     def __len__(self) -> int:
-        """Return how many indices this rank gets this epoch: ``num_samples``, or after a resume
-        what remains of the epoch for this rank (see the class docstring)."""
+        """Return ``num_samples``: this rank's share of a whole epoch, as torch's sampler does.
+
+        Also during a resumed epoch, which yields only ``remaining()`` indices: trainers count
+        the batches delivered before the resume themselves and compare with ``len()``
+        (Lightning ends the epoch early when ``len()`` shrinks).
+        """
+        return self.num_samples
+
+    def remaining(self) -> int:
+        """How many indices this rank's pending or current pass yields in all: ``num_samples``,
+        or after a resume what remains of the epoch for this rank (see the class docstring)."""
         pending, current = self._pending, self._pass
         if pending is not None and pending[0] == self.epoch:
             return self._pass_length(pending[1])

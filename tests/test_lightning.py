@@ -135,12 +135,6 @@ def test_ddp_resume_from_mid_epoch_checkpoint_continues_exactly(
 
 
 @needs_gloo
-@pytest.mark.xfail(
-    strict=True,
-    reason="loader bug: Lightning calls iter() before set_epoch() when it resumes, and the "
-    "resumed loader draws its indices at iter(), from the sampler's epoch 0; fixed by saving "
-    "the sampler's epoch in the loader state (see the report on issue 8)",
-)
 def test_ddp_resume_in_a_later_epoch_continues_that_epoch(
     ddp_run: dict[Any, dict[str, Any]],
 ) -> None:
@@ -262,23 +256,7 @@ def _trainer(tmp_path: Path, **kwargs: Any) -> Any:
     )
 
 
-@pytest.mark.parametrize(
-    "sampler",
-    [
-        "shuffle",
-        pytest.param(
-            "threadloader",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="loader bugs: (1) a resumed loader's len() is the resumed pass's batches "
-                "(DistributedShuffleSampler's len()), and Lightning, which counts the batches "
-                "before the resume itself, ends the epoch early; (2) after a resume, state_dict() "
-                "gives a positional sampler the batches since the epoch began, where it counts "
-                "from the resumed pass",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("sampler", ["shuffle", "threadloader"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_from_mid_epoch_checkpoints_matches_an_uninterrupted_run(
     tmp_path: Path, num_workers: int, sampler: str
@@ -309,6 +287,48 @@ def test_resume_from_mid_epoch_checkpoints_matches_an_uninterrupted_run(
         ckpt = tmp_path / f"{i}.ckpt"
     assert [len(b) for _, b in seen] == [4] * 12
     assert seen == whole.seen
+
+
+@pytest.mark.parametrize(
+    "world",
+    [
+        1,
+        pytest.param(
+            3,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Lightning limitation: it reads len(loader) before load_state_dict() and "
+                "ends a resumed epoch when its own batch count (restored from the checkpoint) "
+                "reaches it; on more ranks each rank's share of the rest is larger than that",
+            ),
+        ),
+    ],
+)
+def test_resume_on_another_world_size_trains_the_rest_of_the_epoch(
+    tmp_path: Path, world: int
+) -> None:
+    """Saved by 2 ranks after 2 steps, resumed by ``world`` (each rank simulated by a
+    single-device Trainer given its rank): every sample of the epoch once, but for padding."""
+    n = 48
+
+    def make(world: int, rank: int) -> ThreadDataLoader[Any]:
+        order = DistributedShuffleSampler(Ids(n), num_replicas=world, rank=rank, seed=5)
+        return ThreadDataLoader(Ids(n), batch_size=4, sampler=order)
+
+    seen: list[int] = []
+    for rank in range(2):
+        pl.seed_everything(3)
+        model = Model(make(2, rank))
+        stop = StopAt(2, tmp_path / f"rank{rank}.ckpt")
+        _trainer(tmp_path, max_epochs=1, callbacks=[stop]).fit(model)
+        seen += [i for _, b in model.seen for i in b]
+    for rank in range(world):
+        model = Model(make(world, rank))
+        _trainer(tmp_path, max_epochs=1).fit(model, ckpt_path=tmp_path / f"rank{rank % 2}.ckpt")
+        seen += [i for _, b in model.seen for i in b]
+    rest = n - 2 * 4 * 2
+    padding = world * -(-rest // world) - rest
+    assert len(seen) == n + padding and set(seen) == set(range(n))
 
 
 # --- seeding -------------------------------------------------------------------------------
@@ -364,20 +384,7 @@ def _unseeded_next_draw() -> float:
 
 
 @pytest.mark.usefixtures("clean_seed_env")
-@pytest.mark.parametrize(
-    "install",
-    [
-        "explicit",
-        pytest.param(
-            "lightning",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="needs the loader to swap Lightning's worker_init_fn for "
-                "threadloader.lightning.for_threads(...) when an epoch's workers start",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("install", ["explicit", "lightning"])
 def test_seeded_workers_draw_their_own_reproducible_augmentations(install: str) -> None:
     """Under seed_everything(workers=True) each worker, and each rank, draws its own numbers; a
     rerun draws the same; the training thread's RNG is not reseeded by the workers."""

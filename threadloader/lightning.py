@@ -34,8 +34,12 @@ Where Lightning and a stateful loader meet, and what follows:
   ``DistributedSamplerWrapper``, which materialises every index and deals them out again by rank.
 - A checkpoint taken at the end of an epoch does not restore loader state (Lightning's choice):
   the next epoch starts from the sampler's ``set_epoch``, as with torch's DataLoader.
-- ``seed_everything(workers=True)`` installs a ``worker_init_fn`` that reseeds the process-global
-  RNGs: see ``thread_worker_init_fn``.
+- ``seed_everything(workers=True)`` makes Lightning set every loader's ``worker_init_fn`` to one
+  that reseeds the process-global RNGs; a ThreadDataLoader runs ``for_threads`` of it instead
+  (``thread_worker_init_fn``), when an epoch's workers start.
+- A resume on *more* ranks than saved the checkpoint loses the tail of the epoch: Lightning reads
+  ``len(loader)`` before ``load_state_dict()`` and ends the epoch when its own batch count,
+  restored from the checkpoint, reaches it. Fewer ranks, or the same number, are exact.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ checkpoint; ``--stop-at 20`` stops right after step 20's, as a crash would. ``--
 ``fit(ckpt_path=".../last.ckpt")``: Lightning calls ``load_state_dict()`` before ``iter()``, and
 the loader starts at batch 20 of epoch 0, without reading the 20 batches already trained on.
 ``ThreadLoaderMonitor(every_n_steps=10)`` logs the loader's data-wait fraction and throughput to
-the CSV logger. ``seed_everything(0, workers=True)`` with ``worker_init_fn=thread_worker_init_fn``
-seeds each worker thread's own generators from (seed, worker, rank): the process-global RNGs stay
+the CSV logger. ``seed_everything(0, workers=True)`` makes Lightning give the loader its
+process-worker seeding, which the loader swaps for ``threadloader.lightning``'s: each worker
+thread's own generators are seeded from (seed, worker, rank), and the process-global RNGs stay
 the training loop's.
 
 Result (2-core CPU; each command about 15 s, mostly 2 processes importing Lightning)::
@@ -51,7 +52,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader
-from threadloader.lightning import ThreadLoaderMonitor, thread_worker_init_fn
+from threadloader.lightning import ThreadLoaderMonitor
 
 try:
     import lightning.pytorch as pl
@@ -89,7 +90,6 @@ class Data(pl.LightningDataModule):
             batch_size=BATCH,
             shuffle=True,
             num_workers=2,
-            worker_init_fn=thread_worker_init_fn,  # seed_everything(workers=True), for threads
         )
 
 

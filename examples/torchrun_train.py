@@ -32,7 +32,9 @@ Why 13 steps and 1 sample twice: 2 ranks had read global positions 0-1663 of epo
 batches, the last of 43) and the stream wraps around by one position, as torch's
 ``DistributedSampler`` pads an epoch that does not divide by the world size. The world size that
 finishes an epoch pads it (``drop_last=True`` would drop the 2 extra instead). ``--resume`` on 2
-or on 1 process works the same way.
+or on 1 process works the same way, and so do several crashes in one epoch: with ``--stop-at 45``
+on 2 processes, ``--resume --stop-at 60`` on 1, then ``--resume`` on 3, epoch 1 still ends with
+4096 of 4096 samples trained, 0 missed, 1 twice.
 """
 
 from __future__ import annotations

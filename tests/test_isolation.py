@@ -703,6 +703,13 @@ def test_pin_memory_without_accelerator_warns_like_torch_and_gives_the_batches()
     assert [int(x) for b in ours for x in b] == list(range(20))
 
 
+def test_device_option_drives_the_isolated_epoch() -> None:
+    """device= wraps the isolated epoch like any other: the same batches, the helper ended."""
+    loader = IsolatedLoader(Ids(40), batch_size=4, num_workers=2, device="cpu")
+    assert [int(x) for b in loader for x in b] == list(range(40))
+    assert loader.state_dict()["in_progress"] is False
+
+
 def test_helper_runs_one_set_of_threads_per_loader() -> None:
     """The helper runs num_workers worker threads (and its reader); the dataset is loaded once."""
     iterator = iter(IsolatedLoader(ThreadsInHelper(), batch_size=None, num_workers=3))

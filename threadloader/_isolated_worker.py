@@ -13,13 +13,13 @@ How the helper behaves; where the code disagrees with this, the code is wrong.
    shared-memory slot (``_shm_ring``) and writes the result message itself: no hand-off to
    another thread. An epoch message restarts persistent workers and drops the abandoned
    epoch's tasks still queued.
-2. The main thread reads the control pipe: slots the training process released go straight
-   back to the ring (a worker busy with a long batch must not hold up other workers' reuse of
-   them), and its EOF -- the training process's ``close()``, or the kernel closing it when that
-   process dies, even by SIGKILL -- or a change of parent pid ends the process at once with
-   ``os._exit``. Worker threads are not joined: one stuck in user code must not keep the
+2. Slots the training process released come back through the ring's mailbox, read when a
+   worker takes a slot (``_shm_ring`` point 5): no thread wakes up for them.
+3. The main thread waits on the control pipe, which carries nothing: its EOF -- the training
+   process's ``close()``, or the kernel closing it when that process dies, even by SIGKILL --
+   or a change of parent pid ends the process at once with ``os._exit``. Worker threads are not joined: one stuck in user code must not keep the
    process alive, and nothing in the helper needs cleaning up (its shared memory has no name).
-3. A worker whose pipe reaches EOF stops; the main thread ends the process.
+   A worker whose pipe reaches EOF stops; the main thread ends the process.
 4. Ctrl-C in a terminal reaches the whole process group; the helper ignores SIGINT and lets the
    training process decide, as torch's workers do.
 """
@@ -53,7 +53,7 @@ from threadloader.memory import pinned_collate
 # Message tags. Training process -> helper, on a worker's task pipe:
 TASK = 0  # (TASK, idx, generation, index)
 EPOCH = 1  # (EPOCH, generation): persistent workers start over
-# On the control pipe: lists of released slot keys, then EOF (exit).
+# The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
 # Helper -> training process, on the result socket:
 RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings, fetch limit)
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
@@ -326,8 +326,10 @@ def _send_result(
 class _Helper:
     """The helper's state: the ring, the workers and their threads."""
 
-    def __init__(self, spec: HelperSpec, tasks: list[Connection], sender: _Sender) -> None:
-        self.ring = RingWriter(sender.announce, 2 * spec.max_tasks + SPARE_SLOTS)
+    def __init__(
+        self, spec: HelperSpec, tasks: list[Connection], sender: _Sender, mailbox: int
+    ) -> None:
+        self.ring = RingWriter(sender.announce, 2 * spec.max_tasks + SPARE_SLOTS, mailbox)
         sender.ring = self.ring
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
@@ -349,18 +351,18 @@ class _Helper:
             t.start()
 
 
-def _serve_control(control: Connection, ring: RingWriter) -> None:
-    """Give released slots back to the ring until the control pipe ends or the parent is gone."""
+def _wait_for_the_end(control: Connection, ring: RingWriter) -> None:
+    """Return when the control pipe ends or the parent is gone (point 3)."""
     parent = os.getppid()
     while True:
         try:
             if control.poll(PARENT_CHECK_S):
-                ring.release(control.recv())
-                continue
-        except (EOFError, OSError):
+                return  # EOF: nothing else is ever sent
+        except OSError:
             return
         if os.getppid() != parent:
             return
+        ring.read_mailbox()  # keep it from filling while no worker needs a slot
 
 
 def _exit_now(code: int) -> None:
@@ -373,13 +375,18 @@ def _exit_now(code: int) -> None:
 
 
 def helper_main(
-    spec: PickledOnce, control: Connection, tasks: list[Connection], results: Connection
+    spec: PickledOnce,
+    control: Connection,
+    mailbox: Connection,
+    tasks: list[Connection],
+    results: Connection,
 ) -> None:
     """The helper process's entry point (a ``multiprocessing.Process`` target).
 
     Args:
         spec: the ``HelperSpec``, still pickled.
-        control: read end of the control pipe: released slots, then EOF, which means "exit".
+        control: read end of the control pipe, whose EOF means "exit".
+        mailbox: read end of the release mailbox (``_shm_ring`` point 5).
         tasks: read end of each worker's task pipe.
         results: this process's end of the result socket.
     """
@@ -388,13 +395,14 @@ def helper_main(
     _worker_info.install()
     sender = _Sender(results)
     try:
-        helper = _Helper(spec.load(), tasks, sender)
+        os.set_blocking(mailbox.fileno(), False)
+        helper = _Helper(spec.load(), tasks, sender, mailbox.fileno())
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
         error = ExceptionWrapper(where="in threadloader's isolation helper process, starting")
         sender.send((FATAL, error))
         _exit_now(1)
         return
     try:
-        _serve_control(control, helper.ring)
+        _wait_for_the_end(control, helper.ring)
     finally:
         _exit_now(0)

@@ -24,8 +24,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more
-   (``_shm_ring`` point 4); released slots go back on the control pipe when the next task is
-   sent.
+   (``_shm_ring`` point 4); released slots go into the ring's mailbox when the next task is
+   sent (point 5 there).
 4. A worker error is raised from ``__next__`` at that batch's turn with the original type, the
    worker id, the batch's indices and the original traceback text; the epoch goes on if
    ``next()`` is called again, as in torch. The helper dying (killed, out of memory) raises
@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import select
 import time
 import weakref
@@ -163,8 +164,8 @@ class HelperDied(RuntimeError):
 class _Link:
     """This process's handle on one helper: its process, its pipes, its ring, and its end.
 
-    Pipes: a control pipe (released slots; the helper exits on its EOF), one task pipe per
-    worker thread, and one result socket back (a socket: descriptors travel on it).
+    Pipes: a control pipe (the helper exits on its EOF), the ring's release mailbox, one task
+    pipe per worker thread, and one result socket back (a socket: descriptors travel on it).
 
     Args:
         ctx: the multiprocessing context to start the helper with.
@@ -177,17 +178,26 @@ class _Link:
 
     def __init__(self, ctx: BaseContext, spec: HelperSpec, name: str) -> None:
         control_r, control_w = ctx.Pipe(duplex=False)
+        mailbox_r, mailbox_w = ctx.Pipe(duplex=False)  # raw records, never Connection.send
         task_pipes = [ctx.Pipe(duplex=False) for _ in range(spec.worker.num_workers)]
         result_here, result_there = ctx.Pipe(duplex=True)
         self.control: Connection = control_w
+        self.mailbox: Connection = mailbox_w
+        os.set_blocking(mailbox_w.fileno(), False)
         self.tasks: list[Connection] = [w for _, w in task_pipes]
         self.results: Connection = result_here
-        self.reader = RingReader()
+        self.reader = RingReader(mailbox_w.fileno())
         self.closed = False
-        theirs = [control_r, *(r for r, _ in task_pipes), result_there]
+        theirs = [control_r, mailbox_r, *(r for r, _ in task_pipes), result_there]
         self.process = ctx.Process(  # type: ignore[attr-defined]
             target=helper_main,
-            args=(PickledOnce(spec), control_r, [r for r, _ in task_pipes], result_there),
+            args=(
+                PickledOnce(spec),
+                control_r,
+                mailbox_r,
+                [r for r, _ in task_pipes],
+                result_there,
+            ),
             name=name,
             daemon=True,  # multiprocessing ends it at interpreter exit too
         )
@@ -204,7 +214,7 @@ class _Link:
         self._waiting.register(self.results.fileno(), select.POLLIN)
 
     def _ours(self) -> list[Connection]:
-        return [self.control, *self.tasks, self.results]
+        return [self.control, self.mailbox, *self.tasks, self.results]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -220,19 +230,6 @@ class _Link:
         self._check_open()
         try:
             self.tasks[worker_id].send(msg)
-        except OSError:
-            raise self._died() from None
-
-    def release(self, keys: list[Any]) -> None:
-        """Give slots back to the helper (its main thread returns them to the ring at once).
-
-        Raises:
-            HelperDied: the helper is gone.
-            RuntimeError: this link was closed.
-        """
-        self._check_open()
-        try:
-            self.control.send(keys)
         except OSError:
             raise self._died() from None
 
@@ -394,7 +391,8 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             # iterator: a second iter() would restart a positional sampler's resumed pass.
             super()._reset(loader, first_iter)
             self._generation += 1
-            self._link.release(self._link.reader.take_released() + self._parked_slots())
+            self._link.reader.give_back(self._parked_slots())
+            self._link.reader.send_released()
             for worker_id in range(self._num_workers):
                 self._link.send(worker_id, (EPOCH, self._generation))
             self._new_stats()
@@ -449,9 +447,7 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
                 break
         else:
             return
-        released = self._link.reader.take_released()
-        if released:
-            self._link.release(released)
+        self._link.reader.send_released()
         self._link.send(worker_id, (TASK, self._send_idx, self._generation, index))
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1

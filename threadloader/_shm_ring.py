@@ -31,6 +31,11 @@ How the ring behaves; where the code disagrees with this, the code is wrong.
    exists to protect. (Copy-out would cost a memcpy per batch in the training thread, ~5 ms for
    a 50 MB batch; with ``pin_memory`` the batch is copied into page-locked memory anyway, and
    that copy releases the slot at once.)
+5. Released slots travel back through a *mailbox*: a non-blocking pipe of fixed-size records
+   that no thread waits on. The training process writes to it when it sends a task; the helper
+   reads it when it takes a slot. So a release wakes no thread (a wake-up per batch costs a GIL
+   hand-off in the helper), reaches the ring exactly when a slot is needed, and the pipe's
+   syscalls order the training process's last reads of a slot before the helper's next write.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import io
 import mmap
 import os
 import pickle
+import struct
 import tempfile
 import threading
 import weakref
@@ -58,6 +64,10 @@ HEADROOM = 1.25
 PAGE = mmap.PAGESIZE
 
 SlotKey = tuple[int, int]  # (segment id, slot number)
+#: One released slot in the mailbox. Writes of at most ``PIPE_BUF`` bytes (>= 512 on POSIX) are
+#: atomic, so the pipe only ever holds whole records.
+_RECORD = struct.Struct("<ii")
+_RECORDS_PER_WRITE = 512 // _RECORD.size
 
 
 def _round_up(n: int, to: int) -> int:
@@ -143,8 +153,14 @@ class RingWriter:
             a few held by the training loop.
     """
 
-    def __init__(self, announce: Callable[[Segment, int], None], slots_per_segment: int) -> None:
+    def __init__(
+        self,
+        announce: Callable[[Segment, int], None],
+        slots_per_segment: int,
+        mailbox: int | None = None,
+    ) -> None:
         self._announce = announce
+        self._mailbox = mailbox  # read end of the release mailbox (non-blocking), if any
         self._per_segment = max(2, slots_per_segment)
         self._lock = threading.Lock()
         self._segments: dict[int, Segment] = {}
@@ -179,6 +195,7 @@ class RingWriter:
         """
         while True:
             with self._lock:
+                self._read_mailbox()
                 if min_bytes > self._slot_bytes:
                     self._resize(_round_up(int(min_bytes * HEADROOM) + ALIGN, PAGE))
                 elif self._slot_bytes == 0:
@@ -214,15 +231,39 @@ class RingWriter:
     def release(self, keys: Iterable[SlotKey]) -> None:
         """Take back slots; a retired segment is dropped once all its slots are back."""
         with self._lock:
-            for key in keys:
-                segment = self._segments.get(key[0])
-                if segment is None:
-                    continue
-                segment.in_use -= 1
-                if not segment.retired:
-                    self._free.append(key)
-                elif segment.in_use == 0:
-                    self._drop(segment)
+            self._release(keys)
+
+    def read_mailbox(self) -> None:
+        """Take back the slots waiting in the mailbox (when no slot was needed for a while)."""
+        with self._lock:
+            self._read_mailbox()
+
+    def _read_mailbox(self) -> None:
+        if self._mailbox is None:
+            return
+        while True:
+            try:
+                data = os.read(self._mailbox, 64 * _RECORD.size * _RECORDS_PER_WRITE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # closed: the training process is gone, the helper is ending
+                self._mailbox = None
+                return
+            if not data:
+                self._mailbox = None
+                return
+            self._release(_RECORD.iter_unpack(data))
+
+    def _release(self, keys: Iterable[SlotKey]) -> None:
+        for key in keys:
+            segment = self._segments.get(key[0])
+            if segment is None:
+                continue
+            segment.in_use -= 1
+            if not segment.retired:
+                self._free.append((key[0], key[1]))
+            elif segment.in_use == 0:
+                self._drop(segment)
 
     @property
     def has_retired(self) -> bool:
@@ -467,10 +508,12 @@ class RingReader:
     any thread (garbage collection) and only append to a deque.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mailbox: int | None = None) -> None:
         self._segments: dict[int, Segment] = {}
         self._released: deque[SlotKey] = deque()
         self._watch: dict[SlotKey, weakref.ref[Any]] = {}
+        self._mailbox = mailbox  # write end of the release mailbox (non-blocking), if any
+        self._unsent: list[SlotKey] = []  # released while the mailbox was full
 
     def __repr__(self) -> str:
         return f"<RingReader segments={len(self._segments)} delivered_slots={len(self._watch)}>"
@@ -531,6 +574,31 @@ class RingReader:
         """Give back the slot of a batch that will never be delivered (a stale epoch's)."""
         if packed.key is not None:
             self._released.append(packed.key)
+
+    def give_back(self, keys: Iterable[SlotKey]) -> None:
+        """Give back slots of batches that will never be delivered (an abandoned epoch's)."""
+        self._released.extend(keys)
+
+    def send_released(self) -> None:
+        """Write the slots released since the last call into the mailbox; never blocks.
+
+        What does not fit (the helper has not needed a slot for a long while) waits here for
+        the next call.
+        """
+        keys = self._unsent + self.take_released()
+        self._unsent = []
+        if not keys or self._mailbox is None:
+            return
+        for start in range(0, len(keys), _RECORDS_PER_WRITE):
+            chunk = keys[start : start + _RECORDS_PER_WRITE]
+            try:
+                os.write(self._mailbox, b"".join(_RECORD.pack(*k) for k in chunk))
+            except (BlockingIOError, InterruptedError):
+                self._unsent = keys[start:]
+                return
+            except OSError:  # the helper is gone: the next message to it says so
+                self._mailbox = None
+                return
 
     def take_released(self) -> list[SlotKey]:
         """Slots whose batches died since the last call, for the helper to reuse."""

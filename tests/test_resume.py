@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -366,3 +367,26 @@ def test_a_resumed_epoch_can_be_saved_and_resumed_again(
     third.load_state_dict(state)
     got += list(third)
     assert torch.cat(got).tolist() == reference
+
+
+def test_state_round_trips_through_torch_distributed_checkpoint(tmp_path) -> None:
+    """dcp.save / dcp.load of the state (no process group) resumes exactly."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            Ids(100), batch_size=4, sampler=ShuffleSampler(100, seed=1), num_workers=2
+        )
+
+    reference = torch.cat(list(make())).tolist()
+    loader = make()
+    it = iter(loader)
+    seen = [next(it) for _ in range(5)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp warns that it runs without a process group
+        dcp.save({"loader": loader.state_dict()}, checkpoint_id=str(tmp_path))
+        resumed = make()
+        target = {"loader": resumed.state_dict()}
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(target["loader"])
+    assert torch.cat(seen + list(resumed)).tolist() == reference

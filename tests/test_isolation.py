@@ -710,6 +710,36 @@ def test_device_option_drives_the_isolated_epoch() -> None:
     assert loader.state_dict()["in_progress"] is False
 
 
+class CountsPickling(Dataset[int]):
+    """Counts, in the process that made it, how often it was pickled."""
+
+    pickled = 0
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def __getstate__(self) -> dict[str, Any]:
+        type(self).pickled += 1
+        return self.__dict__
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_dataset_is_pickled_once_per_helper_whatever_the_workers(persistent_workers: bool) -> None:
+    """Three worker threads share one copy: pickled once per helper (once in all if persistent)."""
+    CountsPickling.pickled = 0
+    loader = IsolatedLoader(
+        CountsPickling(), batch_size=2, num_workers=3, persistent_workers=persistent_workers
+    )
+    for _ in range(2):
+        assert [int(x) for b in loader for x in b] == list(range(12))
+    assert CountsPickling.pickled == (1 if persistent_workers else 2)
+    del loader
+    gc.collect()
+
+
 def test_helper_runs_one_set_of_threads_per_loader() -> None:
     """The helper runs num_workers worker threads (and its reader); the dataset is loaded once."""
     iterator = iter(IsolatedLoader(ThreadsInHelper(), batch_size=None, num_workers=3))

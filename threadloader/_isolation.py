@@ -78,7 +78,7 @@ from threadloader._state import (
     dataset_is_stateful,
     warn_replay,
 )
-from threadloader._workers import Result, WorkerSpec
+from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.memory import pin_batch, pinned_allocator
 from threadloader.stats import EpochStats
 
@@ -343,7 +343,7 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
                 auto_collation=self._auto_collation,
                 collate_fn=self._collate_fn,
                 drop_last=self._drop_last,
-                worker_init_fn=loader.worker_init_fn,
+                worker_init_fn=thread_safe_init_fn(loader.worker_init_fn),
                 num_workers=self._num_workers,
                 capture_state=self._dataset_kind == _DatasetKind.Iterable
                 and dataset_is_stateful(self._dataset),

@@ -15,6 +15,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from threadloader import _worker_info
 from threadloader._device import DeviceEpochIterator, check_device_args, staging_pool
 from threadloader._inline import InlineDataLoaderIter
+from threadloader._isolation import IsolatedDataLoaderIter, check_isolation
 from threadloader._iterator import ThreadedDataLoaderIter
 from threadloader._state import Progress, Resume, build_state, parse_state
 from threadloader.memory import BufferPool
@@ -22,7 +23,6 @@ from threadloader.stats import EpochStats, LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
 
-ISOLATION_MODES = (None, "process")
 
 #: Above this many worker threads per core we warn, as torch warns above one process per core.
 #: Threads that mostly wait (object storage, HTTP) are cheap: dozens per core are legitimate.
@@ -110,8 +110,7 @@ class ThreadDataLoader(DataLoader[T_co]):
     ) -> None:
         if log_every_s is not None and log_every_s <= 0:
             raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s}")
-        if isolation not in ISOLATION_MODES:
-            raise ValueError(f"isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        check_isolation(isolation, multiprocessing_context)
         check_device_args(device, device_prefetch)
         self.device = device
         self.device_prefetch = device_prefetch
@@ -183,8 +182,6 @@ class ThreadDataLoader(DataLoader[T_co]):
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
         if self.isolation == "process":
-            from threadloader._isolation import IsolatedDataLoaderIter
-
             return IsolatedDataLoaderIter(self, resume)
         return ThreadedDataLoaderIter(self, resume)
 

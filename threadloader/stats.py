@@ -260,7 +260,8 @@ def _advice(gil_bound: bool, wait_fraction: float, stages: dict[str, Any]) -> st
         return (
             "the dataset holds the GIL: worker threads take turns instead of running together. "
             "Move per-item work into numpy/torch/PIL calls that release the GIL, batch it in "
-            "__getitems__, or use DataLoader's worker processes for this dataset."
+            "__getitems__, or pass isolation='process' so the workers' Python runs in a helper "
+            "process and leaves the training thread's GIL alone."
         )
     if wait_fraction > 0.2 and stages:
         slowest = max(stages, key=lambda k: stages[k].total_s)

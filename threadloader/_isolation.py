@@ -39,7 +39,6 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -50,13 +49,12 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import TYPE_CHECKING, Any
 
-from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import default_collate
-from torch.utils.data._utils.worker import _IterableDatasetStopIteration
-from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._concurrency import ConcurrencyController
+from threadloader._dispatch import DispatchingIter
+from threadloader._dispatch import reraise as _reraise
 from threadloader._isolated_worker import (
     EPOCH,
     FATAL,
@@ -68,15 +66,11 @@ from threadloader._isolated_worker import (
     PickledOnce,
     helper_main,
 )
-from threadloader._iterator import _reraise
 from threadloader._shm_ring import Packed, RingReader
 from threadloader._state import (
     Progress,
-    ProgressMixin,
     Resume,
-    begin_pass,
     dataset_is_stateful,
-    warn_replay,
 )
 from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.memory import pin_batch, pinned_allocator
@@ -311,7 +305,7 @@ class _Link:
             process.join(CLOSE_WAIT_S)
 
 
-class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
+class IsolatedDataLoaderIter(DispatchingIter):
     """The iterator of ``ThreadDataLoader(..., num_workers=N, isolation="process")``, N > 0.
 
     Same interface as ``ThreadedDataLoaderIter``: a ``Progress`` the loader keeps for
@@ -334,7 +328,6 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             self._base_seed = resume.base_seed
         self._prefetch_factor: int = loader.prefetch_factor or 0
         self._in_order: bool = loader.in_order
-        self._max_tasks = max(1, self._prefetch_factor * self._num_workers)
         self._log_every_s = getattr(loader, "log_every_s", None)
         spec = HelperSpec(
             worker=WorkerSpec(
@@ -396,129 +389,22 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             for worker_id in range(self._num_workers):
                 self._link.send(worker_id, (EPOCH, self._generation))
             self._new_stats()
-        self._sampler_iter = begin_pass(self, loader, resume)
-        self._discard = resume.batches if resume is not None and resume.replay_data else 0
-        if self._discard:
-            warn_replay(self._dataset, self._discard)
-        self._send_idx = 0  # number of the next batch to dispatch
-        self._rcvd_idx = 0  # number of the next batch to deliver (in order)
-        # batch number -> (worker_id,) while in flight, (worker_id, result) once parked
-        self._task_info: dict[int, tuple[Any, ...]] = {}
-        self._tasks_outstanding = 0
-        self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
-        self._workers_num_tasks = [0] * self._num_workers
-        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
-        progress = self._progress
-        progress.dataset_states = [None] * self._num_workers
-        progress.next_worker = 0
-        if resume is not None and resume.worker_states is not None:
-            progress.dataset_states = list(resume.worker_states)
-            if resume.workers_status is not None:
-                self._workers_status = list(resume.workers_status)
-            progress.next_worker = resume.next_worker % self._num_workers
-            for _ in range(progress.next_worker):
-                next(self._worker_queue_idx_cycle)
-        progress.workers_alive = self._workers_status  # the same list: torch's logic updates it
-        for _ in range(self._max_tasks):
-            self._try_put_index()
+        self._start_epoch(loader, resume)
 
     def _parked_slots(self) -> list[Any]:
         """Slots of batches parked in the reorder table of an abandoned epoch."""
         task_info = getattr(self, "_task_info", {})
         return [
-            info[1].data.key
+            info[2].data.key
             for info in task_info.values()
-            if len(info) == 2 and isinstance(info[1].data, Packed) and info[1].data.key is not None
+            if len(info) == 3 and isinstance(info[2].data, Packed) and info[2].data.key is not None
         ]
 
-    def _try_put_index(self) -> None:
-        if self._tasks_outstanding >= self._max_tasks:
-            raise AssertionError("more batches in flight than num_workers * prefetch_factor")
-        try:
-            index = self._next_index()
-        except StopIteration:
-            return
-        for _ in range(self._num_workers):  # the next live worker, round robin (torch's order)
-            worker_id = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker_id] and (
-                self._in_order
-                or self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status)
-            ):
-                break
-        else:
-            return
+    def _send(self, worker_id: int, idx: int, index: Any) -> None:
         self._link.reader.send_released()
-        self._link.send(worker_id, (TASK, self._send_idx, self._generation, index))
-        self._task_info[self._send_idx] = (worker_id,)
-        self._workers_num_tasks[worker_id] += 1
-        self._tasks_outstanding += 1
-        self._send_idx += 1
+        self._link.send(worker_id, (TASK, idx, self._generation, index))
 
-    def _next_index(self) -> Any:
-        start = time.perf_counter()
-        try:
-            return next(self._sampler_iter)
-        finally:
-            self._stats.caller.add("sampler", time.perf_counter() - start)
-
-    def _next_data(self) -> Any:
-        start = time.perf_counter()
-        self._ready = True
-        delivered = False
-        try:
-            while self._discard:  # replaying an IterableDataset without state (_state point 4)
-                self._next_batch()
-                self._discard -= 1
-            data = self._next_batch()
-            delivered = True
-            return data
-        except StopIteration:
-            self._progress.exhausted = True
-            raise
-        except KeyboardInterrupt:
-            self.close()  # Ctrl-C while waiting: the epoch is over, the helper must not linger
-            raise
-        finally:
-            self._stats.on_next(time.perf_counter() - start, self._ready, False, delivered)
-
-    def _next_batch(self) -> Any:
-        while True:
-            # Skip batches dispatched to workers whose IterableDataset ran out before them.
-            while self._rcvd_idx < self._send_idx:
-                info = self._task_info.get(self._rcvd_idx)
-                if info is not None:
-                    if len(info) == 2 or self._workers_status[info[0]]:
-                        break
-                    del self._task_info[self._rcvd_idx]
-                self._rcvd_idx += 1
-            else:
-                if not self._persistent_workers:
-                    self.close()
-                raise StopIteration
-
-            info = self._task_info[self._rcvd_idx]
-            if len(info) == 2:  # arrived earlier, parked in the reorder table
-                del self._task_info[self._rcvd_idx]
-                self._rcvd_idx += 1
-                return self._process_data(info[1])
-
-            result = self._get_result()
-            self._tasks_outstanding -= 1
-            if isinstance(result.data, _IterableDatasetStopIteration):
-                self._workers_status[result.data.worker_id] = False
-                self._try_put_index()
-                continue
-            if result.idx != self._rcvd_idx:
-                if not self._in_order:
-                    del self._task_info[result.idx]
-                    return self._process_data(result)
-                self._task_info[result.idx] += (result,)
-                continue
-            del self._task_info[result.idx]
-            self._rcvd_idx += 1
-            return self._process_data(result)
-
-    def _get_result(self) -> Result:
+    def _get_result(self, in_flight: tuple[Any, ...]) -> Result:
         """The next result of this epoch from the helper; stale epochs' are given back."""
         link = self._link
         if not link.ready():
@@ -540,18 +426,8 @@ class IsolatedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             if isinstance(data, Packed):
                 link.reader.discard(data)
 
-    def _process_data(self, result: Result) -> Any:
-        worker_id = result.worker_id
-        self._workers_num_tasks[worker_id] -= 1
-        self._try_put_index()
-        progress = self._progress
-        if result.state is not None and progress.dataset_states is not None:
-            progress.dataset_states[worker_id] = result.state
-        progress.next_worker = (worker_id + 1) % self._num_workers
-        data = result.data
-        if isinstance(data, ExceptionWrapper):
-            _reraise(data)
-        data = self._link.reader.unpack(data)
+    def _unpack(self, result: Result) -> Any:
+        data = self._link.reader.unpack(result.data)
         if self._pin_memory:
             start = time.perf_counter()
             data = pin_batch(data, pinned_allocator)  # the one copy pinning needs frees the slot

@@ -1,53 +1,43 @@
-"""One pass over the data with worker threads: dispatch, in-order delivery, shutdown.
+"""One pass over the data with worker threads of this process.
 
-How an epoch behaves; where the code disagrees with this, the code is wrong.
+Dispatch, reorder and delivery are torch's, in ``_dispatch.DispatchingIter``; this module moves
+tasks to worker threads and results back, and decides who runs a batch. How an epoch behaves;
+where the code disagrees with this, the code is wrong.
 
-1. Dispatch follows torch's ``_MultiProcessingDataLoaderIter`` exactly: batch ``i`` goes to the
-   next live worker in round-robin order, at most ``prefetch_factor * num_workers`` batches are
-   in flight, and one new batch is dispatched for each one delivered. So an IterableDataset's
-   output order, and which worker id fetched which batch, are torch's.
-2. Delivery is in sampler order (``in_order=True``) through a reorder table keyed by batch
-   number, or as completed (``in_order=False``).
-3. When the batch the training loop needs was dispatched to a worker that has not started it
-   (its thread has not been scheduled yet), the training thread runs it itself, as that worker:
-   with the worker's ``WorkerInfo`` installed and the worker's ``busy`` lock held, so the
-   worker's tasks still run one at a time and in order. Waiting instead would cost a thread
-   hand-off per batch, which for cheap GIL-holding items costs more than the item. Map-style
-   datasets only: an IterableDataset's iterator lives in its worker.
-4. Drained: the last batch is delivered, the workers are joined (unless persistent), and
+1. When the batch the training loop needs was dispatched to a worker that has not started it
+   (its thread has not been scheduled yet, or it is parked at the concurrency gate), the training
+   thread runs it itself, as that worker: with the worker's ``WorkerInfo`` installed and the
+   worker's ``busy`` lock held, so the worker's tasks still run one at a time and in order.
+   Waiting instead would cost a thread hand-off per batch, which for cheap GIL-holding items
+   costs more than the item. Map-style datasets only (an IterableDataset's iterator lives in its
+   worker), and never under a ``timeout``.
+2. Drained: the last batch is delivered, the workers are joined (unless persistent), and
    ``StopIteration`` is raised.
-5. Worker error: raised by ``__next__`` at that batch's turn, with the worker id, the batch's
+3. Worker error: raised by ``__next__`` at that batch's turn, with the worker id, the batch's
    indices and the original traceback; as in torch, the epoch goes on if ``next()`` is called
    again. A ``timeout`` expiring ends the epoch instead (torch would let ``next()`` wait again):
    its threads are released at once, since the error's traceback keeps this iterator alive.
-6. Abandoned (``break``, ``del``, garbage collection, ``KeyboardInterrupt``, interpreter exit):
+4. Abandoned (``break``, ``del``, garbage collection, ``KeyboardInterrupt``, interpreter exit):
    nothing new is fetched and every thread is joined. The workers never reference this object,
    so dropping it is enough for the finalizer to run.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
 import weakref
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from torch._utils import ExceptionWrapper, KeyErrorMessage
 from torch.utils.data import _DatasetKind
-from torch.utils.data._utils.worker import _IterableDatasetStopIteration
-from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
 from threadloader._concurrency import ConcurrencyController
 from threadloader._device import host_collate
+from threadloader._dispatch import DispatchingIter
 from threadloader._queues import QueueClosed
 from threadloader._state import (
     Progress,
-    ProgressMixin,
     Resume,
-    begin_pass,
     dataset_is_stateful,
-    warn_replay,
 )
 from threadloader._workers import (
     NewEpoch,
@@ -66,7 +56,7 @@ if TYPE_CHECKING:
 RETRY_S = 0.02
 
 
-class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
+class ThreadedDataLoaderIter(DispatchingIter):
     """The iterator ``iter(ThreadDataLoader(..., num_workers=N))`` returns for N > 0.
 
     Subclasses torch's ``_BaseDataLoaderIter`` so that ``__next__`` (length warning for
@@ -138,32 +128,7 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
             self._stats.controller = self._concurrency
             for worker, recorder in zip(self._pool.workers, self._stats.workers, strict=True):
                 worker.recorder = recorder
-        self._sampler_iter = begin_pass(self, loader, resume)
-        self._discard = resume.batches if resume is not None and resume.replay_data else 0
-        if self._discard:
-            warn_replay(self._dataset, self._discard)
-        self._send_idx = 0  # number of the next batch to dispatch
-        self._rcvd_idx = 0  # number of the next batch to deliver (in order)
-        # batch number -> (worker_id, task) while in flight, (worker_id, task, data) once parked
-        self._task_info: dict[int, tuple[Any, ...]] = {}
-        self._tasks_outstanding = 0
-        self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
-        self._workers_num_tasks = [0] * self._num_workers
-        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
-        # IterableDataset resume (_state point 4): per-worker states as of delivered batches.
-        progress = self._progress
-        progress.dataset_states = [None] * self._num_workers
-        progress.next_worker = 0
-        if resume is not None and resume.worker_states is not None:
-            progress.dataset_states = list(resume.worker_states)
-            if resume.workers_status is not None:
-                self._workers_status = list(resume.workers_status)
-            progress.next_worker = resume.next_worker % self._num_workers
-            for _ in range(progress.next_worker):
-                next(self._worker_queue_idx_cycle)
-        progress.workers_alive = self._workers_status  # the same list: torch's logic updates it
-        for _ in range(self._prefetch_factor * self._num_workers):
-            self._try_put_index()
+        self._start_epoch(loader, resume)
 
     def redispatch(self) -> None:
         """Drop every batch dispatched and not delivered, and dispatch again from the sampler.
@@ -174,101 +139,13 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         if not self._in_order:
             raise ValueError("a live change of the index stream needs in_order=True")
         self._generation = self._pool.new_epoch()
-        self._task_info.clear()
-        self._send_idx = self._rcvd_idx
-        self._tasks_outstanding = 0
-        self._workers_num_tasks = [0] * self._num_workers
-        for _ in range(self._prefetch_factor * self._num_workers):
-            self._try_put_index()
+        self._forget_in_flight()
+        self._fill()
 
-    def _try_put_index(self) -> None:
-        max_tasks = self._prefetch_factor * self._num_workers
-        if self._tasks_outstanding >= max_tasks:
-            raise AssertionError("more batches in flight than num_workers * prefetch_factor")
-        try:
-            index = self._next_index()
-        except StopIteration:
-            return
-        for _ in range(self._num_workers):  # the next live worker, round robin (torch's order)
-            worker_id = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker_id] and (
-                self._in_order
-                or self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status)
-            ):
-                break
-        else:
-            return
-        task = Task(self._send_idx, index, self._generation)
+    def _send(self, worker_id: int, idx: int, index: Any) -> Task:
+        task = Task(idx, index, self._generation)
         self._pool.workers[worker_id].tasks.put(task)
-        self._task_info[self._send_idx] = (worker_id, task)
-        self._workers_num_tasks[worker_id] += 1
-        self._tasks_outstanding += 1
-        self._send_idx += 1
-
-    def _next_index(self) -> Any:
-        start = time.perf_counter()
-        try:
-            return next(self._sampler_iter)
-        finally:
-            self._stats.caller.add("sampler", time.perf_counter() - start)
-
-    def _next_data(self) -> Any:
-        start = time.perf_counter()
-        self._ready, self._ran_here = True, False
-        delivered = False
-        try:
-            while self._discard:  # replaying an IterableDataset without state (_state point 4)
-                self._next_batch()
-                self._discard -= 1
-            data = self._next_batch()
-            delivered = True
-            return data
-        except StopIteration:
-            self._progress.exhausted = True
-            raise
-        except KeyboardInterrupt:
-            self.close()  # Ctrl-C while waiting: the epoch is over, the threads must not linger
-            raise
-        finally:
-            waited = time.perf_counter() - start
-            self._stats.on_next(waited, self._ready, self._ran_here, delivered)
-
-    def _next_batch(self) -> Any:
-        while True:
-            # Skip batches dispatched to workers whose IterableDataset ran out before them.
-            while self._rcvd_idx < self._send_idx:
-                info = self._task_info.get(self._rcvd_idx)
-                if info is not None:
-                    if len(info) == 3 or self._workers_status[info[0]]:
-                        break
-                    del self._task_info[self._rcvd_idx]
-                self._rcvd_idx += 1
-            else:
-                if not self._persistent_workers:
-                    self.close()
-                raise StopIteration
-
-            info = self._task_info[self._rcvd_idx]
-            if len(info) == 3:  # arrived earlier, parked in the reorder table
-                del self._task_info[self._rcvd_idx]
-                self._rcvd_idx += 1
-                return self._process_data(info[2])
-
-            result = self._get_result(info)
-            self._tasks_outstanding -= 1
-            if isinstance(result.data, _IterableDatasetStopIteration):
-                self._workers_status[result.data.worker_id] = False
-                self._try_put_index()
-                continue
-            if result.idx != self._rcvd_idx:
-                if not self._in_order:
-                    del self._task_info[result.idx]
-                    return self._process_data(result)
-                self._task_info[result.idx] += (result,)
-                continue
-            del self._task_info[result.idx]
-            self._rcvd_idx += 1
-            return self._process_data(result)
+        return task
 
     def _get_result(self, needed: tuple[Any, ...]) -> Result:
         """The next result of this epoch: run the needed batch here if no worker started it."""
@@ -323,42 +200,8 @@ class ThreadedDataLoaderIter(ProgressMixin, _BaseDataLoaderIter):
         finally:
             worker.busy.release()
 
-    def _process_data(self, result: Result) -> Any:
+    def _unpack(self, result: Result) -> Any:
         limit = self._concurrency.on_batch()
         if limit is not None:
             self._pool.gate.set_limit(limit)
-        worker_id = result.worker_id
-        self._workers_num_tasks[worker_id] -= 1
-        self._try_put_index()
-        progress = self._progress
-        if result.state is not None and progress.dataset_states is not None:
-            progress.dataset_states[worker_id] = result.state
-        progress.next_worker = (worker_id + 1) % self._num_workers
-        if isinstance(result.data, ExceptionWrapper):
-            _reraise(result.data)
         return result.data
-
-
-def _reraise(wrapper: ExceptionWrapper) -> NoReturn:
-    """Raise what ``ExceptionWrapper.reraise()`` raises: same type, torch's message format.
-
-    torch's version keeps the new exception in a local of its own frame, which the exception's
-    traceback references: a reference cycle that keeps this iterator, and so its worker
-    threads, alive until the cyclic garbage collector happens to run. Here the local is deleted
-    on the way out, so dropping the exception is enough to drop the iterator.
-    """
-    msg = f"Caught {wrapper.exc_type.__name__} {wrapper.where}.\nOriginal {wrapper.exc_msg}"
-    exc: BaseException
-    if wrapper.exc_type is KeyError:
-        exc = KeyError(KeyErrorMessage(msg))
-    elif getattr(wrapper.exc_type, "message", None):
-        exc = wrapper.exc_type(message=msg)
-    else:
-        try:
-            exc = wrapper.exc_type(msg)
-        except Exception:  # noqa: BLE001  # a constructor needing other arguments: torch's fallback
-            exc = RuntimeError(msg)
-    try:
-        raise exc
-    finally:
-        del exc

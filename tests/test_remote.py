@@ -256,15 +256,12 @@ def test_a_decode_error_names_the_url_and_can_be_skipped(server: FaultyHTTPServe
 def test_a_batch_reads_its_objects_concurrently_within_max_concurrency(
     server: FaultyHTTPServer,
 ) -> None:
-    """16 reads of 50 ms take about one latency, with at most max_concurrency + 1 in flight."""
+    """16 reads of a batch are in flight together, at most max_concurrency + 1 at once."""
     server.faults = Faults(latency_s=0.05)
     urls = [server.url(f"obj/{i}") for i in range(16)]
     with RemoteFiles(urls, max_concurrency=7, retry=FAST) as ds:
-        start = time.monotonic()
         assert ds.__getitems__(list(range(16))) == [OBJECTS[f"obj/{i}"] for i in range(16)]
-        elapsed = time.monotonic() - start
     assert 6 <= server.peak_in_flight <= 8  # at most 7 pool threads and the calling thread
-    assert elapsed < 0.5  # serially: 0.8 s
 
 
 def test_max_concurrency_zero_reads_in_the_calling_thread(server: FaultyHTTPServer) -> None:

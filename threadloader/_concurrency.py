@@ -164,7 +164,13 @@ class ConcurrencyController:
             self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
             return self._set(self._settled_at)
         self._windows_since_probe += 1
-        if self._windows_since_probe >= self._settle_windows or len(self._rates) == 1:
+        if len(self._rates) == 1:
+            # First probe: the other extreme. Rates are often flat between neighbours (with
+            # the training thread helping, 1 worker and 2 contend alike for the GIL) and only
+            # the minimum differs, so stepping one at a time would stop on the plateau.
+            self._windows_since_probe = 0
+            return self._probe(self.minimum - self.limit)
+        if self._windows_since_probe >= self._settle_windows:
             self._windows_since_probe = 0
             changed = self._probe(self._direction)
             if changed is None:
@@ -172,12 +178,12 @@ class ConcurrencyController:
             return changed
         return None
 
-    def _probe(self, direction: int) -> int | None:
-        target = self.limit + direction
-        if not self.minimum <= target <= self.maximum:
+    def _probe(self, step: int) -> int | None:
+        target = self.limit + step
+        if step == 0 or not self.minimum <= target <= self.maximum:
             return None
         self._probing = True
-        self._direction = direction
+        self._direction = 1 if step > 0 else -1
         return self._set(target)
 
     def _set(self, limit: int) -> int | None:

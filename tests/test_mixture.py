@@ -403,3 +403,17 @@ def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
     """Without a MixtureSampler the loader says what is missing."""
     with pytest.raises(TypeError, match="MixtureSampler"):
         ThreadDataLoader(range(10), batch_size=2).set_mixture_weights({"a": 1.0})
+
+
+def test_set_mixture_weights_refuses_a_running_device_stage() -> None:
+    """With device=, the transfer thread draws from the sampler: a live rewind would repeat the
+    batches in the transfer stage, so the loader refuses it mid-epoch and allows it between."""
+    mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+    sampler = MixtureSampler(mixture, samples_per_epoch=400)
+    loader = ThreadDataLoader(mixture, batch_size=8, sampler=sampler, num_workers=2, device="cpu")
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ValueError, match="device="):
+        loader.set_mixture_weights({"a": 0.1, "b": 0.9})
+    list(it)
+    assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == 400

@@ -172,9 +172,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         """
         if self._stats is None:
             raise RuntimeError("stats() needs an epoch: iterate over the loader first")
-        # Persistent workers start a new EpochStats on each epoch's reset.
-        current = getattr(self._iterator, "_stats", None)
-        return (current or self._stats).snapshot()
+        return self._stats.snapshot()
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None
@@ -190,8 +188,7 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         The batches workers prefetched under the old weights are dropped and fetched again
         (map-style: only indices are recomputed, the data is read once). The change is recorded
-        in the sampler's state with its position, so a resume reproduces the stream. With
-        ``device=``, the ``device_prefetch`` batches already on the device keep the old weights.
+        in the sampler's state with its position, so a resume reproduces the stream.
 
         Args:
             weights: source name -> weight (see ``Mixture.set_weights``).
@@ -201,7 +198,8 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         Raises:
             TypeError: the loader's sampler is not a ``MixtureSampler``.
-            ValueError: the weights are invalid (see ``Mixture.set_weights``).
+            ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
+                ``device=`` is running.
         """
         from threadloader.streams import MixtureSampler
 
@@ -213,8 +211,15 @@ class ThreadDataLoader(DataLoader[T_co]):
             )
         mixture: Any = self.dataset
         epoch = self._host_epoch() if self._host_epoch is not None else None
-        if epoch is None or self._progress is None or self._progress.exhausted:
+        if epoch is None or epoch._progress.exhausted:
             return int(mixture.set_weights(weights))
+        if self.device is not None:
+            # The transfer thread draws indices from the sampler concurrently: rewinding it from
+            # this thread would hand out the batches in the transfer stage a second time.
+            raise ValueError(
+                "set_mixture_weights during an epoch with device= is not supported: call it "
+                "between epochs, or use device=None and move batches to the device yourself"
+            )
         consumed = self._progress.pass_batches() * (self.batch_size or 1)
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
         redispatch = getattr(epoch, "redispatch", None)

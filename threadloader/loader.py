@@ -220,7 +220,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "set_mixture_weights during an epoch with device= is not supported: call it "
                 "between epochs, or use device=None and move batches to the device yourself"
             )
-        consumed = self._progress.pass_batches() * (self.batch_size or 1)
+        consumed = epoch._progress.pass_batches() * (self.batch_size or 1)
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
         redispatch = getattr(epoch, "redispatch", None)
         if redispatch is not None:

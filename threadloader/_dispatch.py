@@ -16,7 +16,9 @@ written once, following torch's ``_MultiProcessingDataLoaderIter``:
 
 A subclass provides ``_send(worker_id, idx, index)`` (returns what it needs to find the task
 again, kept in the reorder table), ``_get_result(in_flight)`` (the next ``Result`` of this
-epoch), ``_unpack(result)`` (the batch to hand over), and ``close()``.
+epoch), ``_unpack(result)`` (the batch to hand over), ``_restart_workers()`` (a persistent
+epoch's new generation), and ``close()``; and sets ``_resume``, ``_log_every_s`` and
+``_concurrency`` before calling ``_reset(loader, first_iter=True)``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch._utils import ExceptionWrapper, KeyErrorMessage
 from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from threadloader._concurrency import ConcurrencyController
 from threadloader._state import ProgressMixin, Resume, begin_pass, warn_replay
 from threadloader._workers import Result
 from threadloader.stats import EpochStats
@@ -40,6 +43,9 @@ class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
     _stats: EpochStats
     _prefetch_factor: int
     _in_order: bool
+    _resume: Resume | None
+    _log_every_s: float | None
+    _concurrency: ConcurrencyController
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Any:
         raise NotImplementedError
@@ -52,6 +58,25 @@ class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
 
     def close(self) -> None:
         raise NotImplementedError
+
+    def _restart_workers(self) -> None:
+        raise NotImplementedError
+
+    def _new_stats(self) -> None:
+        """Start this epoch's stats (persistent workers start one per epoch)."""
+        self._stats = EpochStats(self._num_workers, self._log_every_s)
+        self._stats.controller = self._concurrency
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        resume = self._resume if first_iter else None
+        self._resume = None
+        if not first_iter:
+            # torch's _BaseDataLoaderIter.__init__ already made the first epoch's sampler
+            # iterator: a second iter() would restart a positional sampler's resumed pass.
+            super()._reset(loader, first_iter)
+            self._restart_workers()
+            self._new_stats()
+        self._start_epoch(loader, resume)
 
     @property
     def _max_tasks(self) -> int:

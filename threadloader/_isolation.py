@@ -74,7 +74,6 @@ from threadloader._state import (
 )
 from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.memory import pin_batch, pinned_allocator
-from threadloader.stats import EpochStats
 
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
@@ -351,6 +350,8 @@ class IsolatedDataLoaderIter(DispatchingIter):
         # The finalizer holds the link, never self: break, del and GC all end the helper.
         self._finalizer = weakref.finalize(self, self._link.close)
         self._generation = 0
+        # The helper adapts how many of its threads fetch at once and reports it with each
+        # result; this controller only carries that number to stats().
         self._concurrency = ConcurrencyController(self._num_workers, minimum=1)
         self._new_stats()
         self._reset(loader, first_iter=True)
@@ -370,26 +371,12 @@ class IsolatedDataLoaderIter(DispatchingIter):
         """End the helper process now. Idempotent; later ``next()`` calls raise RuntimeError."""
         self._finalizer()
 
-    def _new_stats(self) -> None:
-        self._stats = EpochStats(self._num_workers, self._log_every_s)
-        # The helper adapts how many of its threads fetch at once and reports it with each
-        # result; this controller only carries that number to stats().
-        self._stats.controller = self._concurrency
-
-    def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        resume = self._resume if first_iter else None
-        self._resume = None
-        if not first_iter:
-            # torch's _BaseDataLoaderIter.__init__ already made the first epoch's sampler
-            # iterator: a second iter() would restart a positional sampler's resumed pass.
-            super()._reset(loader, first_iter)
-            self._generation += 1
-            self._link.reader.give_back(self._parked_slots())
-            self._link.reader.send_released()
-            for worker_id in range(self._num_workers):
-                self._link.send(worker_id, (EPOCH, self._generation))
-            self._new_stats()
-        self._start_epoch(loader, resume)
+    def _restart_workers(self) -> None:
+        self._generation += 1
+        self._link.reader.give_back(self._parked_slots())
+        self._link.reader.send_released()
+        for worker_id in range(self._num_workers):
+            self._link.send(worker_id, (EPOCH, self._generation))
 
     def _parked_slots(self) -> list[Any]:
         """Slots of batches parked in the reorder table of an abandoned epoch."""

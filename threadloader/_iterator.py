@@ -47,7 +47,6 @@ from threadloader._workers import (
     WorkerSpec,
     thread_safe_init_fn,
 )
-from threadloader.stats import EpochStats
 
 if TYPE_CHECKING:
     from threadloader.loader import ThreadDataLoader
@@ -59,8 +58,9 @@ RETRY_S = 0.02
 class ThreadedDataLoaderIter(DispatchingIter):
     """The iterator ``iter(ThreadDataLoader(..., num_workers=N))`` returns for N > 0.
 
-    Subclasses torch's ``_BaseDataLoaderIter`` so that ``__next__`` (length warning for
-    IterableDatasets, profiler range), seed drawing and pin-memory warnings are torch's own.
+    Through ``DispatchingIter`` it subclasses torch's ``_BaseDataLoaderIter``, so that
+    ``__next__`` (length warning for IterableDatasets, profiler range), seed drawing and
+    pin-memory warnings are torch's own.
     """
 
     def __init__(self, loader: ThreadDataLoader[Any], resume: Resume | None = None) -> None:
@@ -71,7 +71,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's
         self._prefetch_factor: int = loader.prefetch_factor or 0
         self._in_order: bool = loader.in_order
-        # The training thread may run a map-style batch itself (point 3 above), except under a
+        # The training thread may run a map-style batch itself (point 1 above), except under a
         # timeout: a batch that takes too long must raise, as torch's does, not block here.
         self._run_here = loader._dataset_kind == _DatasetKind.Map and not loader.timeout
         spec = WorkerSpec(
@@ -86,7 +86,14 @@ class ThreadedDataLoaderIter(DispatchingIter):
             and dataset_is_stateful(self._dataset),
             resume_states=resume.worker_states if resume is not None else None,
         )
-        self._stats = EpochStats(self._num_workers, loader.log_every_s)
+        # Fewer fetching workers than num_workers is only safe when the training thread can run
+        # the batches they leave waiting: else one worker stuck in a slow read would stall the
+        # batches queued behind the gate (and a timeout would fire on the wrong batch).
+        self._concurrency = ConcurrencyController(
+            self._num_workers, minimum=0 if self._run_here else self._num_workers
+        )
+        self._log_every_s = loader.log_every_s
+        self._new_stats()
         self._pool = WorkerPool(
             spec,
             base_seed=int(self._base_seed),
@@ -96,13 +103,6 @@ class ThreadedDataLoaderIter(DispatchingIter):
         )
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
         self._finalizer = weakref.finalize(self, self._pool.close)
-        # Fewer fetching workers than num_workers is only safe when the training thread can run
-        # the batches they leave waiting: else one worker stuck in a slow read would stall the
-        # batches queued behind the gate (and a timeout would fire on the wrong batch).
-        self._concurrency = ConcurrencyController(
-            self._num_workers, minimum=0 if self._run_here else self._num_workers
-        )
-        self._stats.controller = self._concurrency
         self._generation = 0
         self._reset(loader, first_iter=True)
 
@@ -116,19 +116,15 @@ class ThreadedDataLoaderIter(DispatchingIter):
         """Stop and join the worker threads now. Idempotent; later ``next()`` calls raise."""
         self._finalizer()
 
-    def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        resume = self._resume if first_iter else None
-        self._resume = None
-        if not first_iter:
-            # torch's _BaseDataLoaderIter.__init__ already made the first epoch's sampler
-            # iterator: a second iter() would restart a positional sampler's resumed pass.
-            super()._reset(loader, first_iter)
-            self._generation = self._pool.new_epoch()
-            self._stats = EpochStats(self._num_workers, loader.log_every_s)
-            self._stats.controller = self._concurrency
-            for worker, recorder in zip(self._pool.workers, self._stats.workers, strict=True):
+    def _restart_workers(self) -> None:
+        self._generation = self._pool.new_epoch()
+
+    def _new_stats(self) -> None:
+        super()._new_stats()
+        pool = getattr(self, "_pool", None)  # absent on the first call, from __init__
+        if pool is not None:
+            for worker, recorder in zip(pool.workers, self._stats.workers, strict=True):
                 worker.recorder = recorder
-        self._start_epoch(loader, resume)
 
     def redispatch(self) -> None:
         """Drop every batch dispatched and not delivered, and dispatch again from the sampler.

@@ -65,11 +65,6 @@ def install() -> None:
         target.__code__ = _thread_aware_get_worker_info.__code__
 
 
-def current() -> WorkerInfo | None:
-    """The WorkerInfo installed for the calling thread, or None outside a worker."""
-    return getattr(_local, "info", None)
-
-
 def swap(info: WorkerInfo | None) -> WorkerInfo | None:
     """Install ``info`` for the calling thread and return what was installed before."""
     previous = getattr(_local, "info", None)

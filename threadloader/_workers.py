@@ -321,10 +321,6 @@ class WorkerPool:
         alive = sum(t.is_alive() for t in self._threads)
         return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def new_epoch(self) -> int:
         """Drop every task not started, and restart each worker's fetcher (persistent workers).
 

@@ -51,6 +51,47 @@ def test_controller_keeps_threads_that_scale() -> None:
     assert limits.count(4) > 0.8 * len(limits)
 
 
+def test_losing_probe_ends_before_its_window() -> None:
+    """A probe at half the settled rate is rejected after a few batches, not a whole window."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock)
+    rates = {2: 1000.0, 1: 1000.0, 0: 2000.0}
+    _drive(ctl, clock, rates, 400)  # settles at 0
+    assert ctl.settled == 0
+    probe_lengths, run = [], 0
+    for limit in _drive(ctl, clock, rates, 4000):
+        if limit != 0:
+            run += 1
+        elif run:
+            probe_lengths.append(run)
+            run = 0
+    assert probe_lengths, "the controller stopped probing"
+    # a window is 20 ms = 20 batches at 1000/s; a losing probe must end after ~4-5 batches
+    assert max(probe_lengths) <= 6, probe_lengths
+
+
+def test_controller_starting_at_its_minimum_still_probes_upwards() -> None:
+    """An epoch that starts from a learned limit of 0 still finds threads that scale."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(3, minimum=0, clock=clock, initial=0)
+    limits = _drive(ctl, clock, {k: 500.0 * (k + 1) for k in range(4)}, 3000)
+    assert limits[0] == 0 and limits[-1] == 3
+
+
+def test_next_epoch_starts_at_the_limit_the_last_one_settled_at() -> None:
+    """The loader remembers what its previous epoch learned; a new worker count forgets it."""
+    loader = ThreadDataLoader(list(range(64)), batch_size=4, num_workers=2)
+    list(loader)
+    assert loader._stats is not None and loader._stats.controller is not None
+    loader._stats.controller._settled_at = 1  # as if the first epoch had settled at 1
+    it = iter(loader)
+    assert it._concurrency.limit == 1 and it._pool.gate.limit == 1
+    assert torch.equal(torch.cat(list(it)), torch.arange(64))
+    loader2 = ThreadDataLoader(list(range(64)), batch_size=4, num_workers=3)
+    loader2._stats = loader._stats  # a different worker count: start over at the maximum
+    assert iter(loader2)._concurrency.limit == 3
+
+
 def test_controller_respects_its_minimum() -> None:
     """With minimum == maximum (no caller fallback) the limit never moves."""
     clock = FakeClock()
@@ -86,9 +127,8 @@ class SlowInit(Dataset[torch.Tensor]):
 
 
 class _AlwaysZero(ConcurrencyController):
-    def __init__(self, maximum: int, minimum: int, clock: object = time.monotonic) -> None:
-        super().__init__(maximum, minimum, clock)
-        self.limit = minimum
+    def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
+        super().__init__(maximum, minimum, initial=minimum)
 
     def on_batch(self) -> int | None:
         return None

@@ -58,8 +58,7 @@ class Fetcher:
         fetched = time.perf_counter()
         out = self._collate(data)
         done = time.perf_counter()
-        recorder.add("fetch", fetched - start)
-        recorder.add("collate", done - fetched)
+        recorder.add_pair("fetch", fetched - start, "collate", done - fetched)
         return out
 
     def _items(self, index: Any) -> Any:

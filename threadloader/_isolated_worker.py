@@ -156,7 +156,7 @@ class _Timings(StageRecorder):
         super().__init__("batch")
         self.events: list[tuple[str, float]] = []
 
-    def add(self, stage: str, seconds: float) -> None:
+    def _add_locked(self, stage: str, seconds: float) -> None:
         self.events.append((stage, seconds))
 
 

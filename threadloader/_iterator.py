@@ -55,6 +55,15 @@ if TYPE_CHECKING:
 RETRY_S = 0.02
 
 
+def _learned_limit(loader: ThreadDataLoader[Any], num_workers: int) -> int | None:
+    """The fetching limit the loader's previous epoch settled at, if it had as many workers."""
+    previous = getattr(loader, "_stats", None)
+    controller = previous.controller if previous is not None else None
+    if controller is None or controller.maximum != num_workers:
+        return None
+    return controller.settled
+
+
 class ThreadedDataLoaderIter(DispatchingIter):
     """The iterator ``iter(ThreadDataLoader(..., num_workers=N))`` returns for N > 0.
 
@@ -90,7 +99,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
         # the batches they leave waiting: else one worker stuck in a slow read would stall the
         # batches queued behind the gate (and a timeout would fire on the wrong batch).
         self._concurrency = ConcurrencyController(
-            self._num_workers, minimum=0 if self._run_here else self._num_workers
+            self._num_workers,
+            minimum=0 if self._run_here else self._num_workers,
+            initial=_learned_limit(loader, self._num_workers),
         )
         self._log_every_s = loader.log_every_s
         self._new_stats()
@@ -101,6 +112,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             name=f"threadloader-{id(self):x}",
             recorders=self._stats.workers,
         )
+        self._pool.gate.set_limit(self._concurrency.limit)
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._generation = 0
@@ -145,8 +157,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
 
     def _get_result(self, needed: tuple[Any, ...]) -> Result:
         """The next result of this epoch: run the needed batch here if no worker started it."""
-        if self._pool.results.empty():
-            self._ready = False
+        if not self._pool.results:
+            self._ready = False  # for stats() only: a snapshot that may be stale at once
         while True:
             if self._run_here:
                 result = self._run_if_not_started(*needed)
@@ -181,12 +193,16 @@ class ThreadedDataLoaderIter(DispatchingIter):
         if not worker.busy.acquire(blocking=False):
             return None  # the worker is running something: let it
         try:
-            head = worker.tasks.head()
-            if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
+            if not worker.ready:
+                return None
+            if not worker.tasks.take_head_if(task):
+                head = worker.tasks.head()
+                if not isinstance(head, NewEpoch) or not worker.tasks.take_head_if(head):
+                    return None
                 # A worker parked at the gate has not seen its new epoch: start it on its behalf.
                 worker.start_epoch(head.generation)
-            if not worker.ready or not worker.tasks.take_head_if(task):
-                return None
+                if not worker.tasks.take_head_if(task):
+                    return None
             previous = _worker_info.swap(worker.info)
             try:
                 data = worker.run(task, self._stats.caller)

@@ -37,17 +37,21 @@ class BoundedQueue(Generic[T]):
         self._items: deque[T] = deque()
         self._capacity = capacity
         self._name = name
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # waits and notifies under `_lock`
+        self._waiting = 0  # readers blocked in wait(), counted under the lock
         self._closed = False
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<BoundedQueue {self._name} {len(self._items)}/{self._capacity} {state}>"
 
-    def empty(self) -> bool:
-        """Whether nothing is waiting to be read (a snapshot: it may change at once)."""
-        with self._cond:
-            return not self._items
+    def __len__(self) -> int:
+        """How many items are waiting, without the lock: a hint for statistics, never for logic.
+
+        ``len()`` of a deque is a single atomic read on both GIL and free-threaded builds.
+        """
+        return len(self._items)
 
     def put(self, item: T) -> None:
         """Append ``item`` and wake the reader. Items put after ``close()`` are dropped.
@@ -55,13 +59,14 @@ class BoundedQueue(Generic[T]):
         Raises:
             RuntimeError: the queue is full, which means the dispatcher broke its bound.
         """
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             if len(self._items) >= self._capacity:
                 raise RuntimeError(f"{self._name}: capacity {self._capacity} exceeded")
             self._items.append(item)
-            self._cond.notify()
+            if self._waiting:  # skip Condition.notify's own bookkeeping when nobody waits
+                self._cond.notify()
 
     def get(self, timeout: float | None = None) -> T:
         """Remove and return the oldest item, waiting for one.
@@ -73,12 +78,12 @@ class BoundedQueue(Generic[T]):
             TimeoutError: nothing arrived within ``timeout``.
             QueueClosed: the queue was closed and is empty.
         """
-        with self._cond:
+        with self._lock:
             if timeout is None:
                 while not self._items:
                     if self._closed:
                         raise QueueClosed(self._name)
-                    self._cond.wait()
+                    self._wait(None)
             else:
                 deadline = time.monotonic() + timeout
                 while not self._items:
@@ -87,7 +92,7 @@ class BoundedQueue(Generic[T]):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError(self._name)
-                    self._cond.wait(remaining)
+                    self._wait(remaining)
             return self._items.popleft()
 
     def peek(self) -> T:
@@ -96,16 +101,23 @@ class BoundedQueue(Generic[T]):
         Raises:
             QueueClosed: the queue was closed and is empty.
         """
-        with self._cond:
+        with self._lock:
             while not self._items:
                 if self._closed:
                     raise QueueClosed(self._name)
-                self._cond.wait()
+                self._wait(None)
             return self._items[0]
+
+    def _wait(self, timeout: float | None) -> None:
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     def head(self) -> T | None:
         """The oldest item, left in place, or None when empty (a snapshot)."""
-        with self._cond:
+        with self._lock:
             return self._items[0] if self._items else None
 
     def take_head_if(self, wanted: object) -> bool:
@@ -113,7 +125,7 @@ class BoundedQueue(Generic[T]):
 
         Lets the training thread take a task a worker has not started yet (see _iterator).
         """
-        with self._cond:
+        with self._lock:
             if self._items and self._items[0] is wanted:
                 self._items.popleft()
                 return True
@@ -121,7 +133,7 @@ class BoundedQueue(Generic[T]):
 
     def replace_all(self, item: T) -> None:
         """Drop every unread item and put ``item`` in their place (an epoch restart)."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._items.clear()
@@ -130,7 +142,7 @@ class BoundedQueue(Generic[T]):
 
     def close(self) -> list[T]:
         """Refuse further puts, wake the reader, and return the items that were never read."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             left = list(self._items)
             self._items.clear()

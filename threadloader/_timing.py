@@ -34,12 +34,21 @@ class StageRecorder:
 
     def add(self, stage: str, seconds: float) -> None:
         with self._lock:
-            s = self._stages.get(stage)
-            if s is None:
-                s = self._stages[stage] = _Stage()
-            s.count += 1
-            s.total += seconds
-            s.recent.append(seconds)
+            self._add_locked(stage, seconds)
+
+    def add_pair(self, stage: str, seconds: float, stage2: str, seconds2: float) -> None:
+        """Two ``add`` calls under one lock (fetch and collate: once per batch, hot path)."""
+        with self._lock:
+            self._add_locked(stage, seconds)
+            self._add_locked(stage2, seconds2)
+
+    def _add_locked(self, stage: str, seconds: float) -> None:
+        s = self._stages.get(stage)
+        if s is None:
+            s = self._stages[stage] = _Stage()
+        s.count += 1
+        s.total += seconds
+        s.recent.append(seconds)
 
     def read(self) -> dict[str, tuple[int, float, list[float]]]:
         """``{stage: (count, total seconds, recent durations)}``, copied under the lock."""

@@ -48,13 +48,23 @@ from threadloader._timing import StageRecorder
 JOIN_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True, eq=False)
 class Task:
-    """One unit of work: the batch numbered ``idx`` in this epoch, and what to fetch for it."""
+    """One unit of work: the batch numbered ``idx`` in this epoch, and what to fetch for it.
 
-    idx: int
-    index: Any  # a list of indices (auto-collation), one index, or None (IterableDataset)
-    generation: int
+    A plain class with slots rather than a frozen dataclass: one is made per batch on the
+    training thread's hot path, where a frozen dataclass's ``__init__`` costs several times more.
+    Compared by identity (the queues look for *this* task).
+    """
+
+    __slots__ = ("generation", "idx", "index")
+
+    def __init__(self, idx: int, index: Any, generation: int) -> None:
+        self.idx = idx
+        self.index = index  # a list of indices (auto-collation), one index, or None (iterable)
+        self.generation = generation
+
+    def __repr__(self) -> str:
+        return f"Task(idx={self.idx}, index={self.index!r}, generation={self.generation})"
 
 
 @dataclass(frozen=True)
@@ -64,15 +74,25 @@ class NewEpoch:
     generation: int
 
 
-@dataclass(frozen=True)
 class Result:
-    """What a worker hands back: batch ``idx`` of ``generation``, produced by ``worker_id``."""
+    """What a worker hands back: batch ``idx`` of ``generation``, produced by ``worker_id``.
 
-    idx: int
-    worker_id: int
-    generation: int
-    data: Any  # the batch, an ExceptionWrapper, or _IterableDatasetStopIteration
-    state: Any = None  # the worker's IterableDataset state right after making it (if stateful)
+    Slots, not a dataclass, for the same reason as ``Task``.
+    """
+
+    __slots__ = ("data", "generation", "idx", "state", "worker_id")
+
+    def __init__(
+        self, idx: int, worker_id: int, generation: int, data: Any, state: Any = None
+    ) -> None:
+        self.idx = idx
+        self.worker_id = worker_id
+        self.generation = generation
+        self.data = data  # the batch, an ExceptionWrapper, or _IterableDatasetStopIteration
+        self.state = state  # the worker's IterableDataset state right after making it
+
+    def __repr__(self) -> str:
+        return f"Result(idx={self.idx}, worker_id={self.worker_id}, generation={self.generation})"
 
 
 @dataclass(frozen=True)

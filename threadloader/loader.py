@@ -17,6 +17,7 @@ from threadloader._device import DeviceEpochIterator, check_device_args, staging
 from threadloader._inline import InlineDataLoaderIter
 from threadloader._isolation import IsolatedDataLoaderIter, check_isolation
 from threadloader._iterator import ThreadedDataLoaderIter
+from threadloader._recycle import RecyclingAllocator
 from threadloader._state import Progress, Resume, build_state, parse_state
 from threadloader.memory import BufferPool
 from threadloader.stats import EpochStats, LoaderStats
@@ -27,6 +28,9 @@ T_co = TypeVar("T_co", covariant=True)
 #: Above this many worker threads per core we warn, as torch warns above one process per core.
 #: Threads that mostly wait (object storage, HTTP) are cheap: dozens per core are legitimate.
 THREADS_PER_CORE_WARNING = 32
+#: Unused batch buffers kept for reuse: one is freed by the loop for each one a worker needs,
+#: so two cover the steady state, and at most two batches' memory is held beyond torch's.
+RECYCLED_BUFFERS = 2
 
 _worker_info.install()
 
@@ -117,6 +121,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self.isolation = isolation
         self.log_every_s = log_every_s
         self._staging: BufferPool | None = None
+        # Large default-collated batches reuse memory the user has dropped (see _recycle).
+        self._recycler = RecyclingAllocator(max_free=RECYCLED_BUFFERS)
         super().__init__(
             dataset,
             batch_size,

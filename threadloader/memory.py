@@ -236,7 +236,7 @@ def _collate_tensors(batch: Sequence[torch.Tensor], allocator: Allocator) -> tor
     ):
         # out= refuses autograd inputs, and device tensors are not ours to pin: collate as
         # torch does, then let pinning decide (torch's pin_memory() raises for device tensors).
-        return _pin_tensor(torch.stack(list(batch), 0), allocator)
+        return _finish(torch.stack(list(batch), 0), allocator)
     out = allocator((len(batch), *elem.shape), dtype)
     return torch.stack(list(batch), 0, out=out)
 
@@ -258,6 +258,18 @@ _OURS: dict[Callable[..., Any], Callable[[Any, Allocator], Any]] = {
 or unknown to us, which is then pinned as torch's pin thread would pin it."""
 
 
+def _finish(collated: Any, allocator: Allocator) -> Any:
+    """What torch's collate made without us: pinned, unless the allocator only stacks.
+
+    An allocator with a true ``stacks_only`` attribute (``_recycle.RecyclingAllocator``) hands
+    out ordinary memory to save the cost of fresh pages on large stacks; anything else torch
+    built is already in ordinary memory and is kept as it is, exactly as default_collate made it.
+    """
+    if getattr(allocator, "stacks_only", False):
+        return collated
+    return pin_batch(collated, allocator)
+
+
 def _collate(batch: Sequence[Any], allocator: Allocator) -> Any:
     """torch's ``collate(batch, collate_fn_map=default_collate_fn_map)``, into ``allocator``."""
     elem = batch[0]
@@ -273,7 +285,7 @@ def _collate(batch: Sequence[Any], allocator: Allocator) -> Any:
         ours = _OURS.get(fn)
         if ours is not None:
             return ours(batch, allocator)
-        return pin_batch(fn(batch, collate_fn_map=fn_map), allocator)
+        return _finish(fn(batch, collate_fn_map=fn_map), allocator)
 
     if isinstance(elem, Mapping):
         try:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+from typing import Any
+
 import pytest
 import torch
+from helpers import assert_epochs_equal, collect_epochs, torch_epochs, torch_loader
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader, _iterator
@@ -130,7 +133,7 @@ class _AlwaysZero(ConcurrencyController):
     def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
         super().__init__(maximum, minimum, initial=minimum)
 
-    def on_batch(self) -> int | None:
+    def on_batch(self, started: float | None = None, cpu: float | None = None) -> int | None:
         return None
 
 
@@ -158,3 +161,131 @@ def test_persistent_workers_parked_at_limit_zero_start_the_next_epoch(monkeypatc
     first = torch.cat(list(it))
     second = torch.cat(list(loader))
     assert torch.equal(first, torch.arange(40)) and torch.equal(second, torch.arange(40))
+
+
+class _Schedule(ConcurrencyController):
+    """A controller that follows a fixed schedule of limits, one entry per delivered batch."""
+
+    schedule: tuple[int, ...] = (0,)
+
+    def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
+        super().__init__(maximum, minimum, initial=self.schedule[0])
+        self._n = 0
+
+    def on_batch(self, started: float | None = None, cpu: float | None = None) -> int | None:
+        self._n += 1
+        limit = self.schedule[self._n % len(self.schedule)]
+        if limit == self.limit:
+            return None
+        self.limit = limit
+        return limit
+
+
+class WhoMadeIt(Dataset[tuple[int, int]]):
+    """Each item says which worker made it, as torch's get_worker_info() reports it."""
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        return i, -1 if info is None else info.id
+
+
+LIMIT_SCHEDULES = {
+    "always-0": (0,),
+    "0-then-2": (0,) * 4 + (2,) * 4,
+    "2-then-0": (2,) * 3 + (0,) * 5,
+    "0-1-2": (0, 0, 1, 1, 2, 2),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", LIMIT_SCHEDULES.values(), ids=LIMIT_SCHEDULES.keys())
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_batches_and_their_workers_match_torch_whatever_the_limit(
+    monkeypatch, schedule: tuple[int, ...], shuffle: bool
+) -> None:
+    """The lean path (limit 0) and the dispatching path make the same batches, by the same worker."""
+    controller = type("S", (_Schedule,), {"schedule": schedule})
+    monkeypatch.setattr(_iterator, "ConcurrencyController", controller)
+    kwargs: dict[str, Any] = {"batch_size": 4, "num_workers": 3, "shuffle": shuffle}
+    expected = torch_epochs(
+        WhoMadeIt(), epochs=2, generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    loader = ThreadDataLoader(WhoMadeIt(), generator=torch.Generator().manual_seed(5), **kwargs)
+    assert_epochs_equal(collect_epochs(loader, 2), expected)
+
+
+@pytest.mark.timeout(60)
+def test_persistent_workers_lean_path_across_epochs(monkeypatch) -> None:
+    monkeypatch.setattr(
+        _iterator, "ConcurrencyController", type("S", (_Schedule,), {"schedule": (0, 0, 0, 2, 2)})
+    )
+    expected = list(torch_loader(WhoMadeIt(), batch_size=4, num_workers=2))
+    loader = ThreadDataLoader(WhoMadeIt(), batch_size=4, num_workers=2, persistent_workers=True)
+    for _ in range(3):
+        assert_epochs_equal([list(loader)], [expected])
+
+
+class FailsAt(Dataset[int]):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> int:
+        if i == 13:
+            raise KeyError("no item 13")
+        return i
+
+
+@pytest.mark.timeout(60)
+def test_lean_path_raises_worker_errors_like_torch(monkeypatch) -> None:
+    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    it = iter(ThreadDataLoader(FailsAt(), batch_size=4, num_workers=2))
+    assert [b.tolist() for b in (next(it), next(it), next(it))][0] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="worker thread 1") as info:
+        next(it)
+    assert "no item 13" in str(info.value)
+    assert next(it).tolist() == [16, 17, 18, 19]  # as in torch, the epoch goes on
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", [(0,), (0, 0, 2, 2, 2)], ids=["always-0", "switching"])
+def test_state_saved_on_the_lean_path_resumes_exactly(
+    monkeypatch, schedule: tuple[int, ...]
+) -> None:
+    monkeypatch.setattr(
+        _iterator, "ConcurrencyController", type("S", (_Schedule,), {"schedule": schedule})
+    )
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            WhoMadeIt(),
+            batch_size=4,
+            num_workers=2,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(9),
+        )
+
+    full = list(make())
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(6)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_epochs_equal([head + list(resumed)], [full])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("schedule", LIMIT_SCHEDULES.values(), ids=LIMIT_SCHEDULES.keys())
+def test_out_of_order_delivery_loses_and_repeats_nothing_whatever_the_limit(
+    monkeypatch, schedule: tuple[int, ...]
+) -> None:
+    controller = type("S", (_Schedule,), {"schedule": schedule})
+    monkeypatch.setattr(_iterator, "ConcurrencyController", controller)
+    loader = ThreadDataLoader(WhoMadeIt(), batch_size=4, num_workers=3, in_order=False)
+    for _ in range(2):
+        items = sorted(int(i) for batch in loader for i in batch[0])
+        assert items == list(range(60))

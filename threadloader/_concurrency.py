@@ -33,15 +33,23 @@ SETTLE_WINDOWS_MIN = 2
 SETTLE_WINDOWS_MAX = 40
 #: Windows ignored at the start: workers are still starting, and the training thread runs the
 #: first batches itself, which would make the initial limit look better than it is.
-WARMUP_WINDOWS = 1
+WARMUP_WINDOWS = 0
 #: A probe that is clearly losing ends before its window is full: once it has delivered
 #: ``EARLY_BATCHES`` batches over at least ``EARLY_S`` seconds at under ``EARLY_REJECT`` times
 #: the settled limit's rate. Probing costs only while it lasts, and most probes lose (measured on
-#: tokens: one worker next to the training thread halves the rate; a full 20 ms window of that
-#: cost ~4% of a 0.5 s run).
-EARLY_BATCHES = 3
+#: tokens: one worker next to the training thread halves the rate, and a full 20 ms window of
+#: that cost ~4% of a 0.5 s run; with 32 threads reading 16 objects of 10 ms each, a probe to 0
+#: makes the training thread read a whole batch alone, 160 ms, so one batch must suffice).
+EARLY_BATCHES = 1
 EARLY_S = 0.004
 EARLY_REJECT = 0.8
+#: After a probe lost, the next one waits at least this many times as long as the lost one
+#: lasted, so that probing costs at most ~1/PROBE_BUDGET of the time however slow batches are.
+PROBE_BUDGET = 20
+#: Fewer threads can only help when the fetching threads contend for the GIL, which needs the
+#: GIL held most of the time: the fetches together use at least a core. Below this many cores
+#: of fetch CPU time (threads mostly waiting on I/O: object storage, HTTP), no probe goes down.
+CONTENDED_CORES = 0.5
 
 
 class Gate:
@@ -119,7 +127,7 @@ class ConcurrencyController:
         self,
         maximum: int,
         minimum: int,
-        clock: object = time.monotonic,
+        clock: object = time.perf_counter,
         initial: int | None = None,
     ) -> None:
         self.maximum = maximum
@@ -128,6 +136,12 @@ class ConcurrencyController:
         self._clock = clock
         self._window_start: float | None = None
         self._window_batches = 0
+        self._window_latency = 0.0  # longest start-to-delivery time of a batch in the window
+        self._window_cpu = 0.0  # CPU seconds the window's batches took to fetch
+        self._cores = float("inf")  # fetch CPU seconds per second in the last window
+        self._probe_started = 0.0
+        self._next_probe_at = 0.0  # no periodic probe before this time (the probing budget)
+        self._changed_at = float("-inf")  # when the limit last changed (the clock's time)
         self._rates: dict[int, float] = {}
         self._settled_at = self.limit  # the limit we return to after a probe
         self._probing = False
@@ -137,20 +151,44 @@ class ConcurrencyController:
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
         self._alone_won = False  # the last comparison of limit 0 with 1 favoured 0
 
-    def on_batch(self) -> int | None:
-        """Count one delivered batch; returns the new limit when it changes, else None."""
+    def on_batch(self, started: float | None = None, cpu: float | None = None) -> int | None:
+        """Count one delivered batch; returns the new limit when it changes, else None.
+
+        Args:
+            started: when the batch's fetch began, on this controller's clock. A batch begun
+                before the limit last changed was made under the old limit and is not counted:
+                right after a probe to fewer threads, the batches the other threads had already
+                made arrive at once and would make the probe look fast (with 32 threads reading
+                objects at 10 ms each, a probe to 0 was kept on the strength of them). A window
+                therefore starts only once the stale batches have all been delivered.
+            cpu: the CPU time (``time.thread_time``) the fetching thread spent on the batch;
+                with it, no probe goes down while fetching uses under ``CONTENDED_CORES``.
+        """
         now = self._clock()  # type: ignore[operator]
+        if started is not None and started < self._changed_at:
+            # The window restarts here: a fresh batch is timed from the last stale one, so the
+            # first fresh batch already measures the new limit (and fresh batches delivered
+            # between stale ones are not timed over the stale ones' gaps).
+            self._window_start, self._window_batches = now, 0
+            return None
         if self._window_start is None:
             self._window_start = now
             return None
         self._window_batches += 1
+        if started is not None and now - started > self._window_latency:
+            self._window_latency = now - started
+        if cpu is not None:
+            self._window_cpu += cpu
         elapsed = now - self._window_start
         if (elapsed < WINDOW_S or self._window_batches < WINDOW_BATCHES) and not (
             self._probing and self._losing(elapsed)
         ):
             return None
         rate = self._window_batches / elapsed
-        self._window_start, self._window_batches = now, 0
+        if self._window_cpu:
+            self._cores = self._window_cpu / elapsed
+        self._window_start, self._window_batches, self._window_latency = now, 0, 0.0
+        self._window_cpu = 0.0
         return self._decide(rate)
 
     @property
@@ -161,6 +199,10 @@ class ConcurrencyController:
     def _losing(self, elapsed: float) -> bool:
         """Whether the probe running now is already clearly worse than the settled limit."""
         if self._window_batches < EARLY_BATCHES or elapsed < EARLY_S:
+            return False
+        if elapsed < 2 * self._window_latency:
+            # Slow batches arrive in bursts (one late batch holds back those ordered after
+            # it): judge only a window that spans two of them.
             return False
         base = self._rates.get(self._settled_at)
         return base is not None and self._window_batches / elapsed < base * EARLY_REJECT
@@ -193,6 +235,8 @@ class ConcurrencyController:
             self._direction = +1 if lower else -1
             self._windows_since_probe = 0
             self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
+            now = self._clock()  # type: ignore[operator]
+            self._next_probe_at = now + PROBE_BUDGET * (now - self._probe_started)
             return self._set(self._settled_at)
         self._windows_since_probe += 1
         if len(self._rates) == 1:
@@ -202,7 +246,10 @@ class ConcurrencyController:
             self._windows_since_probe = 0
             far = self.minimum if self.limit != self.minimum else self.maximum
             return self._probe(far - self.limit)
-        if self._windows_since_probe >= self._settle_windows:
+        if (
+            self._windows_since_probe >= self._settle_windows
+            and self._clock() >= self._next_probe_at  # type: ignore[operator]
+        ):
             self._windows_since_probe = 0
             changed = self._probe(self._direction)
             if changed is None:
@@ -214,12 +261,19 @@ class ConcurrencyController:
         target = self.limit + step
         if step == 0 or not self.minimum <= target <= self.maximum:
             return None
+        if step < 0 and self._cores < CONTENDED_CORES:
+            return None  # the threads mostly wait: there is no contention to relieve
         self._probing = True
         self._direction = 1 if step > 0 else -1
+        self._probe_started = self._clock()  # type: ignore[operator]
         return self._set(target)
 
     def _set(self, limit: int) -> int | None:
         if limit == self.limit:
             return None
         self.limit = limit
+        self._changed_at = self._clock()  # type: ignore[operator]
+        # the next fresh batch starts a window
+        self._window_start, self._window_batches, self._window_latency = None, 0, 0.0
+        self._window_cpu = 0.0
         return limit

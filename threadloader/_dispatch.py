@@ -111,7 +111,13 @@ class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
         self._fill()
 
     def _fill(self) -> None:
-        for _ in range(self._max_tasks):
+        """Dispatch until ``prefetch_factor * num_workers`` batches are in flight (or none left).
+
+        In flight: dispatched and not delivered, so results parked in the reorder table count
+        (each dispatches its successor when delivered, as in torch).
+        """
+        parked = sum(len(info) == 3 for info in self._task_info.values())
+        for _ in range(self._max_tasks - self._tasks_outstanding - parked):
             self._try_put_index()
 
     def _forget_in_flight(self) -> None:
@@ -128,20 +134,25 @@ class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
             index = self._next_index()
         except StopIteration:
             return
-        for _ in range(self._num_workers):  # the next live worker, round robin (torch's order)
-            worker_id = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker_id] and (
-                self._in_order
-                or self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status)
-            ):
-                break
-        else:
+        worker_id = self._next_worker()
+        if worker_id is None:
             return
         in_flight = self._send(worker_id, self._send_idx, index)
         self._task_info[self._send_idx] = (worker_id, in_flight)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
+
+    def _next_worker(self) -> int | None:
+        """The next live worker in round-robin order (torch's), or None if none can take more."""
+        for _ in range(self._num_workers):
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id] and (
+                self._in_order
+                or self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status)
+            ):
+                return worker_id
+        return None
 
     def _next_index(self) -> Any:
         start = time.perf_counter()
@@ -209,9 +220,13 @@ class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
             return self._process_data(result)
 
     def _process_data(self, result: Result) -> Any:
-        worker_id = result.worker_id
-        self._workers_num_tasks[worker_id] -= 1
+        self._workers_num_tasks[result.worker_id] -= 1
         self._try_put_index()
+        return self._deliver(result)
+
+    def _deliver(self, result: Result) -> Any:
+        """Record what delivering ``result`` changes in the progress; its batch, or its error."""
+        worker_id = result.worker_id
         progress = self._progress
         if result.state is not None and progress.dataset_states is not None:
             progress.dataset_states[worker_id] = result.state

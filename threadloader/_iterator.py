@@ -20,10 +20,18 @@ where the code disagrees with this, the code is wrong.
 4. Abandoned (``break``, ``del``, garbage collection, ``KeyboardInterrupt``, interpreter exit):
    nothing new is fetched and every thread is joined. The workers never reference this object,
    so dropping it is enough for the finalizer to run.
+5. Lean path: while the fetching limit is 0 (the controller found that the training thread alone
+   is fastest: a GIL-bound dataset), nothing is dispatched ahead. Once the batches in flight are
+   delivered, each ``next()`` draws one index and makes its batch right here, as the worker the
+   round robin gives it to (point 1's rules), with no task, queue or reorder entry: per batch,
+   the bookkeeping of ``num_workers=0`` plus the worker's ``WorkerInfo``. When the limit rises,
+   dispatching resumes from the next index, so the batches, their order and which worker made
+   each are the same on either path.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +51,7 @@ from threadloader._workers import (
     NewEpoch,
     Result,
     Task,
+    Worker,
     WorkerPool,
     WorkerSpec,
     thread_safe_init_fn,
@@ -116,6 +125,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._generation = 0
+        self._all_ready = False  # every worker ran its worker_init_fn (then stays True)
         self._reset(loader, first_iter=True)
 
     def __repr__(self) -> str:
@@ -196,24 +206,77 @@ class ThreadedDataLoaderIter(DispatchingIter):
             if not worker.ready:
                 return None
             if not worker.tasks.take_head_if(task):
-                head = worker.tasks.head()
-                if not isinstance(head, NewEpoch) or not worker.tasks.take_head_if(head):
+                if not _start_pending_epoch(worker) or not worker.tasks.take_head_if(task):
                     return None
-                # A worker parked at the gate has not seen its new epoch: start it on its behalf.
-                worker.start_epoch(head.generation)
-                if not worker.tasks.take_head_if(task):
-                    return None
-            previous = _worker_info.swap(worker.info)
-            try:
-                data = worker.run(task, self._stats.caller)
-            finally:
-                _worker_info.swap(previous)
-            return Result(task.idx, worker_id, task.generation, data, worker.snapshot())
+            return self._run_as(worker, task)
         finally:
             worker.busy.release()
 
+    def _run_as(self, worker: Worker, task: Task) -> Result:
+        """Run ``task`` on this thread as ``worker`` (its WorkerInfo installed); holding ``busy``."""
+        previous = _worker_info.swap(worker.info)
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            data = worker.run(task, self._stats.caller)
+        finally:
+            _worker_info.swap(previous)
+        cpu = time.thread_time() - cpu
+        state = worker.snapshot()
+        return Result(task.idx, worker.id, task.generation, data, state, started, cpu)
+
+    # -- the lean path (point 5 of the module docstring) --------------------------------------
+
+    def _lean(self) -> bool:
+        return self._run_here and self._concurrency.limit == 0
+
+    def _try_put_index(self) -> None:
+        if not self._lean():
+            super()._try_put_index()
+
+    def _next_batch(self) -> Any:
+        if not self._task_info and self._lean():  # every batch dispatched was delivered
+            if self._workers_ready():
+                return self._fetch_here()
+            super()._try_put_index()  # a worker is still starting: hand it its batch as usual
+        return super()._next_batch()
+
+    def _workers_ready(self) -> bool:
+        if not self._all_ready:
+            self._all_ready = all(w.ready for w in self._pool.workers)
+        return self._all_ready
+
+    def _fetch_here(self) -> Any:
+        """Draw the next index and make its batch here, as its round-robin worker."""
+        try:
+            index = self._next_index()
+        except StopIteration:
+            if not self._persistent_workers:
+                self.close()
+            raise
+        worker_id = self._next_worker()
+        assert worker_id is not None  # nothing is in flight, so every live worker has room
+        worker = self._pool.workers[worker_id]
+        task = Task(self._send_idx, index, self._generation)
+        self._send_idx += 1
+        self._rcvd_idx = self._send_idx
+        with worker.busy:  # waits only for a stale task the worker is finishing
+            _start_pending_epoch(worker)
+            result = self._run_as(worker, task)
+        self._ready, self._ran_here = False, True
+        return self._deliver(result)
+
     def _unpack(self, result: Result) -> Any:
-        limit = self._concurrency.on_batch()
+        limit = self._concurrency.on_batch(result.started, result.cpu)
         if limit is not None:
             self._pool.gate.set_limit(limit)
+            self._fill()  # leaving the lean path: dispatch ahead again (a no-op on it)
         return result.data
+
+
+def _start_pending_epoch(worker: Worker) -> bool:
+    """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``)."""
+    head = worker.tasks.head()
+    if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
+        worker.start_epoch(head.generation)
+        return True
+    return False

@@ -80,16 +80,25 @@ class Result:
     Slots, not a dataclass, for the same reason as ``Task``.
     """
 
-    __slots__ = ("data", "generation", "idx", "state", "worker_id")
+    __slots__ = ("cpu", "data", "generation", "idx", "started", "state", "worker_id")
 
     def __init__(
-        self, idx: int, worker_id: int, generation: int, data: Any, state: Any = None
+        self,
+        idx: int,
+        worker_id: int,
+        generation: int,
+        data: Any,
+        state: Any = None,
+        started: float | None = None,
+        cpu: float | None = None,
     ) -> None:
         self.idx = idx
         self.worker_id = worker_id
         self.generation = generation
         self.data = data  # the batch, an ExceptionWrapper, or _IterableDatasetStopIteration
         self.state = state  # the worker's IterableDataset state right after making it
+        self.started = started  # time.perf_counter() when its fetch began (the controller's)
+        self.cpu = cpu  # CPU seconds (time.thread_time) the fetch took
 
     def __repr__(self) -> str:
         return f"Result(idx={self.idx}, worker_id={self.worker_id}, generation={self.generation})"
@@ -283,10 +292,14 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
                 if not worker.tasks.take_head_if(msg):
                     continue  # the training thread ran it, or a new epoch dropped it
                 if msg.generation == worker.generation:
+                    started, cpu = time.perf_counter(), time.thread_time()
                     data = worker.run(msg, worker.recorder)
                     if data is not None:
+                        cpu = time.thread_time() - cpu
                         state = worker.snapshot()
-                        results.put(Result(msg.idx, worker.id, msg.generation, data, state))
+                        results.put(
+                            Result(msg.idx, worker.id, msg.generation, data, state, started, cpu)
+                        )
                     del data
         finally:
             gate.exit()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-
 from typing import Any
 
 import pytest
@@ -242,7 +241,8 @@ class FailsAt(Dataset[int]):
 def test_lean_path_raises_worker_errors_like_torch(monkeypatch) -> None:
     monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
     it = iter(ThreadDataLoader(FailsAt(), batch_size=4, num_workers=2))
-    assert [b.tolist() for b in (next(it), next(it), next(it))][0] == [0, 1, 2, 3]
+    first = [next(it).tolist() for _ in range(3)]
+    assert first == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     with pytest.raises(KeyError, match="worker thread 1") as info:
         next(it)
     assert "no item 13" in str(info.value)

@@ -205,10 +205,10 @@ class ThreadedDataLoaderIter(DispatchingIter):
         try:
             if not worker.ready:
                 return None
-            if not worker.tasks.take_head_if(task):
-                if not _start_pending_epoch(worker) or not worker.tasks.take_head_if(task):
-                    return None
-            return self._run_as(worker, task)
+            taken = worker.tasks.take_head_if(task) or (
+                _start_pending_epoch(worker) and worker.tasks.take_head_if(task)
+            )
+            return self._run_as(worker, task) if taken else None
         finally:
             worker.busy.release()
 

@@ -18,7 +18,6 @@ straight into torch's pinned host allocator: one copy instead of collate-then-pi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -26,8 +25,9 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from threadloader._recycle import RecyclingCollate
 from threadloader._state import Progress
-from threadloader.memory import BufferPool, pinned_allocator, pinned_collate, pinning_collate
+from threadloader.memory import BufferPool, pinned_allocator, pinning_collate
 from threadloader.transfer import DevicePrefetcher, Tagged, device_from_arg
 
 #: Staging buffers per batch in flight: a batch may hold several tensors (inputs, targets...).
@@ -57,7 +57,7 @@ def host_collate(loader: Any, collate_fn: Callable[[Any], Any], pin: bool) -> Ca
         return pinning_collate(collate_fn, pinned_allocator)
     recycler = getattr(loader, "_recycler", None)
     if recycler is not None and collate_fn is default_collate:
-        return functools.partial(pinned_collate, allocator=recycler)
+        return RecyclingCollate(recycler)
     return collate_fn
 
 

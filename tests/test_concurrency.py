@@ -289,3 +289,46 @@ def test_out_of_order_delivery_loses_and_repeats_nothing_whatever_the_limit(
     for _ in range(2):
         items = sorted(int(i) for batch in loader for i in batch[0])
         assert items == list(range(60))
+
+
+def _drive_with_cpu(
+    ctl: ConcurrencyController, clock: FakeClock, rate: float, cpu_per_batch: float, n: int
+) -> list[int]:
+    """Deliver ``n`` batches at ``rate``, each reporting ``cpu_per_batch`` CPU seconds."""
+    seen = []
+    for _ in range(n):
+        clock.now += 1.0 / rate
+        ctl.on_batch(started=clock.now - 0.5 / rate, cpu=cpu_per_batch)
+        seen.append(ctl.limit)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("cores", "probes_down"),
+    [(0.1, False), (1.0, True), (1.9, False)],
+    ids=["threads-mostly-wait", "threads-take-turns-at-the-gil", "threads-run-in-parallel"],
+)
+def test_down_probes_only_when_fetch_threads_contend(cores: float, probes_down: bool) -> None:
+    """I/O-bound (0.1 cores) and parallel (1.9 of 2) fetching never probe fewer threads."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    rate = 1000.0
+    limits = _drive_with_cpu(ctl, clock, rate, cores / rate, 3000)
+    assert (min(limits) < 2) == probes_down
+
+
+def test_batches_begun_under_the_previous_limit_are_not_counted() -> None:
+    """After a probe to 0, batches the workers had already made do not make the probe look fast."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock)
+    while ctl.limit == 2:  # measures limit 2, then probes the minimum
+        clock.now += 0.001
+        ctl.on_batch(started=clock.now - 0.0005)
+    assert ctl.limit == 0
+    changed = clock.now
+    for _ in range(50):  # a burst of stale batches: 10x the rate, begun before the change
+        clock.now += 0.0001
+        ctl.on_batch(started=changed - 0.001)
+    assert ctl.limit == 0 and 0 not in ctl._rates
+    _drive(ctl, clock, {0: 300.0, 1: 300.0, 2: 1000.0}, 30)  # fresh batches: slow, rejected
+    assert ctl.limit == 2 and ctl._rates[0] < 400

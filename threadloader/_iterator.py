@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import _DatasetKind
 
 from threadloader import _worker_info
-from threadloader._concurrency import ConcurrencyController
+from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._device import host_collate
 from threadloader._dispatch import DispatchingIter
 from threadloader._queues import QueueClosed
@@ -111,6 +111,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             self._num_workers,
             minimum=0 if self._run_here else self._num_workers,
             initial=_learned_limit(loader, self._num_workers),
+            cpus=usable_cpus(),
         )
         self._log_every_s = loader.log_every_s
         self._new_stats()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -13,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
+from threadloader._concurrency import usable_cpus
 from threadloader._device import DeviceEpochIterator, check_device_args, staging_pool
 from threadloader._inline import InlineDataLoaderIter
 from threadloader._isolation import IsolatedDataLoaderIter, check_isolation
@@ -277,7 +277,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         """
         if not self.num_workers:
             return
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         limit = THREADS_PER_CORE_WARNING * cpus
         if self.num_workers > limit:
             warnings.warn(
@@ -287,10 +287,3 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "if throughput does not improve.",
                 stacklevel=2,
             )
-
-
-def _usable_cpus() -> int:
-    affinity: Sequence[int] | None = None
-    if hasattr(os, "sched_getaffinity"):
-        affinity = list(os.sched_getaffinity(0))
-    return len(affinity) if affinity else (os.cpu_count() or 1)

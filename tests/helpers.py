@@ -6,6 +6,8 @@ inputs; these helpers run that reference quietly and compare what the two loader
 
 from __future__ import annotations
 
+import io
+import itertools
 import re
 import warnings
 from collections import Counter
@@ -218,3 +220,27 @@ def without_traceback(exc: BaseException) -> BaseException:
         current.__traceback__ = None
         current = current.__cause__ or current.__context__
     return exc
+
+
+def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` after ``torch.save`` and ``torch.load``, as a checkpoint would bring it back."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def assert_resumes_exactly(make: Callable[[], Any], cut: int) -> None:
+    """Run an epoch; then cut one after ``cut`` batches, save, load into a new loader, finish."""
+    reference = list(make())
+    loader = make()
+    it = iter(loader)
+    seen = list(itertools.islice(it, cut))
+    state = roundtrip(loader.state_dict())
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(seen) + len(rest) == len(reference)
+    for got, want in zip(seen + rest, reference, strict=True):
+        assert_batches_equal(got, want)

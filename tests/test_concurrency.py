@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_epochs_equal, collect_epochs, torch_epochs, torch_loader
+from helpers import (
+    assert_epochs_equal,
+    assert_resumes_exactly,
+    collect_epochs,
+    torch_epochs,
+    torch_loader,
+)
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader, _iterator
@@ -267,15 +273,7 @@ def test_state_saved_on_the_lean_path_resumes_exactly(
             generator=torch.Generator().manual_seed(9),
         )
 
-    full = list(make())
-    loader = make()
-    it = iter(loader)
-    head = [next(it) for _ in range(6)]
-    state = loader.state_dict()
-    del it
-    resumed = make()
-    resumed.load_state_dict(state)
-    assert_epochs_equal([head + list(resumed)], [full])
+    assert_resumes_exactly(make, cut=6)
 
 
 @pytest.mark.timeout(60)

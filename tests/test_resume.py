@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_batches_equal
+from helpers import assert_resumes_exactly
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
@@ -59,29 +58,6 @@ class StatefulShards(Shards):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.pos = state["pos"]
-
-
-def _roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
-def assert_resumes_exactly(make: Callable[[], ThreadDataLoader[Any]], cut: int) -> None:
-    """Run an epoch; then cut one after ``cut`` batches, save, load into a new loader, finish."""
-    reference = list(make())
-    loader = make()
-    it = iter(loader)
-    seen = list(itertools.islice(it, cut))
-    state = _roundtrip(loader.state_dict())
-    del it
-    resumed = make()
-    resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert len(seen) + len(rest) == len(reference)
-    for got, want in zip(seen + rest, reference, strict=True):
-        assert_batches_equal(got, want)
 
 
 CUTS = [0, 1, 5, 12]

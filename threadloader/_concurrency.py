@@ -187,7 +187,7 @@ class ConcurrencyController:
             # The window restarts here: a fresh batch is timed from the last stale one, so the
             # first fresh batch already measures the new limit (and fresh batches delivered
             # between stale ones are not timed over the stale ones' gaps).
-            self._window_start, self._window_batches = now, 0
+            self._open_window(now)
             return None
         if self._window_start is None:
             self._window_start = now
@@ -205,9 +205,15 @@ class ConcurrencyController:
         rate = self._window_batches / elapsed
         if self._window_cpu:
             self._cores = self._window_cpu / elapsed
-        self._window_start, self._window_batches, self._window_latency = now, 0, 0.0
-        self._window_cpu = 0.0
+        self._open_window(now)
         return self._decide(rate)
+
+    def _open_window(self, start: float | None) -> None:
+        """Start a new measuring window at ``start`` (None: at the next counted batch)."""
+        self._window_start = start
+        self._window_batches = 0
+        self._window_latency = 0.0
+        self._window_cpu = 0.0
 
     def _contended(self) -> bool:
         """Whether the fetching threads may be taking turns at the GIL (worth fewer of them)."""
@@ -300,7 +306,5 @@ class ConcurrencyController:
             return None
         self.limit = limit
         self._changed_at = self._clock()  # type: ignore[operator]
-        # the next fresh batch starts a window
-        self._window_start, self._window_batches, self._window_latency = None, 0, 0.0
-        self._window_cpu = 0.0
+        self._open_window(None)  # the next fresh batch starts one
         return limit

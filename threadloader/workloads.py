@@ -82,6 +82,12 @@ def default_root() -> str:
     return os.path.join(tempfile.gettempdir(), f"threadloader-workloads-{uid}")
 
 
+def _check_index(index: int, length: int, what: str) -> None:
+    """Raise the IndexError every workload raises for an index outside ``[0, length)``."""
+    if not 0 <= index < length:
+        raise IndexError(f"index {index} out of range for {length} {what}")
+
+
 # --------------------------------------------------------------------------------------------
 # tokens
 
@@ -139,8 +145,7 @@ class TokenWindows(Dataset[torch.Tensor]):
         Raises:
             IndexError: If ``index`` is outside ``[0, len(self))``.
         """
-        if not 0 <= index < self.length:
-            raise IndexError(f"index {index} out of range for {self.length} windows")
+        _check_index(index, self.length, "windows")
         offset = int(
             np.random.default_rng((self.seed, index)).integers(self.num_tokens - self.seq_len)
         )
@@ -205,8 +210,7 @@ class ImageFiles(Dataset[torch.Tensor]):
         """
         from PIL import Image
 
-        if not 0 <= index < self.length:
-            raise IndexError(f"index {index} out of range for {self.length} images")
+        _check_index(index, self.length, "images")
         with Image.open(self.paths[index % len(self.paths)]) as img:
             rgb = img.convert("RGB").resize(
                 (self.out_size, self.out_size), Image.Resampling.BILINEAR
@@ -285,8 +289,7 @@ class NumpyTensors(Dataset[torch.Tensor]):
         Raises:
             IndexError: If ``index`` is outside ``[0, len(self))``.
         """
-        if not 0 <= index < self.length:
-            raise IndexError(f"index {index} out of range for {self.length} tensors")
+        _check_index(index, self.length, "tensors")
         x = np.random.default_rng((self.seed, index)).standard_normal(self.shape, dtype=np.float32)
         np.multiply(x, np.float32(0.5), out=x)
         np.add(x, np.float32(0.25), out=x)
@@ -317,8 +320,7 @@ class PythonFloats(Dataset[torch.Tensor]):
         Raises:
             IndexError: If ``index`` is outside ``[0, len(self))``.
         """
-        if not 0 <= index < self.length:
-            raise IndexError(f"index {index} out of range for {self.length} items")
+        _check_index(index, self.length, "items")
         values = []
         x = (index * 0.6180339887) % 1.0
         for k in range(self.width):

@@ -330,3 +330,22 @@ def test_batches_begun_under_the_previous_limit_are_not_counted() -> None:
     assert ctl.limit == 0 and 0 not in ctl._rates
     _drive(ctl, clock, {0: 300.0, 1: 300.0, 2: 1000.0}, 30)  # fresh batches: slow, rejected
     assert ctl.limit == 2 and ctl._rates[0] < 400
+
+
+@pytest.mark.parametrize(("cores", "fewer"), [(1.0, True), (0.1, False)], ids=["gil", "io"])
+def test_isolation_helper_pacer_sees_each_batch_cpu_time(cores: float, fewer: bool) -> None:
+    """The helper's pacer tries one thread when its two take turns at the GIL, not when they wait.
+
+    It must pass each batch's CPU time on: without it the controller took GIL-holding threads
+    for I/O-bound ones and never tried fewer (token windows in isolation: 27k -> 20k samples/s).
+    """
+    from threadloader._isolated_worker import _Pacer
+
+    clock = FakeClock()
+    pacer = _Pacer(2, clock=clock, cpus=2)
+    rate, limits = 1000.0, []
+    for _ in range(3000):
+        clock.now += 1.0 / rate
+        pacer.on_batch(clock.now - 0.5 / rate, cores / rate)
+        limits.append(pacer.limit)
+    assert (min(limits) == 1) == fewer

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 #: A window is at least this long and this many batches before its rate counts.
 WINDOW_S = 0.02
@@ -143,7 +144,7 @@ class ConcurrencyController:
         self,
         maximum: int,
         minimum: int,
-        clock: object = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter,
         initial: int | None = None,
         cpus: int | None = None,
     ) -> None:
@@ -182,7 +183,7 @@ class ConcurrencyController:
             cpu: the CPU time (``time.thread_time``) the fetching thread spent on the batch;
                 with it, no probe goes down while fetching uses under ``CONTENDED_CORES``.
         """
-        now = self._clock()  # type: ignore[operator]
+        now = self._clock()
         if started is not None and started < self._changed_at:
             # The window restarts here: a fresh batch is timed from the last stale one, so the
             # first fresh batch already measures the new limit (and fresh batches delivered
@@ -268,7 +269,7 @@ class ConcurrencyController:
             self._direction = +1 if lower else -1
             self._windows_since_probe = 0
             self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
-            now = self._clock()  # type: ignore[operator]
+            now = self._clock()
             self._next_probe_at = now + PROBE_BUDGET * (now - self._probe_started)
             return self._set(self._settled_at)
         self._windows_since_probe += 1
@@ -281,7 +282,7 @@ class ConcurrencyController:
             return self._probe(far - self.limit)
         if (
             self._windows_since_probe >= self._settle_windows
-            and self._clock() >= self._next_probe_at  # type: ignore[operator]
+            and self._clock() >= self._next_probe_at
         ):
             self._windows_since_probe = 0
             changed = self._probe(self._direction)
@@ -298,13 +299,13 @@ class ConcurrencyController:
             return None
         self._probing = True
         self._direction = 1 if step > 0 else -1
-        self._probe_started = self._clock()  # type: ignore[operator]
+        self._probe_started = self._clock()
         return self._set(target)
 
     def _set(self, limit: int) -> int | None:
         if limit == self.limit:
             return None
         self.limit = limit
-        self._changed_at = self._clock()  # type: ignore[operator]
+        self._changed_at = self._clock()
         self._open_window(None)  # the next fresh batch starts one
         return limit

@@ -342,7 +342,7 @@ def test_isolation_helper_pacer_sees_each_batch_cpu_time(cores: float, fewer: bo
     from threadloader._isolated_worker import _Pacer
 
     clock = FakeClock()
-    pacer = _Pacer(2, clock=clock, cpus=2)
+    pacer = _Pacer(None, 2, clock=clock, cpus=2)
     rate, limits = 1000.0, []
     for _ in range(3000):
         clock.now += 1.0 / rate

@@ -387,7 +387,7 @@ def test_a_failure_outside_user_batches_ends_the_helper_and_is_raised() -> None:
     assert next(iterator).tolist() == [1, 2]
     with pytest.raises(OSError, match="state store unreachable") as info:
         next(iterator)
-    assert "isolation helper process, worker thread 0" in str(info.value)
+    assert "isolation helper process, runner thread 0" in str(info.value)
     with pytest.raises(RuntimeError, match="was closed"):
         next(iterator)
 
@@ -741,12 +741,12 @@ def test_dataset_is_pickled_once_per_helper_whatever_the_workers(persistent_work
 
 
 def test_helper_runs_one_set_of_threads_per_loader() -> None:
-    """The helper runs num_workers worker threads (and its reader); the dataset is loaded once."""
+    """The helper runs num_workers runner threads (and its main thread); the dataset is loaded once."""
     iterator = iter(IsolatedLoader(ThreadsInHelper(), batch_size=None, num_workers=3))
     names = next(iterator)
     del iterator
-    workers = sorted(n for n in names if n.startswith("threadloader-helper-worker"))
-    assert workers == [f"threadloader-helper-worker{i}" for i in range(3)]
+    workers = sorted(n for n in names if n.startswith("threadloader-helper-runner"))
+    assert workers == [f"threadloader-helper-runner{i}" for i in range(3)]
     assert len(names) == 4  # and the main thread, which waits for the end
 
 
@@ -762,7 +762,7 @@ class ThreadsInHelper(Dataset[Any]):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             names = [t.name for t in threading.enumerate()]
-            if sum(n.startswith("threadloader-helper-worker") for n in names) == info.num_workers:
+            if sum(n.startswith("threadloader-helper-runner") for n in names) == info.num_workers:
                 break
             time.sleep(0.01)
         return names

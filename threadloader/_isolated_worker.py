@@ -1,25 +1,28 @@
-"""What runs in the isolation helper process: the N worker threads, and the loop feeding them.
+"""What runs in the isolation helper process: N runner threads, and the loop feeding them.
 
 ``isolation="process"`` moves the worker threads out of the training process, so that their
 Python work no longer competes with the training loop for its GIL. The helper is one process
 (started with forkserver or spawn by ``_isolation``) that holds the one copy of the dataset and
 runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
-thread its ``WorkerInfo``, seeds, ``worker_init_fn`` and IterableDataset copy.
+worker its ``WorkerInfo``, seeds, ``worker_init_fn`` and IterableDataset copy.
 
 How the helper behaves; where the code disagrees with this, the code is wrong.
 
-1. Each worker thread reads its own task pipe (the training process already chose the worker,
-   in torch's round-robin order), runs its tasks in order, collates each batch into a
-   shared-memory slot (``_shm_ring``) and writes the result message itself: no hand-off to
-   another thread. An epoch message restarts persistent workers and drops the abandoned
-   epoch's tasks still queued.
+1. The training process sends every task on one pipe, in batch order, each naming the worker
+   torch's round robin chose. Runner threads claim them from a ``TaskBoard`` (``_task_board``):
+   any runner runs any worker's task, as that worker (its ``WorkerInfo`` installed, its
+   ``busy`` lock held), one worker's tasks one at a time and in order. The runner collates the
+   batch into a shared-memory slot (``_shm_ring``) and writes the result message itself. An
+   epoch message restarts persistent workers and drops the abandoned epoch's tasks still queued.
+   How many runners fetch at once is the pacer's number (``_Pacer``): with one, a GIL-holding
+   dataset's batches are all made by one thread, with no hand-off between threads per batch.
 2. Slots the training process released come back through the ring's mailbox, read when a
-   worker takes a slot (``_shm_ring`` point 5): no thread wakes up for them.
+   runner takes a slot (``_shm_ring`` point 5): no thread wakes up for them.
 3. The main thread waits on the control pipe, which carries nothing: its EOF -- the training
    process's ``close()``, or the kernel closing it when that process dies, even by SIGKILL --
-   or a change of parent pid ends the process at once with ``os._exit``. Worker threads are not joined: one stuck in user code must not keep the
-   process alive, and nothing in the helper needs cleaning up (its shared memory has no name).
-   A worker whose pipe reaches EOF stops; the main thread ends the process.
+   or a change of parent pid ends the process at once with ``os._exit``. Runner threads are not
+   joined: one stuck in user code must not keep the process alive, and nothing in the helper
+   needs cleaning up (its shared memory has no name). Runners end when the task pipe does.
 4. Ctrl-C in a terminal reaches the whole process group; the helper ignores SIGINT and lets the
    training process decide, as torch's workers do.
 """
@@ -27,15 +30,12 @@ How the helper behaves; where the code disagrees with this, the code is wrong.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import os
 import pickle
-import select
 import signal
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, send_handle
@@ -47,13 +47,12 @@ from torch._utils import ExceptionWrapper
 from threadloader import _worker_info
 from threadloader._concurrency import ConcurrencyController
 from threadloader._shm_ring import Packed, RingWriter, Segment, SlotAllocator, pack
+from threadloader._task_board import EPOCH, TaskBoard
 from threadloader._timing import StageRecorder
 from threadloader._workers import Task, Worker, WorkerSpec
 from threadloader.memory import pinned_collate
 
-# Message tags. Training process -> helper, on a worker's task pipe:
-TASK = 0  # (TASK, idx, generation, index)
-EPOCH = 1  # (EPOCH, generation): persistent workers start over
+# Message tags. Training process -> helper, on the task pipe: ``_task_board``'s TASK and EPOCH.
 # The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
 # Helper -> training process, on the result socket:
 RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings, fetch limit)
@@ -190,41 +189,8 @@ class _IntoSlot:
         return pack(data, self._ring, allocator)
 
 
-class _OrderedGate:
-    """Lets at most ``limit`` tasks run at once; waiting tasks enter in batch order.
-
-    In order because the training process delivers in order: with one task running at a time,
-    the batch it waits for runs first, not a later one of a worker that happened to wake first.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self.limit = limit
-        self._active = 0
-        self._waiting: list[tuple[int, int]] = []  # heap of (generation, batch number)
-
-    def enter(self, key: tuple[int, int]) -> None:
-        with self._cond:
-            heapq.heappush(self._waiting, key)
-            while self._active >= self.limit or self._waiting[0] != key:
-                self._cond.wait()
-            heapq.heappop(self._waiting)
-            self._active += 1
-            self._cond.notify_all()  # the next waiter in order may enter too
-
-    def exit(self) -> None:
-        with self._cond:
-            self._active -= 1
-            self._cond.notify_all()
-
-    def set_limit(self, limit: int) -> None:
-        with self._cond:
-            self.limit = limit
-            self._cond.notify_all()
-
-
 class _Pacer:
-    """How many worker threads fetch at once: the in-process loader's controller, run here.
+    """How many runner threads fetch at once: the in-process loader's controller, run here.
 
     A GIL-holding dataset (token windows, Python transforms) makes two threads slower than
     one, each waiting for the other's GIL hand-offs; a GIL-releasing one (image decode, numpy)
@@ -235,17 +201,18 @@ class _Pacer:
 
     def __init__(
         self,
+        board: TaskBoard | None,
         num_workers: int,
         clock: Callable[[], float] = time.perf_counter,
         cpus: int | None = None,
     ) -> None:
-        self.gate = _OrderedGate(num_workers)
+        self._board = board
         self._controller = ConcurrencyController(num_workers, minimum=1, clock=clock, cpus=cpus)
         self._lock = threading.Lock()
 
     @property
     def limit(self) -> int:
-        return self.gate.limit
+        return self._controller.limit
 
     def on_batch(self, started: float, cpu: float) -> None:
         """Count one batch made; ``started``: when its fetch began, ``cpu``: its thread CPU time.
@@ -256,66 +223,74 @@ class _Pacer:
         """
         with self._lock:
             limit = self._controller.on_batch(started, cpu)
-        if limit is not None:
-            self.gate.set_limit(limit)
+        if limit is not None and self._board is not None:
+            self._board.set_limit(limit)
 
 
-def _worker_loop(worker: Worker, tasks: Connection, sender: _Sender, pacer: _Pacer) -> None:
-    """A worker thread's body; a failure of the helper's own code ends the helper, loudly."""
+def _runner_loop(first: Worker, helper: _Helper) -> None:
+    """A runner thread's body; a failure of the helper's own code ends the helper, loudly."""
     try:
-        _run_worker(worker, tasks, sender, pacer)
+        _run_tasks(first, helper)
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
-        where = f"in threadloader's isolation helper process, worker thread {worker.id}"
-        sender.send((FATAL, ExceptionWrapper(where=where)))
+        where = f"in threadloader's isolation helper process, runner thread {first.id}"
+        helper.sender.send((FATAL, ExceptionWrapper(where=where)))
         _exit_now(1)
 
 
-def _run_worker(worker: Worker, tasks: Connection, sender: _Sender, pacer: _Pacer) -> None:
-    """What one worker thread of the helper runs: read its own pipe, run its tasks in order.
+def _start(worker: Worker) -> None:
+    """Run ``worker``'s start (``worker_init_fn``, as that worker) unless it ran; holding ``busy``.
 
-    Each worker reads its tasks straight from its pipe: no hand-off through another thread. What
-    is already waiting is read at once, so that an epoch restart (persistent workers) drops the
-    tasks of the abandoned epoch queued before it instead of running them.
+    Whichever runner gets there first: another runner may claim a worker's first task before
+    the runner started for that worker has run at all.
     """
-    _worker_info.set_for_thread(worker.info)
-    with worker.busy:
-        worker.initialize()
-    pending: deque[tuple[Any, ...]] = deque()
-    waiting = select.poll()  # Connection.poll(0) builds a selector per call: 10x the cost
-    waiting.register(tasks.fileno(), select.POLLIN)
-    while True:
+    if not worker.ready:
+        _worker_info.swap(worker.info)
         try:
-            if not pending:
-                pending.append(tasks.recv())
-            while waiting.poll(0):
-                pending.append(tasks.recv())
-        except (EOFError, OSError):
+            worker.initialize()
+        finally:
+            _worker_info.swap(None)
+
+
+def _run_tasks(first: Worker, helper: _Helper) -> None:
+    """What one runner thread runs: start worker ``first``, then any worker's tasks in order.
+
+    Which thread runs a task does not matter to the dataset: each task runs as its worker, with
+    that worker's ``WorkerInfo`` installed and its ``busy`` lock held (``_task_board``).
+    """
+    with first.busy:
+        _start(first)
+    board, pacer, sender = helper.board, helper.pacer, helper.sender
+    done: int | None = None
+    while True:
+        msg = board.take(done)
+        if msg is None:
             return  # the training process closed the pipe: the helper is ending
-        msg = pending.popleft()
-        tag = msg[0]
-        if tag == TASK:
-            _, idx, generation, index = msg
-            if generation != worker.generation or any(m[0] == EPOCH for m in pending):
-                continue  # an abandoned epoch's
-            task = Task(idx, index, generation)
-            timings = _Timings()
-            pacer.gate.enter((generation, idx))
-            try:
-                with worker.busy:
-                    started, cpu = time.perf_counter(), time.thread_time()
-                    data = worker.run(task, timings)
-                    cpu = time.thread_time() - cpu
-                    state = worker.snapshot() if data is not None else None
-            finally:
-                pacer.gate.exit()
-            if data is not None:
-                _send_result(sender, worker.id, task, data, state, timings.events, pacer.limit)
-                pacer.on_batch(started, cpu)
-            del data, task, state
-        elif tag == EPOCH:
+        worker = helper.workers[msg[1]]
+        done = worker.id
+        if msg[0] == EPOCH:
             with worker.busy:
-                worker.start_epoch(msg[1])
-        del msg
+                _start(worker)
+                worker.start_epoch(msg[2])
+            continue
+        _, _, idx, generation, index = msg
+        if generation != worker.generation:
+            continue  # an abandoned epoch's
+        task = Task(idx, index, generation)
+        timings = _Timings()
+        with worker.busy:
+            _start(worker)
+            _worker_info.swap(worker.info)
+            try:
+                started, cpu = time.perf_counter(), time.thread_time()
+                data = worker.run(task, timings)
+                cpu = time.thread_time() - cpu
+                state = worker.snapshot() if data is not None else None
+            finally:
+                _worker_info.swap(None)
+        if data is not None:
+            _send_result(sender, worker.id, task, data, state, timings.events, pacer.limit)
+            pacer.on_batch(started, cpu)
+        del data, task, state, msg  # a blocked take() must not pin the last batch
 
 
 def _send_result(
@@ -338,25 +313,26 @@ def _send_result(
 
 
 class _Helper:
-    """The helper's state: the ring, the workers and their threads."""
+    """The helper's state: the ring, the task board, the workers and the runner threads."""
 
-    def __init__(
-        self, spec: HelperSpec, tasks: list[Connection], sender: _Sender, mailbox: int
-    ) -> None:
+    def __init__(self, spec: HelperSpec, tasks: Connection, sender: _Sender, mailbox: int) -> None:
+        self.sender = sender
         self.ring = RingWriter(sender.announce, 2 * spec.max_tasks + SPARE_SLOTS, mailbox)
         sender.ring = self.ring
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
         n = worker_spec.num_workers
-        self.pacer = _Pacer(n)
+        self.board = TaskBoard(tasks, n, limit=n)
+        self.pacer = _Pacer(self.board, n)
         self.workers = [
             Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in range(n)
         ]
+        # One runner per worker: each starts its worker, then runs any worker's tasks.
         self.threads = [
             threading.Thread(
-                target=_worker_loop,
-                args=(w, tasks[w.id], sender, self.pacer),
-                name=f"threadloader-helper-worker{w.id}",
+                target=_runner_loop,
+                args=(w, self),
+                name=f"threadloader-helper-runner{w.id}",
                 daemon=True,
             )
             for w in self.workers
@@ -392,7 +368,7 @@ def helper_main(
     spec: PickledOnce,
     control: Connection,
     mailbox: Connection,
-    tasks: list[Connection],
+    tasks: Connection,
     results: Connection,
 ) -> None:
     """The helper process's entry point (a ``multiprocessing.Process`` target).
@@ -401,7 +377,7 @@ def helper_main(
         spec: the ``HelperSpec``, still pickled.
         control: read end of the control pipe, whose EOF means "exit".
         mailbox: read end of the release mailbox (``_shm_ring`` point 5).
-        tasks: read end of each worker's task pipe.
+        tasks: read end of the task pipe (``_task_board``).
         results: this process's end of the result socket.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -56,12 +56,10 @@ from threadloader._concurrency import ConcurrencyController
 from threadloader._dispatch import DispatchingIter
 from threadloader._dispatch import reraise as _reraise
 from threadloader._isolated_worker import (
-    EPOCH,
     FATAL,
     RESULT,
     RETIRE,
     SEGMENT,
-    TASK,
     HelperSpec,
     PickledOnce,
     helper_main,
@@ -72,6 +70,7 @@ from threadloader._state import (
     Resume,
     dataset_is_stateful,
 )
+from threadloader._task_board import EPOCH, TASK
 from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.memory import pin_batch, pinned_allocator
 
@@ -157,8 +156,9 @@ class HelperDied(RuntimeError):
 class _Link:
     """This process's handle on one helper: its process, its pipes, its ring, and its end.
 
-    Pipes: a control pipe (the helper exits on its EOF), the ring's release mailbox, one task
-    pipe per worker thread, and one result socket back (a socket: descriptors travel on it).
+    Pipes: a control pipe (the helper exits on its EOF), the ring's release mailbox, the task
+    pipe (every worker's tasks, ``_task_board``), and one result socket back (a socket:
+    descriptors travel on it).
 
     Args:
         ctx: the multiprocessing context to start the helper with.
@@ -172,23 +172,23 @@ class _Link:
     def __init__(self, ctx: BaseContext, spec: HelperSpec, name: str) -> None:
         control_r, control_w = ctx.Pipe(duplex=False)
         mailbox_r, mailbox_w = ctx.Pipe(duplex=False)  # raw records, never Connection.send
-        task_pipes = [ctx.Pipe(duplex=False) for _ in range(spec.worker.num_workers)]
+        tasks_r, tasks_w = ctx.Pipe(duplex=False)  # every worker's tasks (``_task_board``)
         result_here, result_there = ctx.Pipe(duplex=True)
         self.control: Connection = control_w
         self.mailbox: Connection = mailbox_w
         os.set_blocking(mailbox_w.fileno(), False)
-        self.tasks: list[Connection] = [w for _, w in task_pipes]
+        self.tasks: Connection = tasks_w
         self.results: Connection = result_here
         self.reader = RingReader(mailbox_w.fileno())
         self.closed = False
-        theirs = [control_r, mailbox_r, *(r for r, _ in task_pipes), result_there]
+        theirs = [control_r, mailbox_r, tasks_r, result_there]
         self.process = ctx.Process(  # type: ignore[attr-defined]
             target=helper_main,
             args=(
                 PickledOnce(spec),
                 control_r,
                 mailbox_r,
-                [r for r, _ in task_pipes],
+                tasks_r,
                 result_there,
             ),
             name=name,
@@ -207,14 +207,14 @@ class _Link:
         self._waiting.register(self.results.fileno(), select.POLLIN)
 
     def _ours(self) -> list[Connection]:
-        return [self.control, self.mailbox, *self.tasks, self.results]
+        return [self.control, self.mailbox, self.tasks, self.results]
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<helper pid={self.process.pid} {state} {self.reader!r}>"
 
-    def send(self, worker_id: int, msg: tuple[Any, ...]) -> None:
-        """Send ``msg`` to worker ``worker_id`` of the helper.
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send ``msg`` (``_task_board``'s TASK or EPOCH) to the helper.
 
         Raises:
             HelperDied: the helper is gone.
@@ -222,7 +222,7 @@ class _Link:
         """
         self._check_open()
         try:
-            self.tasks[worker_id].send(msg)
+            self.tasks.send(msg)
         except OSError:
             raise self._died() from None
 
@@ -375,8 +375,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._generation += 1
         self._link.reader.give_back(self._parked_slots())
         self._link.reader.send_released()
-        for worker_id in range(self._num_workers):
-            self._link.send(worker_id, (EPOCH, self._generation))
+        self._link.send((EPOCH, self._generation))
 
     def _parked_slots(self) -> list[Any]:
         """Slots of batches parked in the reorder table of an abandoned epoch."""
@@ -389,7 +388,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
 
     def _send(self, worker_id: int, idx: int, index: Any) -> None:
         self._link.reader.send_released()
-        self._link.send(worker_id, (TASK, idx, self._generation, index))
+        self._link.send((TASK, worker_id, idx, self._generation, index))
 
     def _get_result(self, in_flight: tuple[Any, ...]) -> Result:
         """The next result of this epoch from the helper; stale epochs' are given back."""

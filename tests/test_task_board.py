@@ -1,0 +1,162 @@
+"""The isolation helper's task board: which runner thread runs which task, and in what order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing import Pipe
+from typing import Any
+
+import pytest
+
+from threadloader._task_board import EPOCH, TASK, TaskBoard
+
+
+class Runners:
+    """``n`` runner threads taking from ``board``; each task's run is logged (start, end)."""
+
+    def __init__(self, board: TaskBoard, n: int, work_s: float = 0.002) -> None:
+        self.board = board
+        self.log: list[tuple[str, Any, ...]] = []
+        self._lock = threading.Lock()
+        self._work_s = work_s
+        self.running: dict[int, int] = {}  # worker -> runners running it now (must stay <= 1)
+        self.max_parallel = 0
+        self._active = 0
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, me: int) -> None:
+        done = None
+        while True:
+            msg = self.board.take(done)
+            if msg is None:
+                return
+            worker = msg[1]
+            done = worker
+            with self._lock:
+                self.running[worker] = self.running.get(worker, 0) + 1
+                assert self.running[worker] == 1, f"worker {worker} run by two runners at once"
+                self._active += 1
+                self.max_parallel = max(self.max_parallel, self._active)
+                self.log.append(("start", me, *msg))
+            time.sleep(self._work_s)
+            with self._lock:
+                self.running[worker] -= 1
+                self._active -= 1
+                self.log.append(("end", me, *msg))
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(10)
+            assert not t.is_alive(), "a runner did not end with the pipe"
+
+    def started(self) -> list[tuple[Any, ...]]:
+        return [entry[2:] for entry in self.log if entry[0] == "start"]
+
+
+def _tasks(n: int, workers: int, generation: int = 0) -> list[tuple[Any, ...]]:
+    return [(TASK, i % workers, i, generation, [i]) for i in range(n)]
+
+
+@pytest.mark.timeout(30)
+def test_one_runner_at_a_time_makes_batches_in_the_order_sent() -> None:
+    """limit 1: three runners, three workers; tasks run one at a time, in batch order."""
+    theirs, ours = Pipe(duplex=False)
+    board = TaskBoard(theirs, num_workers=3, limit=1)
+    runners = Runners(board, 3)
+    sent = _tasks(30, workers=3)
+    for msg in sent:
+        ours.send(msg)
+    deadline = time.monotonic() + 10
+    while len(runners.started()) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ours.close()
+    runners.join()
+    assert runners.started() == sent
+    assert runners.max_parallel == 1
+
+
+@pytest.mark.timeout(30)
+def test_runners_share_the_limit_and_never_run_one_worker_twice_at_once() -> None:
+    """limit 2: two tasks run at once, never two of one worker; each worker's in the order sent."""
+    theirs, ours = Pipe(duplex=False)
+    board = TaskBoard(theirs, num_workers=2, limit=2)
+    runners = Runners(board, 3, work_s=0.01)
+    sent = _tasks(20, workers=2) + [(TASK, 0, 20 + i, 0, [20 + i]) for i in range(6)]
+    for msg in sent:
+        ours.send(msg)
+    deadline = time.monotonic() + 10
+    while len(runners.started()) < len(sent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ours.close()
+    runners.join()
+    started = runners.started()
+    assert sorted(started, key=lambda m: m[2]) == sent  # each exactly once
+    for worker in (0, 1):
+        mine = [m[2] for m in started if m[1] == worker]
+        assert mine == sorted(mine)
+    assert runners.max_parallel == 2
+
+
+@pytest.mark.timeout(30)
+def test_an_epoch_restart_drops_the_abandoned_epochs_queued_tasks() -> None:
+    """Tasks of the old epoch not started are dropped; each worker restarts before new tasks."""
+    theirs, ours = Pipe(duplex=False)
+    board = TaskBoard(theirs, num_workers=2, limit=1)
+    for msg in _tasks(6, workers=2):  # all queued before any runner reads
+        ours.send(msg)
+    ours.send((EPOCH, 1))
+    new = _tasks(4, workers=2, generation=1)
+    for msg in new:
+        ours.send(msg)
+    first = board.take(None)
+    assert first is not None
+    # One read took everything waiting: the epoch dropped the six old tasks, none started.
+    got = [first]
+    done = first[1]
+    while len(got) < 2 + len(new):
+        msg = board.take(done)
+        assert msg is not None
+        got.append(msg)
+        done = msg[1]
+    assert got[0] == (EPOCH, 0, 1)
+    assert got[1] == (EPOCH, 1, 1)
+    assert got[2:] == new
+    ours.close()
+    assert board.take(done) is None
+
+
+@pytest.mark.timeout(30)
+def test_raising_the_limit_wakes_a_waiting_runner() -> None:
+    """A runner waiting under limit 1 starts a second worker's task once the limit is 2."""
+    theirs, ours = Pipe(duplex=False)
+    board = TaskBoard(theirs, num_workers=2, limit=1)
+    runners = Runners(board, 2, work_s=0.3)
+    ours.send((TASK, 0, 0, 0, [0]))
+    ours.send((TASK, 1, 1, 0, [1]))
+    time.sleep(0.1)
+    assert len(runners.started()) == 1  # the second waits for the first
+    board.set_limit(2)
+    deadline = time.monotonic() + 5
+    while len(runners.started()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(runners.started()) == 2
+    assert runners.max_parallel == 2
+    ours.close()
+    runners.join()
+
+
+@pytest.mark.timeout(30)
+def test_close_ends_every_waiting_runner() -> None:
+    """close() (the helper ending) returns None to runners waiting on the board or the pipe."""
+    theirs, ours = Pipe(duplex=False)
+    board = TaskBoard(theirs, num_workers=2, limit=2)
+    runners = Runners(board, 3)
+    time.sleep(0.05)  # one runner blocks reading the pipe, the others wait on the board
+    board.close()
+    ours.send((TASK, 0, 0, 0, [0]))  # the reader returns; nothing more is run
+    runners.join()
+    ours.close()
+    assert runners.started() in ([], [(TASK, 0, 0, 0, [0])])

@@ -17,7 +17,7 @@ class Runners:
 
     def __init__(self, board: TaskBoard, n: int, work_s: float = 0.002) -> None:
         self.board = board
-        self.log: list[tuple[str, Any, ...]] = []
+        self.log: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
         self._work_s = work_s
         self.running: dict[int, int] = {}  # worker -> runners running it now (must stay <= 1)

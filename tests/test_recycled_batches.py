@@ -7,7 +7,9 @@ while the loader keeps allocating, then check every kept value against torch's.
 
 from __future__ import annotations
 
+import collections.abc
 import threading
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import torch
 from helpers import assert_batches_equal, torch_loader
 from torch.utils.data import Dataset
 
-from threadloader import ThreadDataLoader
+from threadloader import ThreadDataLoader, _recycle
 from threadloader._recycle import ALIGN, MIN_BYTES, RecyclingAllocator
 
 
@@ -149,3 +151,41 @@ def test_threads_never_get_memory_another_live_tensor_uses() -> None:
         th.join()
     assert not errors, errors[:3]
     assert alloc.hits > 0
+
+
+class _Pair(NamedTuple):
+    image: torch.Tensor
+    label: int
+
+
+class _Row(collections.abc.Sequence):  # type: ignore[type-arg]
+    def __init__(self, *values: Any) -> None:
+        self._values = values
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._values[i]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+@pytest.mark.parametrize(
+    ("sample", "expected"),
+    [
+        (torch.zeros(4, dtype=torch.int64), 32),
+        (np.zeros(3, dtype=np.float32), 12),
+        ((torch.zeros(2), torch.zeros(3)), 20),
+        ([torch.zeros(2), "text", 7], 8),
+        ({"x": torch.zeros(5), "y": np.zeros(2, dtype=np.int8)}, 22),
+        (_Pair(torch.zeros(6), 1), 24),
+        (_Row(torch.zeros(1), np.zeros(1)), 12),
+        ("a string", 0),
+        (3.5, 0),
+    ],
+    ids=["tensor", "array", "tuple", "list", "dict", "namedtuple", "sequence", "str", "float"],
+)
+def test_size_check_counts_top_level_tensors_of_every_sample_kind(
+    sample: Any, expected: int
+) -> None:
+    """The per-batch size check (which collate path to take) sees the same bytes for every kind."""
+    assert _recycle._sample_bytes(sample) == expected

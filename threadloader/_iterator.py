@@ -213,15 +213,21 @@ class ThreadedDataLoaderIter(DispatchingIter):
         finally:
             worker.busy.release()
 
-    def _run_as(self, worker: Worker, task: Task) -> Result:
-        """Run ``task`` on this thread as ``worker`` (its WorkerInfo installed); holding ``busy``."""
+    def _run_as(self, worker: Worker, task: Task, cpu_time: bool = True) -> Result:
+        """Run ``task`` on this thread as ``worker`` (its WorkerInfo installed); holding ``busy``.
+
+        ``cpu_time=False`` skips timing the batch's CPU use: the controller only needs it to
+        decide whether to try fewer fetching threads, which the lean path (limit 0) never does.
+        """
         previous = _worker_info.swap(worker.info)
-        started, cpu = time.perf_counter(), time.thread_time()
+        started = time.perf_counter()
+        cpu = time.thread_time() if cpu_time else None
         try:
             data = worker.run(task, self._stats.caller)
         finally:
             _worker_info.swap(previous)
-        cpu = time.thread_time() - cpu
+        if cpu is not None:
+            cpu = time.thread_time() - cpu
         state = worker.snapshot()
         return Result(task.idx, worker.id, task.generation, data, state, started, cpu)
 
@@ -261,8 +267,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._send_idx += 1
         self._rcvd_idx = self._send_idx
         with worker.busy:  # waits only for a stale task the worker is finishing
-            _start_pending_epoch(worker)
-            result = self._run_as(worker, task)
+            if worker.generation != self._generation:
+                _start_pending_epoch(worker)
+            result = self._run_as(worker, task, cpu_time=False)
         self._ready, self._ran_here = False, True
         return self._deliver(result)
 

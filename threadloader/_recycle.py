@@ -134,14 +134,29 @@ class RecyclingAllocator:
 
 
 def _sample_bytes(sample: Any) -> int:
-    """Bytes of the tensors and arrays at the top level of one sample (a cheap lower bound)."""
-    if isinstance(sample, (torch.Tensor, np.ndarray)):
+    """Bytes of the tensors and arrays at the top level of one sample (a cheap lower bound).
+
+    Runs once per batch: exact types first (a tensor, a tuple or list of them), the abstract
+    ones (``Mapping``, ``Sequence``: slower ``isinstance``) only when those fail.
+    """
+    kind = type(sample)
+    if kind is torch.Tensor or kind is np.ndarray:
         return int(sample.nbytes)
-    if isinstance(sample, Mapping):
-        sample = list(sample.values())
-    if isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
-        return sum(int(v.nbytes) for v in sample if isinstance(v, (torch.Tensor, np.ndarray)))
-    return 0
+    if kind is tuple or kind is list:
+        values = sample
+    elif isinstance(sample, (torch.Tensor, np.ndarray)):
+        return int(sample.nbytes)
+    elif isinstance(sample, Mapping):
+        values = list(sample.values())
+    elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
+        values = sample
+    else:
+        return 0
+    total = 0
+    for value in values:
+        if isinstance(value, (torch.Tensor, np.ndarray)):
+            total += int(value.nbytes)
+    return total
 
 
 class RecyclingCollate:

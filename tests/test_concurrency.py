@@ -349,3 +349,19 @@ def test_isolation_helper_pacer_sees_each_batch_cpu_time(cores: float, fewer: bo
         pacer.on_batch(clock.now - 0.5 / rate, cores / rate)
         limits.append(pacer.limit)
     assert (min(limits) == 1) == fewer
+
+
+def test_first_probe_comes_after_a_short_first_window() -> None:
+    """The starting limit is judged on ~5 ms, later windows on 20 ms: contention costs at start."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock)
+    rates = {2: 2000.0, 1: 2000.0, 0: 4000.0}
+    while ctl.limit == 2:
+        clock.now += 1.0 / rates[ctl.limit]
+        ctl.on_batch()
+    assert clock.now < 0.01  # first window 5 ms (10 batches), not 20 ms
+    first_change = clock.now
+    while ctl.limit == 0 and clock.now < 1.0:
+        clock.now += 1.0 / rates[ctl.limit]
+        ctl.on_batch()
+    assert clock.now - first_change >= 0.02  # later windows are full length before a probe

@@ -25,6 +25,10 @@ from collections.abc import Callable
 #: A window is at least this long and this many batches before its rate counts.
 WINDOW_S = 0.02
 WINDOW_BATCHES = 8
+#: The first window (the starting limit, before any probe) may be this short: it is only
+#: compared with the far extreme, where a wrong call costs one probe later, while 20 ms of two
+#: threads contending for the GIL cost as much as 50 batches of cheap token windows.
+FIRST_WINDOW_S = 0.005
 #: Keep a lower limit when its rate is at least this fraction of the current one.
 KEEP_LOWER = 0.95
 #: Keep a higher limit only when its rate is at least this multiple of the current one.
@@ -199,7 +203,8 @@ class ConcurrencyController:
         if cpu is not None:
             self._window_cpu += cpu
         elapsed = now - self._window_start
-        if (elapsed < WINDOW_S or self._window_batches < WINDOW_BATCHES) and not (
+        shortest = WINDOW_S if self._rates else FIRST_WINDOW_S
+        if (elapsed < shortest or self._window_batches < WINDOW_BATCHES) and not (
             self._probing and self._losing(elapsed)
         ):
             return None

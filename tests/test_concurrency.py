@@ -336,13 +336,13 @@ def test_batches_begun_under_the_previous_limit_are_not_counted() -> None:
 def test_isolation_helper_pacer_sees_each_batch_cpu_time(cores: float, fewer: bool) -> None:
     """The helper's pacer tries one thread when its two take turns at the GIL, not when they wait.
 
-    It must pass each batch's CPU time on: without it the controller took GIL-holding threads
-    for I/O-bound ones and never tried fewer (token windows in isolation: 27k -> 20k samples/s).
+    It must pass each batch's CPU time on: without it the controller cannot tell threads
+    waiting on I/O from threads taking turns at the GIL, and probes fewer in both cases.
     """
     from threadloader._isolated_worker import _Pacer
 
     clock = FakeClock()
-    pacer = _Pacer(None, 2, clock=clock, cpus=2)
+    pacer = _Pacer(2, clock=clock, cpus=2)
     rate, limits = 1000.0, []
     for _ in range(3000):
         clock.now += 1.0 / rate

@@ -201,12 +201,10 @@ class _Pacer:
 
     def __init__(
         self,
-        board: TaskBoard | None,
         num_workers: int,
         clock: Callable[[], float] = time.perf_counter,
         cpus: int | None = None,
     ) -> None:
-        self._board = board
         self._controller = ConcurrencyController(num_workers, minimum=1, clock=clock, cpus=cpus)
         self._lock = threading.Lock()
 
@@ -214,17 +212,19 @@ class _Pacer:
     def limit(self) -> int:
         return self._controller.limit
 
-    def on_batch(self, started: float, cpu: float) -> None:
-        """Count one batch made; ``started``: when its fetch began, ``cpu``: its thread CPU time.
+    def on_batch(self, started: float, cpu: float) -> int | None:
+        """Count one batch made; the new limit when it changes, else None.
 
-        Both matter: without the CPU time the controller takes the threads for I/O-bound
-        (``CONTENDED_CORES``) and never tries fewer, so two GIL-holding threads kept contending
-        (measured: token windows 27k -> 20k samples/s).
+        Args:
+            started: when the batch's fetch began (``time.perf_counter``).
+            cpu: the thread CPU time the fetch took.
+
+        Both matter, as in-process: ``started`` keeps batches made under the previous limit out
+        of the new limit's window, ``cpu`` keeps the controller from trying fewer threads while
+        they mostly wait (I/O) or already run in parallel (``_concurrency``).
         """
         with self._lock:
-            limit = self._controller.on_batch(started, cpu)
-        if limit is not None and self._board is not None:
-            self._board.set_limit(limit)
+            return self._controller.on_batch(started, cpu)
 
 
 def _runner_loop(first: Worker, helper: _Helper) -> None:
@@ -289,7 +289,9 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
                 _worker_info.swap(None)
         if data is not None:
             _send_result(sender, worker.id, task, data, state, timings.events, pacer.limit)
-            pacer.on_batch(started, cpu)
+            limit = pacer.on_batch(started, cpu)
+            if limit is not None:
+                board.set_limit(limit)
         del data, task, state, msg  # a blocked take() must not pin the last batch
 
 
@@ -322,8 +324,8 @@ class _Helper:
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
         n = worker_spec.num_workers
-        self.board = TaskBoard(tasks, n, limit=n)
-        self.pacer = _Pacer(self.board, n)
+        self.pacer = _Pacer(n)
+        self.board = TaskBoard(tasks, n, limit=self.pacer.limit)
         self.workers = [
             Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in range(n)
         ]

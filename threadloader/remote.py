@@ -27,33 +27,28 @@ How a read behaves; where the code disagrees with this, the code is wrong.
    current try. Using the dataset afterwards starts a new pool. A forked child (DataLoader worker
    process) starts with its own empty pool, connections and counters.
 
-HTTP(S) is read with the standard library (``http.client``), with keep-alive connections reused
-across threads and epochs: no event loop, no extra dependency, and every failure mode in reach
-of the retry logic. Every other scheme (``s3://``, ``gs://``, ``file://``, ...) goes through
-fsspec, whose async backends run on fsspec's own event-loop thread.
+HTTP(S) is read with the standard library (``_http``); every other scheme (``s3://``, ``gs://``,
+``file://``, ...) goes through fsspec, whose async backends run on fsspec's own event-loop
+thread. The read pool, connections, counters and caches of a dataset in one process live in
+``_remote_state``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import logging
 import os
-import ssl
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urljoin, urlsplit
 
 from torch.utils.data import Dataset
 
-from threadloader import _exit_hook
-from threadloader._cache import ByteCache, DiskCache, MemoryCache
+from threadloader._cache import ByteCache
+from threadloader._remote_state import Config, Runtime, State
 from threadloader._retry import RetriesExhausted, RetryPolicy, call_with_retries, http_status
 
 if TYPE_CHECKING:
@@ -72,11 +67,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _HTTP = ("http://", "https://")
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_MAX_REDIRECTS = 5
-_MAX_IDLE_PER_HOST = 256  # keep-alive connections kept per host; more are closed on release
-_BODY_CHUNK = 1 << 18
-_RECENT_SKIPS = 32
 
 
 class RemoteReadError(OSError):
@@ -128,14 +118,6 @@ class SkipBudgetExceededError(RuntimeError):
     """One more item could not be delivered after ``max_skipped`` items were already skipped."""
 
 
-class HTTPStatusError(OSError):
-    """An HTTP response other than success; ``status`` decides whether it is retried."""
-
-    def __init__(self, url: str, status: int, reason: str, retry_after_s: float | None) -> None:
-        super().__init__(f"HTTP {status} {reason} for {url}")
-        self.status, self.retry_after_s = status, retry_after_s
-
-
 @dataclasses.dataclass(frozen=True)
 class RemoteStats:
     """A snapshot of one dataset's counters in this process (``RemoteFiles.stats()``)."""
@@ -174,310 +156,6 @@ class _Failure:
 
     def __init__(self, error: Exception) -> None:
         self.error = error
-
-
-class _Counters:
-    """The numbers behind ``RemoteStats``; every update under one lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        names = "reads read_bytes retries failures skipped cache_hits cache_misses cache_hit_bytes"
-        self._n = dict.fromkeys(names.split(), 0)
-        self._read_s = 0.0
-        self._skipped_urls: deque[str] = deque(maxlen=_RECENT_SKIPS)
-
-    def add(self, read_s: float = 0.0, **deltas: int) -> None:
-        with self._lock:
-            for key, value in deltas.items():
-                self._n[key] += value
-            self._read_s += read_s
-
-    def try_skip(self, url: str, budget: int) -> int | None:
-        """Count a skip if the budget allows it: the skip's number, else None."""
-        with self._lock:
-            if self._n["skipped"] >= budget:
-                return None
-            self._n["skipped"] += 1
-            self._skipped_urls.append(url)
-            return self._n["skipped"]
-
-    def snapshot(self, caches: Sequence[ByteCache]) -> RemoteStats:
-        usage = [c.usage() for c in caches]
-        with self._lock:
-            return RemoteStats(
-                **self._n,
-                read_s=self._read_s,
-                cache_stored_bytes=sum(u.stored_bytes for u in usage),
-                cache_evictions=sum(u.evictions for u in usage),
-                skipped_urls=tuple(self._skipped_urls),
-            )
-
-
-class _HTTPConnections:
-    """Keep-alive HTTP(S) connections by (scheme, host, port); each used by one thread at a time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: dict[tuple[str, str, int], list[http.client.HTTPConnection]] = {}
-        self._closed = False
-        self._ssl: ssl.SSLContext | None = None
-
-    def close(self) -> None:
-        """Close idle connections now; connections in use are closed when released."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn in conns:
-                conn.close()
-
-    def _acquire(self, key: tuple[str, str, int]) -> tuple[http.client.HTTPConnection, bool]:
-        with self._lock:
-            conns = self._idle.get(key)
-            if conns:
-                return conns.pop(), True
-            if key[0] == "https" and self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            context = self._ssl
-        scheme, host, port = key
-        if scheme == "https":
-            return http.client.HTTPSConnection(host, port, context=context), False
-        return http.client.HTTPConnection(host, port), False
-
-    def _release(self, key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            conns = self._idle.setdefault(key, [])
-            if not self._closed and len(conns) < _MAX_IDLE_PER_HOST:
-                conns.append(conn)
-                return
-        conn.close()
-
-    def get(self, url: str, timeout_s: float, headers: Mapping[str, str]) -> bytes:
-        """GET ``url`` within ``timeout_s`` in all, following up to 5 redirects.
-
-        Raises:
-            HTTPStatusError: on a status other than 200 (after redirects).
-            TimeoutError, ConnectionError, http.client.HTTPException: as the exchange failed.
-        """
-        deadline = time.monotonic() + timeout_s
-        for _ in range(_MAX_REDIRECTS + 1):
-            resp, body = self._exchange(url, deadline, headers)
-            if resp.status == 200:
-                return body
-            location = resp.getheader("Location")
-            if resp.status in _REDIRECTS and location:
-                url = urljoin(url, location)
-                continue
-            retry_after = resp.getheader("Retry-After")
-            seconds = float(retry_after) if retry_after and retry_after.isdigit() else None
-            raise HTTPStatusError(url, resp.status, resp.reason, seconds)
-        raise HTTPStatusError(url, resp.status, "(too many redirects)", None)
-
-    def _exchange(
-        self, url: str, deadline: float, headers: Mapping[str, str]
-    ) -> tuple[http.client.HTTPResponse, bytes]:
-        parts = urlsplit(url)
-        scheme, host = parts.scheme.lower(), parts.hostname or ""
-        key = (scheme, host, parts.port or (443 if scheme == "https" else 80))
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        for first_try in (True, False):
-            conn, reused = self._acquire(key)
-            try:
-                _set_timeout(conn, deadline)
-                conn.request("GET", target, headers={"Accept-Encoding": "identity", **headers})
-                resp = conn.getresponse()
-                if resp.status == 200:
-                    body = _read_body(resp, conn, deadline)
-                elif resp.length is not None and resp.length <= 65536:
-                    body = resp.read()  # small error page: read it to keep the connection
-                else:
-                    resp.will_close = True
-                    body = b""
-            except ConnectionError:
-                conn.close()
-                if reused and first_try:
-                    continue  # the server closed an idle keep-alive connection: not a failure
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            if resp.will_close:
-                conn.close()
-            else:
-                self._release(key, conn)
-            return resp, body
-        raise AssertionError("unreachable")
-
-
-def _set_timeout(conn: http.client.HTTPConnection, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("the read's deadline passed")
-    conn.timeout = remaining
-    if conn.sock is not None:
-        conn.sock.settimeout(remaining)
-
-
-def _read_body(
-    resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, deadline: float
-) -> bytes:
-    chunks = []
-    while True:
-        _set_timeout(conn, deadline)  # the whole body within the deadline, not each recv
-        chunk = resp.read(_BODY_CHUNK)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    if resp.length:  # the connection ended before Content-Length bytes arrived
-        raise http.client.IncompleteRead(b"".join(chunks), resp.length)
-    return b"".join(chunks)
-
-
-class _Runtime:
-    """The read pool and connections of one dataset in one process, until ``close()``.
-
-    Holds no reference to the dataset, so dropping the dataset can close it (finalizer).
-    """
-
-    def __init__(self, max_concurrency: int, name: str) -> None:
-        self.name = name
-        self.stop = threading.Event()  # set on close: retries give up instead of waiting
-        self.http = _HTTPConnections()
-        self.filesystems: dict[str, Any] = {}  # fsspec protocol -> filesystem
-        self._max_concurrency = max_concurrency
-        # Reads queued or running in the pool; bounds the executor's (otherwise unbounded) queue.
-        self._slots = threading.BoundedSemaphore(max(1, 2 * max_concurrency))
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = False
-        _exit_hook.track(self)
-
-    def __repr__(self) -> str:
-        return f"<_Runtime {self.name} pool={self._pool is not None} closed={self._closed}>"
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any] | None:
-        """Queue ``fn(*args)`` on the pool; None when the caller should run it itself."""
-        if not self._max_concurrency or not self._slots.acquire(blocking=False):
-            return None
-        try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("closed")
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        self._max_concurrency, thread_name_prefix=self.name
-                    )
-                future = self._pool.submit(fn, *args)
-        except RuntimeError:  # closed, or the interpreter is shutting down
-            self._slots.release()
-            return None
-        future.add_done_callback(self._release_slot)
-        return future
-
-    def _release_slot(self, _: Future[Any]) -> None:
-        self._slots.release()
-
-    def filesystem(self, url: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
-        """The fsspec filesystem for ``url``'s protocol, and the path within it."""
-        import fsspec  # only for non-HTTP URLs; installed with torch
-
-        protocol = fsspec.core.split_protocol(url)[0] or "file"
-        with self._lock:
-            fs = self.filesystems.get(protocol)
-        if fs is None:
-            fs = fsspec.filesystem(protocol, **storage_options)
-            with self._lock:
-                fs = self.filesystems.setdefault(protocol, fs)
-        return fs, fs._strip_protocol(url)
-
-    def close(self) -> None:
-        """Stop retries, cancel queued reads, join the pool, close connections. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pool, self._pool = self._pool, None
-        self.stop.set()
-        if pool is not None:
-            # GC can run this on one of the pool's own threads, which cannot join itself.
-            own = threading.current_thread().name.startswith(f"{self.name}_")
-            pool.shutdown(wait=not own, cancel_futures=True)
-        self.http.close()
-        _exit_hook.untrack(self)
-
-
-# WeakSet's own bookkeeping is Python code: every change and every walk under one lock.
-_registry_lock = threading.Lock()
-_live_states: weakref.WeakSet[_State] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # The parent's pool threads do not exist here, its locks may have been held by them, and its
-    # sockets are shared with the parent: a child starts afresh, closing nothing of the parent's.
-    global _registry_lock
-    _registry_lock = threading.Lock()
-    for state in list(_live_states):
-        state.reset()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    max_concurrency: int
-    retry: RetryPolicy
-    max_skipped: int
-    cache_dir: str | None
-    cache_max_bytes: int
-    memory_cache_bytes: int
-    storage_options: Mapping[str, Any]
-    name: str
-
-
-class _State:
-    """What one dataset holds in one process: counters, caches and the runtime (made lazily)."""
-
-    def __init__(self, config: _Config) -> None:
-        self.config = config
-        self.reset()
-        with _registry_lock:
-            _live_states.add(self)
-
-    def reset(self) -> None:
-        """Forget everything (a new process): new lock, counters, caches and runtime."""
-        self.lock = threading.Lock()
-        self.counters = _Counters()
-        self._runtime: _Runtime | None = None
-        self._caches: list[ByteCache] | None = None
-        self.warned_cache_write = False
-
-    def runtime(self) -> _Runtime:
-        with self.lock:
-            if self._runtime is None:
-                self._runtime = _Runtime(self.config.max_concurrency, self.config.name)
-            return self._runtime
-
-    def caches(self) -> list[ByteCache]:
-        caches = self._caches
-        if caches is not None:
-            return caches
-        with self.lock:
-            if self._caches is None:
-                made: list[ByteCache] = []
-                if self.config.memory_cache_bytes:
-                    made.append(MemoryCache(self.config.memory_cache_bytes))
-                if self.config.cache_dir is not None:
-                    made.append(DiskCache(self.config.cache_dir, self.config.cache_max_bytes))
-                self._caches = made
-            return self._caches
-
-    def close(self) -> None:
-        with self.lock:
-            runtime, self._runtime = self._runtime, None
-        if runtime is not None:
-            runtime.close()
 
 
 class RemoteFiles(Dataset[Any]):
@@ -541,7 +219,7 @@ class RemoteFiles(Dataset[Any]):
         )
         self.decode = decode
         self._headers: dict[str, str] = dict(options.get("headers") or {})
-        self._config = _Config(
+        self._config = Config(
             max_concurrency=max_concurrency,
             retry=retry if retry is not None else RetryPolicy(),
             max_skipped=max_skipped,
@@ -554,7 +232,7 @@ class RemoteFiles(Dataset[Any]):
         self._start()
 
     def _start(self) -> None:
-        self._state = _State(self._config)
+        self._state = State(self._config)
         # The finalizer holds the state, never self: dropping the dataset joins its threads.
         self._finalizer = weakref.finalize(self, self._state.close)
         self._finalizer.atexit = False  # the exit hook closes runtimes earlier than atexit would
@@ -646,7 +324,7 @@ class RemoteFiles(Dataset[Any]):
             Reads, retries, failures, skips and cache figures since the dataset was created
             (or since this process was forked from the one that created it).
         """
-        return self._state.counters.snapshot(self._state.caches())
+        return RemoteStats(**self._state.counters.snapshot(self._state.caches()))
 
     def close(self) -> None:
         """Join the read pool's threads and close connections now. Idempotent.
@@ -682,7 +360,7 @@ class RemoteFiles(Dataset[Any]):
         counters.add(cache_misses=1)
         return _MISS
 
-    def _fetch(self, url: str, runtime: _Runtime, caches: list[ByteCache]) -> Any:
+    def _fetch(self, url: str, runtime: Runtime, caches: list[ByteCache]) -> Any:
         """Read ``url`` with retries, fill the caches, decode: the item or a _Failure."""
         counters = self._state.counters
         start = time.monotonic()
@@ -715,7 +393,7 @@ class RemoteFiles(Dataset[Any]):
         self._state.counters.add(seconds, failures=1)
         return _Failure(error)
 
-    def _read_once(self, url: str, runtime: _Runtime, timeout_s: float) -> bytes:
+    def _read_once(self, url: str, runtime: Runtime, timeout_s: float) -> bytes:
         if url.startswith(_HTTP):
             return runtime.http.get(url, timeout_s, self._headers)
         fs, path = runtime.filesystem(url, self._config.storage_options)

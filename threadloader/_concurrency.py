@@ -34,7 +34,7 @@ KEEP_LOWER = 0.95
 #: Keep a higher limit only when its rate is at least this multiple of the current one.
 KEEP_HIGHER = 1.08
 #: Windows between probes once the limit has settled: starts short, doubles after each probe
-#: that changed nothing, up to the maximum (so a settled loader probes about every 0.8 s).
+#: that changed nothing, up to the maximum (40 windows: 0.8 s when batches are fast).
 #: Starting at 4 rather than 2 windows: token windows +1.7% over 1,400 batches (three probes
 #: in the first 0.4 s became two), images unchanged within noise (5 interleaved rounds each).
 SETTLE_WINDOWS_MIN = 4

@@ -365,3 +365,32 @@ def test_first_probe_comes_after_a_short_first_window() -> None:
         clock.now += 1.0 / rates[ctl.limit]
         ctl.on_batch()
     assert clock.now - first_change >= 0.02  # later windows are full length before a probe
+
+
+def test_no_downward_creep_when_every_thread_adds_throughput() -> None:
+    """Latency-bound reads (rate proportional to threads) never settle far below the maximum.
+
+    One step down from 32 threads loses 3%, within what a lower limit may lose; step after
+    step those losses compounded (32 -> 20 threads, 62% of the rate, was measured with 32
+    threads reading over HTTP). A lower limit is judged against the best rate seen above it.
+    """
+    clock = FakeClock()
+    ctl = ConcurrencyController(32, minimum=0, clock=clock)
+    limits = _drive(ctl, clock, {k: 100.0 * max(k, 0.5) for k in range(33)}, 30000)
+    assert min(limits[len(limits) // 2 :]) >= 30, sorted(set(limits))
+
+
+def test_first_probe_of_a_large_pool_halves_it() -> None:
+    """32 threads on 2 CPUs (a pool for I/O): the first probe tries 16, never the minimum."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(32, minimum=0, clock=clock, cpus=2)
+    limits = _drive(ctl, clock, {k: 100.0 * max(k, 0.5) for k in range(33)}, 2000)
+    assert 16 in limits and min(limits) >= 16
+
+
+def test_first_probe_of_a_small_pool_goes_to_the_minimum() -> None:
+    """2 threads on 2 CPUs: the first probe is the training thread alone (the plateau rule)."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    limits = _drive(ctl, clock, {2: 1000.0, 1: 1000.0, 0: 1000.0}, 200)
+    assert limits[limits.index(next(x for x in limits if x != 2))] == 0

@@ -40,8 +40,13 @@ KEEP_HIGHER = 1.08
 SETTLE_WINDOWS_MIN = 4
 SETTLE_WINDOWS_MAX = 40
 #: Windows ignored at the start: workers are still starting, and the training thread runs the
-#: first batches itself, which would make the initial limit look better than it is.
+#: first batches itself, which would make the initial limit look better than it is. None for
+#: pools no larger than the CPUs (settling fast on GIL-bound data matters more there); one for
+#: larger pools, whose first window's CPU time is inflated by each thread's first use
+#: (connections, buffers: 32 threads reading over HTTP measured 0.5-1.3 cores in their first
+#: window, ~0.1 after), which would let a down-probe through ``CONTENDED_CORES``.
 WARMUP_WINDOWS = 0
+WARMUP_WINDOWS_LARGE_POOL = 1
 #: A probe that is clearly losing ends before its window is full: once it has delivered
 #: ``EARLY_BATCHES`` batches over at least ``EARLY_S`` seconds at under ``EARLY_REJECT`` times
 #: the settled limit's rate. Probing costs only while it lasts, and most probes lose (measured on
@@ -172,7 +177,7 @@ class ConcurrencyController:
         self._probing = False
         self._windows_since_probe = 0
         self._settle_windows = SETTLE_WINDOWS_MIN
-        self._warmup = WARMUP_WINDOWS
+        self._warmup = WARMUP_WINDOWS if maximum <= self.cpus else WARMUP_WINDOWS_LARGE_POOL
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
         self._alone_won = False  # the last comparison of limit 0 with 1 favoured 0
 
@@ -265,6 +270,10 @@ class ConcurrencyController:
             self._probing = False
             base = self._rates.get(self._settled_at, 0.0)
             lower = self.limit < self._settled_at
+            if lower:
+                # Against the best rate seen at any higher limit, not only the settled one:
+                # else losses within KEEP_LOWER compound, one step down after another.
+                base = max((r for k, r in self._rates.items() if k > self.limit), default=base)
             keep = rate >= base * (KEEP_LOWER if lower else KEEP_HIGHER)
             if self.limit == 0 or self._settled_at == 0:
                 # A comparison between the training thread alone and with workers.
@@ -281,12 +290,8 @@ class ConcurrencyController:
             return self._set(self._settled_at)
         self._windows_since_probe += 1
         if len(self._rates) == 1:
-            # First probe: the other extreme. Rates are often flat between neighbours (with
-            # the training thread helping, 1 worker and 2 contend alike for the GIL) and only
-            # the minimum differs, so stepping one at a time would stop on the plateau.
             self._windows_since_probe = 0
-            far = self.minimum if self.limit != self.minimum else self.maximum
-            return self._probe(far - self.limit)
+            return self._probe(self._first_probe_target() - self.limit)
         if (
             self._windows_since_probe >= self._settle_windows
             and self._clock() >= self._next_probe_at
@@ -297,6 +302,22 @@ class ConcurrencyController:
                 changed = self._probe(-self._direction)
             return changed
         return None
+
+    def _first_probe_target(self) -> int:
+        """Where the first probe goes: the other extreme, or half the threads of a large pool.
+
+        With no more threads than CPUs, rates are often flat between neighbours (with the
+        training thread helping, 1 worker and 2 contend alike for the GIL) and only the minimum
+        differs, so stepping one at a time would stop on the plateau. A pool larger than the
+        CPUs is there for I/O: dropping it to the minimum would make one thread read what 32 do
+        until the probe is judged (measured over HTTP: 0.7 s of an epoch at ~1/30 of the rate,
+        the first window's CPU inflated by connection set-up); half of it costs half as long.
+        """
+        if self.limit == self.minimum:
+            return self.maximum
+        if self.maximum <= self.cpus:
+            return self.minimum
+        return max(self.minimum, self.limit // 2)
 
     def _probe(self, step: int) -> int | None:
         target = self.limit + step

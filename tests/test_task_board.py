@@ -60,13 +60,8 @@ def _tasks(n: int, workers: int, generation: int = 0) -> list[tuple[Any, ...]]:
     return [(TASK, i % workers, i, generation, [i]) for i in range(n)]
 
 
-@pytest.mark.timeout(30)
-def test_one_runner_at_a_time_makes_batches_in_the_order_sent() -> None:
-    """limit 1: three runners, three workers; tasks run one at a time, in batch order."""
-    theirs, ours = Pipe(duplex=False)
-    board = TaskBoard(theirs, num_workers=3, limit=1)
-    runners = Runners(board, 3)
-    sent = _tasks(30, workers=3)
+def _send_and_end(ours: Any, runners: Runners, sent: list[tuple[Any, ...]]) -> None:
+    """Send ``sent``, wait until every message started, end the pipe and join the runners."""
     for msg in sent:
         ours.send(msg)
     deadline = time.monotonic() + 10
@@ -74,6 +69,16 @@ def test_one_runner_at_a_time_makes_batches_in_the_order_sent() -> None:
         time.sleep(0.01)
     ours.close()
     runners.join()
+
+
+@pytest.mark.timeout(30)
+def test_one_runner_at_a_time_makes_batches_in_the_order_sent() -> None:
+    """limit 1: three runners, three workers; tasks run one at a time, in batch order."""
+    theirs, ours = Pipe(duplex=False)
+    board = TaskBoard(theirs, num_workers=3, limit=1)
+    runners = Runners(board, 3)
+    sent = _tasks(30, workers=3)
+    _send_and_end(ours, runners, sent)
     assert runners.started() == sent
     assert runners.max_parallel == 1
 
@@ -85,13 +90,7 @@ def test_runners_share_the_limit_and_never_run_one_worker_twice_at_once() -> Non
     board = TaskBoard(theirs, num_workers=2, limit=2)
     runners = Runners(board, 3, work_s=0.01)
     sent = _tasks(20, workers=2) + [(TASK, 0, 20 + i, 0, [20 + i]) for i in range(6)]
-    for msg in sent:
-        ours.send(msg)
-    deadline = time.monotonic() + 10
-    while len(runners.started()) < len(sent) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ours.close()
-    runners.join()
+    _send_and_end(ours, runners, sent)
     started = runners.started()
     assert sorted(started, key=lambda m: m[2]) == sent  # each exactly once
     for worker in (0, 1):

@@ -241,9 +241,12 @@ class ConcurrencyController:
         """Whether the probe running now is already clearly worse than the settled limit."""
         if self._window_batches < EARLY_BATCHES or elapsed < EARLY_S:
             return False
-        if elapsed < 2 * self._window_latency:
+        if elapsed < 2 * self._window_latency and self.limit > 0:
             # Slow batches arrive in bursts (one late batch holds back those ordered after
-            # it): judge only a window that spans two of them.
+            # it): judge only a window that spans two of them. Not at 0: the training thread
+            # makes every fresh batch itself, one after the other, so there are no bursts, and
+            # waiting two of its batches cost most (32 threads reading 10 ms objects over HTTP:
+            # a batch alone is 160 ms, and the probe lasted 0.7 s at ~3% of the rate).
             return False
         base = self._rates.get(self._settled_at)
         return base is not None and self._window_batches / elapsed < base * EARLY_REJECT
@@ -285,8 +288,14 @@ class ConcurrencyController:
             return self._set(self._settled_at)
         self._windows_since_probe += 1
         if len(self._rates) == 1:
+            # First probe: the other extreme. Rates are often flat between neighbours (with
+            # the training thread helping, 1 worker and 2 contend alike for the GIL; with 32
+            # threads, the batches of gated workers wait for the training thread in turn) and
+            # only the minimum differs, so stepping would stop on the plateau (cached reads,
+            # 32 threads: 594 batches/s, 16: 291, the training thread alone: 4,344).
             self._windows_since_probe = 0
-            return self._probe(self._first_probe_target() - self.limit)
+            far = self.minimum if self.limit != self.minimum else self.maximum
+            return self._probe(far - self.limit)
         if (
             self._windows_since_probe >= self._settle_windows
             and self._clock() >= self._next_probe_at
@@ -297,23 +306,6 @@ class ConcurrencyController:
                 changed = self._probe(-self._direction)
             return changed
         return None
-
-    def _first_probe_target(self) -> int:
-        """Where the first probe goes: the other extreme, or half the threads of a large pool.
-
-        With no more threads than CPUs, rates are often flat between neighbours (with the
-        training thread helping, 1 worker and 2 contend alike for the GIL) and only the minimum
-        differs, so stepping one at a time would stop on the plateau. A pool larger than the
-        CPUs is there for I/O, and a probe to the minimum would make the training thread read
-        alone what 32 threads read until the probe is judged (~0.7 s over HTTP at 10 ms an
-        object). Measured, 32 threads reading one object at a time, whole epoch after 64
-        batches, medians of 3: 2,225 samples/s probing 0 first, 2,479 probing 16.
-        """
-        if self.limit == self.minimum:
-            return self.maximum
-        if self.maximum <= self.cpus:
-            return self.minimum
-        return max(self.minimum, self.limit // 2)
 
     def _probe(self, step: int) -> int | None:
         target = self.limit + step

@@ -132,11 +132,14 @@ def test_raising_the_limit_wakes_a_waiting_runner() -> None:
     """A runner waiting under limit 1 starts a second worker's task once the limit is 2."""
     theirs, ours = Pipe(duplex=False)
     board = TaskBoard(theirs, num_workers=2, limit=1)
-    runners = Runners(board, 2, work_s=0.3)
+    runners = Runners(board, 2, work_s=1.0)
     ours.send((TASK, 0, 0, 0, [0]))
     ours.send((TASK, 1, 1, 0, [1]))
-    time.sleep(0.1)
-    assert len(runners.started()) == 1  # the second waits for the first
+    deadline = time.monotonic() + 5
+    while not runners.started() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert len(runners.started()) == 1  # the second waits for the first (1 s of work)
     board.set_limit(2)
     deadline = time.monotonic() + 5
     while len(runners.started()) < 2 and time.monotonic() < deadline:

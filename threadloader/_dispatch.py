@@ -25,15 +25,23 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from torch._utils import ExceptionWrapper, KeyErrorMessage
+from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._concurrency import ConcurrencyController
-from threadloader._state import ProgressMixin, Resume, begin_pass, warn_replay
-from threadloader._workers import Result
+from threadloader._state import (
+    ProgressMixin,
+    Resume,
+    begin_pass,
+    dataset_is_stateful,
+    warn_replay,
+)
+from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.stats import EpochStats
 
 
@@ -61,6 +69,23 @@ class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
 
     def _restart_workers(self) -> None:
         raise NotImplementedError
+
+    def _worker_spec(
+        self, loader: Any, resume: Resume | None, collate_fn: Callable[[Any], Any]
+    ) -> WorkerSpec:
+        """What this epoch's workers share, wherever they run; ``collate_fn`` is theirs."""
+        return WorkerSpec(
+            dataset_kind=self._dataset_kind,
+            dataset=self._dataset,
+            auto_collation=self._auto_collation,
+            collate_fn=collate_fn,
+            drop_last=self._drop_last,
+            worker_init_fn=thread_safe_init_fn(loader.worker_init_fn),
+            num_workers=self._num_workers,
+            capture_state=self._dataset_kind == _DatasetKind.Iterable
+            and dataset_is_stateful(self._dataset),
+            resume_states=resume.worker_states if resume is not None else None,
+        )
 
     def _new_stats(self) -> None:
         """Start this epoch's stats (persistent workers start one per epoch)."""

@@ -49,7 +49,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.collate import default_collate
 
 from threadloader._concurrency import ConcurrencyController
@@ -68,10 +67,9 @@ from threadloader._shm_ring import Packed, RingReader
 from threadloader._state import (
     Progress,
     Resume,
-    dataset_is_stateful,
 )
 from threadloader._task_board import EPOCH, TASK
-from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
+from threadloader._workers import Result
 from threadloader.memory import pin_batch, pinned_allocator
 
 if TYPE_CHECKING:
@@ -329,18 +327,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._in_order: bool = loader.in_order
         self._log_every_s = getattr(loader, "log_every_s", None)
         spec = HelperSpec(
-            worker=WorkerSpec(
-                dataset_kind=self._dataset_kind,
-                dataset=self._dataset,
-                auto_collation=self._auto_collation,
-                collate_fn=self._collate_fn,
-                drop_last=self._drop_last,
-                worker_init_fn=thread_safe_init_fn(loader.worker_init_fn),
-                num_workers=self._num_workers,
-                capture_state=self._dataset_kind == _DatasetKind.Iterable
-                and dataset_is_stateful(self._dataset),
-                resume_states=resume.worker_states if resume is not None else None,
-            ),
+            worker=self._worker_spec(loader, resume, self._collate_fn),
             base_seed=int(self._base_seed),
             max_tasks=self._max_tasks,
             collate_into_slots=self._auto_collation and self._collate_fn is default_collate,

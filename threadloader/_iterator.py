@@ -45,7 +45,6 @@ from threadloader._queues import QueueClosed
 from threadloader._state import (
     Progress,
     Resume,
-    dataset_is_stateful,
 )
 from threadloader._workers import (
     NewEpoch,
@@ -53,8 +52,6 @@ from threadloader._workers import (
     Task,
     Worker,
     WorkerPool,
-    WorkerSpec,
-    thread_safe_init_fn,
 )
 
 if TYPE_CHECKING:
@@ -92,17 +89,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
         # The training thread may run a map-style batch itself (point 1 above), except under a
         # timeout: a batch that takes too long must raise, as torch's does, not block here.
         self._run_here = loader._dataset_kind == _DatasetKind.Map and not loader.timeout
-        spec = WorkerSpec(
-            dataset_kind=self._dataset_kind,
-            dataset=self._dataset,
-            auto_collation=self._auto_collation,
-            collate_fn=host_collate(loader, self._collate_fn, self._pin_memory),
-            drop_last=self._drop_last,
-            worker_init_fn=thread_safe_init_fn(loader.worker_init_fn),
-            num_workers=self._num_workers,
-            capture_state=self._dataset_kind == _DatasetKind.Iterable
-            and dataset_is_stateful(self._dataset),
-            resume_states=resume.worker_states if resume is not None else None,
+        spec = self._worker_spec(
+            loader, resume, host_collate(loader, self._collate_fn, self._pin_memory)
         )
         # Fewer fetching workers than num_workers is only safe when the training thread can run
         # the batches they leave waiting: else one worker stuck in a slow read would stall the

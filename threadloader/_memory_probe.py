@@ -129,9 +129,8 @@ class PeakSampler:
         if self._entered:
             raise RuntimeError("a PeakSampler can be entered only once")
         self._entered = True
-        self.first_bytes = (
-            self._sample()
-        )  # a peak exists even if the block is shorter than one tick
+        # A peak exists even if the block is shorter than one tick.
+        self.first_bytes = self._sample()
         self._thread = threading.Thread(
             target=self._run, name=f"threadloader-peak-sampler-{id(self):x}", daemon=True
         )

@@ -106,12 +106,6 @@ class TaskBoard:
                 self._cond.wait()
             return None
 
-    def close(self) -> None:
-        """End every runner's wait (``take`` returns None from now on)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
     def _claimable(self) -> bool:
         return any(msg[1] not in self._held for msg in self._queue)
 

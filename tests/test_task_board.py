@@ -55,6 +55,12 @@ class Runners:
     def started(self) -> list[tuple[Any, ...]]:
         return [entry[2:] for entry in self.log if entry[0] == "start"]
 
+    def wait_started(self, count: int, timeout: float = 10.0) -> None:
+        """Return once ``count`` messages started (or after ``timeout``: the asserts then say)."""
+        deadline = time.monotonic() + timeout
+        while len(self.started()) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+
 
 def _tasks(n: int, workers: int, generation: int = 0) -> list[tuple[Any, ...]]:
     return [(TASK, i % workers, i, generation, [i]) for i in range(n)]
@@ -64,9 +70,7 @@ def _send_and_end(ours: Any, runners: Runners, sent: list[tuple[Any, ...]]) -> N
     """Send ``sent``, wait until every message started, end the pipe and join the runners."""
     for msg in sent:
         ours.send(msg)
-    deadline = time.monotonic() + 10
-    while len(runners.started()) < len(sent) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    runners.wait_started(len(sent))
     ours.close()
     runners.join()
 
@@ -135,15 +139,11 @@ def test_raising_the_limit_wakes_a_waiting_runner() -> None:
     runners = Runners(board, 2, work_s=1.0)
     ours.send((TASK, 0, 0, 0, [0]))
     ours.send((TASK, 1, 1, 0, [1]))
-    deadline = time.monotonic() + 5
-    while not runners.started() and time.monotonic() < deadline:
-        time.sleep(0.005)
+    runners.wait_started(1)
     time.sleep(0.05)
     assert len(runners.started()) == 1  # the second waits for the first (1 s of work)
     board.set_limit(2)
-    deadline = time.monotonic() + 5
-    while len(runners.started()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    runners.wait_started(2)
     assert len(runners.started()) == 2
     assert runners.max_parallel == 2
     ours.close()

@@ -49,7 +49,7 @@ from threadloader._concurrency import ConcurrencyController
 from threadloader._shm_ring import Packed, RingWriter, Segment, SlotAllocator, pack
 from threadloader._task_board import EPOCH, TaskBoard
 from threadloader._timing import StageRecorder
-from threadloader._workers import Task, Worker, WorkerSpec
+from threadloader._workers import Result, Task, Worker, WorkerSpec
 from threadloader.memory import pinned_collate
 
 # Message tags. Training process -> helper, on the task pipe: ``_task_board``'s TASK and EPOCH.
@@ -212,7 +212,7 @@ class _Pacer:
     def limit(self) -> int:
         return self._controller.limit
 
-    def on_batch(self, started: float, cpu: float) -> int | None:
+    def on_batch(self, started: float, cpu: float | None) -> int | None:
         """Count one batch made; the new limit when it changes, else None.
 
         Args:
@@ -275,40 +275,24 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
         _, _, idx, generation, index = msg
         if generation != worker.generation:
             continue  # an abandoned epoch's
-        task = Task(idx, index, generation)
         timings = _Timings()
         with worker.busy:
             _start(worker)
-            _worker_info.swap(worker.info)
-            try:
-                started, cpu = time.perf_counter(), time.thread_time()
-                data = worker.run(task, timings)
-                cpu = time.thread_time() - cpu
-                state = worker.snapshot() if data is not None else None
-            finally:
-                _worker_info.swap(None)
-        if data is not None:
-            _send_result(sender, worker.id, task, data, state, timings.events, pacer.limit)
-            limit = pacer.on_batch(started, cpu)
+            result = worker.run_timed(Task(idx, index, generation), timings)
+        if result.data is not None:
+            _send_result(sender, result, timings.events, pacer.limit)
+            limit = pacer.on_batch(result.started, result.cpu)
             if limit is not None:
                 board.set_limit(limit)
-        del data, task, state, msg  # a blocked take() must not pin the last batch
+        del result, msg  # a blocked take() must not pin the last batch
 
 
-def _send_result(
-    sender: _Sender,
-    worker_id: int,
-    task: Task,
-    data: Any,
-    state: Any,
-    timings: Any,
-    limit: int,
-) -> None:
-    head = (RESULT, task.idx, worker_id, task.generation)
+def _send_result(sender: _Sender, result: Result, timings: Any, limit: int) -> None:
+    head = (RESULT, result.idx, result.worker_id, result.generation)
     try:
-        payload = ForkingPickler.dumps((*head, data, state, timings, limit))
+        payload = ForkingPickler.dumps((*head, result.data, result.state, timings, limit))
     except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
-        where = f"in threadloader worker thread {worker_id}, batch {task.idx}"
+        where = f"in threadloader worker thread {result.worker_id}, batch {result.idx}"
         error = ExceptionWrapper(where=where)
         payload = ForkingPickler.dumps((*head, error, None, timings, limit))
     sender.send_bytes(payload)

@@ -31,13 +31,11 @@ where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import _DatasetKind
 
-from threadloader import _worker_info
 from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._device import host_collate
 from threadloader._dispatch import DispatchingIter
@@ -197,27 +195,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
             taken = worker.tasks.take_head_if(task) or (
                 _start_pending_epoch(worker) and worker.tasks.take_head_if(task)
             )
-            return self._run_as(worker, task) if taken else None
+            return worker.run_timed(task, self._stats.caller) if taken else None
         finally:
             worker.busy.release()
-
-    def _run_as(self, worker: Worker, task: Task, cpu_time: bool = True) -> Result:
-        """Run ``task`` on this thread as ``worker`` (its WorkerInfo installed); holding ``busy``.
-
-        ``cpu_time=False`` skips timing the batch's CPU use: the controller only needs it to
-        decide whether to try fewer fetching threads, which the lean path (limit 0) never does.
-        """
-        previous = _worker_info.swap(worker.info)
-        started = time.perf_counter()
-        cpu = time.thread_time() if cpu_time else None
-        try:
-            data = worker.run(task, self._stats.caller)
-        finally:
-            _worker_info.swap(previous)
-        if cpu is not None:
-            cpu = time.thread_time() - cpu
-        state = worker.snapshot()
-        return Result(task.idx, worker.id, task.generation, data, state, started, cpu)
 
     # -- the lean path (point 5 of the module docstring) --------------------------------------
 
@@ -257,7 +237,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
         with worker.busy:  # waits only for a stale task the worker is finishing
             if worker.generation != self._generation:
                 _start_pending_epoch(worker)
-            result = self._run_as(worker, task, cpu_time=False)
+            # No CPU timing: the controller needs it only to try fewer threads than 0.
+            result = worker.run_timed(task, self._stats.caller, cpu_time=False)
         self._ready, self._ran_here = False, True
         return self._deliver(result)
 

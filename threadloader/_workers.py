@@ -229,6 +229,25 @@ class Worker:
         dataset: Any = self.info.dataset
         return copy.deepcopy(dataset.state_dict())
 
+    def run_timed(self, task: Task, recorder: StageRecorder, cpu_time: bool = True) -> Result:
+        """``run`` on the calling thread as this worker (its WorkerInfo installed), timed.
+
+        Whichever thread runs it (this worker's, the training thread, an isolation runner),
+        holding ``busy``. The result carries when the fetch began and, with ``cpu_time``, the
+        thread CPU time it took: what the concurrency controller judges a limit by.
+        """
+        previous = _worker_info.swap(self.info)
+        started = time.perf_counter()
+        cpu = time.thread_time() if cpu_time else None
+        try:
+            data = self.run(task, recorder)
+        finally:
+            _worker_info.swap(previous)
+        if cpu is not None:
+            cpu = time.thread_time() - cpu
+        state = self.snapshot() if data is not None else None
+        return Result(task.idx, self.id, task.generation, data, state, started, cpu)
+
     def run(self, task: Task, recorder: StageRecorder) -> Any:
         """Fetch and collate ``task``'s batch (pinned, when the collate pins); holding ``busy``.
 
@@ -292,15 +311,10 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
                 if not worker.tasks.take_head_if(msg):
                     continue  # the training thread ran it, or a new epoch dropped it
                 if msg.generation == worker.generation:
-                    started, cpu = time.perf_counter(), time.thread_time()
-                    data = worker.run(msg, worker.recorder)
-                    if data is not None:
-                        cpu = time.thread_time() - cpu
-                        state = worker.snapshot()
-                        results.put(
-                            Result(msg.idx, worker.id, msg.generation, data, state, started, cpu)
-                        )
-                    del data
+                    result = worker.run_timed(msg, worker.recorder)
+                    if result.data is not None:
+                        results.put(result)
+                    del result
         finally:
             gate.exit()
         del msg  # a blocked peek() must not pin the last batch's task (CPython's thread.py)

@@ -138,7 +138,7 @@ class _AlwaysZero(ConcurrencyController):
     def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
         super().__init__(maximum, minimum, initial=minimum)
 
-    def on_batch(self, started: float | None = None, cpu: float | None = None) -> int | None:
+    def on_batch(self, *args: float | None) -> int | None:
         return None
 
 
@@ -177,7 +177,7 @@ class _Schedule(ConcurrencyController):
         super().__init__(maximum, minimum, initial=self.schedule[0])
         self._n = 0
 
-    def on_batch(self, started: float | None = None, cpu: float | None = None) -> int | None:
+    def on_batch(self, *args: float | None) -> int | None:
         self._n += 1
         limit = self.schedule[self._n % len(self.schedule)]
         if limit == self.limit:
@@ -290,13 +290,19 @@ def test_out_of_order_delivery_loses_and_repeats_nothing_whatever_the_limit(
 
 
 def _drive_with_cpu(
-    ctl: ConcurrencyController, clock: FakeClock, rate: float, cpu_per_batch: float, n: int
+    ctl: ConcurrencyController,
+    clock: FakeClock,
+    rate: float | dict[int, float],
+    cpu_per_batch: float,
+    n: int,
+    wall_per_batch: float | None = None,
 ) -> list[int]:
-    """Deliver ``n`` batches at ``rate``, each reporting ``cpu_per_batch`` CPU seconds."""
+    """Deliver ``n`` batches at ``rate``, each reporting its CPU (and wall) seconds."""
     seen = []
     for _ in range(n):
-        clock.now += 1.0 / rate
-        ctl.on_batch(started=clock.now - 0.5 / rate, cpu=cpu_per_batch)
+        r = rate if isinstance(rate, float) else rate[ctl.limit]
+        clock.now += 1.0 / r
+        ctl.on_batch(started=clock.now - 0.5 / r, cpu=cpu_per_batch, wall=wall_per_batch)
         seen.append(ctl.limit)
     return seen
 
@@ -313,6 +319,32 @@ def test_down_probes_only_when_fetch_threads_contend(cores: float, probes_down: 
     rate = 1000.0
     limits = _drive_with_cpu(ctl, clock, rate, cores / rate, 3000)
     assert (min(limits) < 2) == probes_down
+
+
+@pytest.mark.parametrize(
+    ("wall_per_cpu", "settles_at_zero"),
+    [(1.0, True), (20.0, False)],
+    ids=["cheap-fetches-hand-offs-bound", "fetches-wait-on-io"],
+)
+def test_cheap_fetches_that_use_little_cpu_still_try_the_training_thread_alone(
+    wall_per_cpu: float, settles_at_zero: bool
+) -> None:
+    """Little CPU per second is I/O only if each fetch mostly waits, not if it is just cheap.
+
+    Four cheap items a batch (2 us of CPU): through two workers the hand-offs make it 27 us a
+    batch (0.07 cores of fetching), the training thread alone 10 us. Fetches that take 20x
+    their CPU time in wall time are waiting on I/O: no probe goes below the maximum.
+    """
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    cpu = 2e-6
+    rates = {2: 1 / 27e-6, 1: 1 / 27e-6, 0: 1 / 10e-6}
+    limits = _drive_with_cpu(ctl, clock, rates, cpu, 20000, wall_per_batch=cpu * wall_per_cpu)
+    late = limits[len(limits) // 2 :]
+    if settles_at_zero:
+        assert late.count(0) > 0.9 * len(late)
+    else:
+        assert min(limits) == 2
 
 
 def test_batches_begun_under_the_previous_limit_are_not_counted() -> None:

@@ -56,8 +56,14 @@ EARLY_REJECT = 0.8
 PROBE_BUDGET = 20
 #: Fewer threads can only help when the fetching threads contend for the GIL, which needs the
 #: GIL held most of the time: the fetches together use at least a core. Below this many cores
-#: of fetch CPU time (threads mostly waiting on I/O: object storage, HTTP), no probe goes down.
+#: of fetch CPU time (threads mostly waiting on I/O: object storage, HTTP), no probe goes down...
 CONTENDED_CORES = 0.5
+#: ... unless the fetches themselves hardly wait: at least this fraction of their wall time is
+#: CPU time. Then they use little CPU per second only because they are cheap, and handing each
+#: batch from a worker to the training thread is what bounds the rate; the training thread alone
+#: skips the hand-off (measured on 2 cores: four cheap items a batch, 27 us a batch through two
+#: workers, 10 us made by the training thread; fetching used 0.1 cores, so no probe went down).
+BUSY_FETCH = 0.5
 #: Nor while the fetching threads already run in parallel: using at least this fraction of the
 #: cores they could use (one each, up to the machine's), they do not take turns at the GIL
 #: (measured on 2 cores: JPEG decode and numpy tensors use 1.7-1.9 cores; token windows and
@@ -163,7 +169,9 @@ class ConcurrencyController:
         self._window_batches = 0
         self._window_latency = 0.0  # longest start-to-delivery time of a batch in the window
         self._window_cpu = 0.0  # CPU seconds the window's batches took to fetch
+        self._window_wall = 0.0  # wall seconds they took (when told)
         self._cores: float | None = None  # fetch CPU seconds per second, last window (if told)
+        self._busy: float | None = None  # fetch CPU seconds per fetch wall second (if told)
         self._probe_started = 0.0
         self._next_probe_at = 0.0  # no periodic probe before this time (the probing budget)
         self._changed_at = float("-inf")  # when the limit last changed (the clock's time)
@@ -176,7 +184,9 @@ class ConcurrencyController:
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
         self._alone_won = False  # the last comparison of limit 0 with 1 favoured 0
 
-    def on_batch(self, started: float | None = None, cpu: float | None = None) -> int | None:
+    def on_batch(
+        self, started: float | None = None, cpu: float | None = None, wall: float | None = None
+    ) -> int | None:
         """Count one delivered batch; returns the new limit when it changes, else None.
 
         Args:
@@ -187,7 +197,9 @@ class ConcurrencyController:
                 objects at 10 ms each, a probe to 0 was kept on the strength of them). A window
                 therefore starts only once the stale batches have all been delivered.
             cpu: the CPU time (``time.thread_time``) the fetching thread spent on the batch;
-                with it, no probe goes down while fetching uses under ``CONTENDED_CORES``.
+                with it, no probe goes down while fetching uses under ``CONTENDED_CORES``...
+            wall: ... and the wall time the fetch took: unless it was nearly all CPU time
+                (``BUSY_FETCH``), cheap fetches rather than waiting ones.
         """
         now = self._clock()
         if started is not None and started < self._changed_at:
@@ -204,6 +216,8 @@ class ConcurrencyController:
             self._window_latency = now - started
         if cpu is not None:
             self._window_cpu += cpu
+            if wall is not None:
+                self._window_wall += wall
         elapsed = now - self._window_start
         shortest = WINDOW_S if self._rates else FIRST_WINDOW_S
         if (elapsed < shortest or self._window_batches < WINDOW_BATCHES) and not (
@@ -213,6 +227,7 @@ class ConcurrencyController:
         rate = self._window_batches / elapsed
         if self._window_cpu:
             self._cores = self._window_cpu / elapsed
+            self._busy = self._window_cpu / self._window_wall if self._window_wall else None
         self._open_window(now)
         return self._decide(rate)
 
@@ -222,13 +237,16 @@ class ConcurrencyController:
         self._window_batches = 0
         self._window_latency = 0.0
         self._window_cpu = 0.0
+        self._window_wall = 0.0
 
     def _contended(self) -> bool:
         """Whether the fetching threads may be taking turns at the GIL (worth fewer of them)."""
         if self._cores is None:
             return True  # not told the CPU time: let the rates decide
         if self._cores < CONTENDED_CORES:
-            return False  # they mostly wait (I/O): there is no contention to relieve
+            # Either they mostly wait (I/O: there is no contention to relieve), or each fetch
+            # is cheap and hand-offs bound the rate: then let the rates decide.
+            return self._busy is not None and self._busy >= BUSY_FETCH
         fetching = self.limit + (1 if self.minimum == 0 else 0)  # the training thread helps
         return self._cores < PARALLEL_FRACTION * min(fetching, self.cpus)
 

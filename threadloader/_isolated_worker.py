@@ -212,19 +212,20 @@ class _Pacer:
     def limit(self) -> int:
         return self._controller.limit
 
-    def on_batch(self, started: float, cpu: float | None) -> int | None:
+    def on_batch(self, started: float, cpu: float | None, wall: float | None = None) -> int | None:
         """Count one batch made; the new limit when it changes, else None.
 
         Args:
             started: when the batch's fetch began (``time.perf_counter``).
             cpu: the thread CPU time the fetch took.
+            wall: the wall-clock time the fetch took.
 
-        Both matter, as in-process: ``started`` keeps batches made under the previous limit out
-        of the new limit's window, ``cpu`` keeps the controller from trying fewer threads while
-        they mostly wait (I/O) or already run in parallel (``_concurrency``).
+        They matter as in-process: ``started`` keeps batches made under the previous limit out
+        of the new limit's window, ``cpu`` and ``wall`` keep the controller from trying fewer
+        threads while they mostly wait (I/O) or already run in parallel (``_concurrency``).
         """
         with self._lock:
-            return self._controller.on_batch(started, cpu)
+            return self._controller.on_batch(started, cpu, wall)
 
 
 def _runner_loop(first: Worker, helper: _Helper) -> None:
@@ -281,7 +282,7 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
             result = worker.run_timed(Task(idx, index, generation), timings)
         if result.data is not None:
             _send_result(sender, result, timings.events, pacer.limit)
-            limit = pacer.on_batch(result.started, result.cpu)
+            limit = pacer.on_batch(result.started, result.cpu, result.wall)
             if limit is not None:
                 board.set_limit(limit)
         del result, msg  # a blocked take() must not pin the last batch

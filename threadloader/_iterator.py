@@ -243,7 +243,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         return self._deliver(result)
 
     def _unpack(self, result: Result) -> Any:
-        limit = self._concurrency.on_batch(result.started, result.cpu)
+        limit = self._concurrency.on_batch(result.started, result.cpu, result.wall)
         if limit is not None:
             self._pool.gate.set_limit(limit)
             self._fill()  # leaving the lean path: dispatch ahead again (a no-op on it)

@@ -80,7 +80,7 @@ class Result:
     Slots, not a dataclass, for the same reason as ``Task``.
     """
 
-    __slots__ = ("cpu", "data", "generation", "idx", "started", "state", "worker_id")
+    __slots__ = ("cpu", "data", "generation", "idx", "started", "state", "wall", "worker_id")
 
     def __init__(
         self,
@@ -91,6 +91,7 @@ class Result:
         state: Any = None,
         started: float | None = None,
         cpu: float | None = None,
+        wall: float | None = None,
     ) -> None:
         self.idx = idx
         self.worker_id = worker_id
@@ -99,6 +100,7 @@ class Result:
         self.state = state  # the worker's IterableDataset state right after making it
         self.started = started  # time.perf_counter() when its fetch began (the controller's)
         self.cpu = cpu  # CPU seconds (time.thread_time) the fetch took
+        self.wall = wall  # wall-clock seconds it took (with ``cpu``: how much of it was waiting)
 
     def __repr__(self) -> str:
         return f"Result(idx={self.idx}, worker_id={self.worker_id}, generation={self.generation})"
@@ -234,7 +236,8 @@ class Worker:
 
         Whichever thread runs it (this worker's, the training thread, an isolation runner),
         holding ``busy``. The result carries when the fetch began and, with ``cpu_time``, the
-        thread CPU time it took: what the concurrency controller judges a limit by.
+        thread CPU time and the wall time it took: what the concurrency controller judges a
+        limit by.
         """
         previous = _worker_info.swap(self.info)
         started = time.perf_counter()
@@ -243,10 +246,12 @@ class Worker:
             data = self.run(task, recorder)
         finally:
             _worker_info.swap(previous)
+        wall = None
         if cpu is not None:
             cpu = time.thread_time() - cpu
+            wall = time.perf_counter() - started
         state = self.snapshot() if data is not None else None
-        return Result(task.idx, self.id, task.generation, data, state, started, cpu)
+        return Result(task.idx, self.id, task.generation, data, state, started, cpu, wall)
 
     def run(self, task: Task, recorder: StageRecorder) -> Any:
         """Fetch and collate ``task``'s batch (pinned, when the collate pins); holding ``busy``.

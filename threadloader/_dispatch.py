@@ -34,6 +34,7 @@ from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._concurrency import ConcurrencyController
+from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
     ProgressMixin,
     Resume,
@@ -45,7 +46,7 @@ from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.stats import EpochStats
 
 
-class DispatchingIter(ProgressMixin, _BaseDataLoaderIter):
+class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     """The dispatch / reorder / delivery loop over ``num_workers`` workers (module docstring)."""
 
     _stats: EpochStats

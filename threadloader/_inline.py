@@ -11,6 +11,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataL
 
 from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
+from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
     Progress,
     ProgressMixin,
@@ -33,7 +34,7 @@ class _RecordingFetcher:
         return self._fetcher.fetch(index, self._recorder)
 
 
-class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
+class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoaderIter):
     """torch's ``_SingleProcessDataLoaderIter``, resumable and describing its own position.
 
     Batches come from torch's own fetcher in the calling thread, exactly as with DataLoader.
@@ -90,6 +91,6 @@ class InlineDataLoaderIter(ProgressMixin, _SingleProcessDataLoaderIter):
         finally:
             self._stats.on_next(time.perf_counter() - start, False, delivered, delivered)
         if self._track_dataset:
-            state = copy.deepcopy(self._dataset.state_dict())  # type: ignore[attr-defined]
+            state = copy.deepcopy(self._dataset.state_dict())
             self._progress.dataset_states = [state]
         return data

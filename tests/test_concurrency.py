@@ -431,3 +431,25 @@ def test_a_losing_probe_to_zero_ends_after_one_slow_batch() -> None:
         ctl.on_batch(started=clock.now - latency)
     assert ctl.limit == 32
     assert clock.now - probe_start <= 2 * latency  # without the rule: >= 3 batches (0.48 s)
+
+
+def test_probing_loses_little_of_the_first_half_second() -> None:
+    """Losing probes are spaced by what they lose: ~1/PROBE_BUDGET of the time.
+
+    Token windows: one worker next to the training thread runs at 40% of the rate, and a probe
+    lasts at least two of its batch latencies (~3 ms each). Spacing probes by 20x their length
+    let them cost 2.6% of the first 0.4 s after settling; by 100x the time they lose, 1.3%.
+    """
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    rates = {2: 1300.0, 1: 1600.0, 0: 4000.0}
+    _drive(ctl, clock, rates, 100)  # settles at 0
+    assert ctl.settled == 0
+    start, lost = clock.now, 0.0
+    while clock.now - start < 0.4:
+        dt = 1.0 / rates[ctl.limit]
+        clock.now += dt
+        lost += dt * (1.0 - rates[ctl.limit] / rates[0])
+        ctl.on_batch(started=clock.now - (0.003 if ctl.limit else dt))
+    assert ctl.settled == 0
+    assert lost / (clock.now - start) < 0.02

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 

@@ -51,9 +51,12 @@ WARMUP_WINDOWS = 0
 EARLY_BATCHES = 1
 EARLY_S = 0.004
 EARLY_REJECT = 0.8
-#: After a probe lost, the next one waits at least this many times as long as the lost one
-#: lasted, so that probing costs at most ~1/PROBE_BUDGET of the time however slow batches are.
-PROBE_BUDGET = 20
+#: After a probe lost, the next one waits at least this many times the time it lost (its
+#: length times the fraction of the settled rate it missed), so that probing costs at most
+#: ~1/PROBE_BUDGET of the time however slow batches are. Token windows: a probe of one worker
+#: next to the training thread lasts ~5 ms at 40% of the rate, so the next waits >= 0.3 s (with
+#: a budget on probe length, 20x: 0.1 s, and probes cost 2% of the first 0.4 s).
+PROBE_BUDGET = 100
 #: Fewer threads can only help when the fetching threads contend for the GIL, which needs the
 #: GIL held most of the time: the fetches together use at least a core. Below this many cores
 #: of fetch CPU time (threads mostly waiting on I/O: object storage, HTTP), no probe goes down...
@@ -302,7 +305,10 @@ class ConcurrencyController:
             self._windows_since_probe = 0
             self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
             now = self._clock()
-            self._next_probe_at = now + PROBE_BUDGET * (now - self._probe_started)
+            settled_rate = self._rates.get(self._settled_at)
+            missed = 1.0 - rate / settled_rate if settled_rate else 1.0
+            lost = (now - self._probe_started) * min(max(missed, 0.0), 1.0)
+            self._next_probe_at = now + PROBE_BUDGET * lost
             return self._set(self._settled_at)
         self._windows_since_probe += 1
         if len(self._rates) == 1:

@@ -18,7 +18,7 @@ from helpers import (
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader, _iterator
-from threadloader._concurrency import ConcurrencyController, Gate
+from threadloader._concurrency import PROBE_BUDGET, ConcurrencyController, Gate
 
 
 class FakeClock:
@@ -453,3 +453,25 @@ def test_probing_loses_little_of_the_first_half_second() -> None:
         ctl.on_batch(started=clock.now - (0.003 if ctl.limit else dt))
     assert ctl.settled == 0
     assert lost / (clock.now - start) < 0.02
+
+
+def test_a_starting_limit_that_lost_spaces_the_first_probe_like_a_lost_probe() -> None:
+    """The window at the starting limit was a probe in all but name: its loss is charged.
+
+    Token windows: two workers run at a third of the training thread's rate for the first
+    ~6 ms; probing one worker 80 ms later cost ~1% of a 0.4 s run, for a limit that loses too.
+    """
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    rates = {2: 1300.0, 1: 1600.0, 0: 4000.0}
+    first_window_s = 0.0
+    while ctl.limit == 2:
+        clock.now += 1.0 / rates[2]
+        first_window_s += 1.0 / rates[2]
+        ctl.on_batch()
+    settled_at = clock.now
+    while ctl.limit == 0 and clock.now - settled_at < 5.0:
+        clock.now += 1.0 / rates[0]
+        ctl.on_batch()
+    lost = first_window_s * (1.0 - rates[2] / rates[0])
+    assert clock.now - settled_at >= 0.9 * PROBE_BUDGET * lost > 0.2

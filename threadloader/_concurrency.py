@@ -179,6 +179,7 @@ class ConcurrencyController:
         self._next_probe_at = 0.0  # no periodic probe before this time (the probing budget)
         self._changed_at = float("-inf")  # when the limit last changed (the clock's time)
         self._rates: dict[int, float] = {}
+        self._window_s: dict[int, float] = {}  # how long the window behind each rate lasted
         self._settled_at = self.limit  # the limit we return to after a probe
         self._probing = False
         self._windows_since_probe = 0
@@ -232,7 +233,7 @@ class ConcurrencyController:
             self._cores = self._window_cpu / elapsed
             self._busy = self._window_cpu / self._window_wall if self._window_wall else None
         self._open_window(now)
-        return self._decide(rate)
+        return self._decide(rate, elapsed)
 
     def _open_window(self, start: float | None) -> None:
         """Start a new measuring window at ``start`` (None: at the next counted batch)."""
@@ -280,11 +281,12 @@ class ConcurrencyController:
         """
         return self.minimum == 0 and self.limit == 0 and self._alone_won
 
-    def _decide(self, rate: float) -> int | None:
+    def _decide(self, rate: float, elapsed: float) -> int | None:
         if self._warmup:
             self._warmup -= 1
             return None
         self._rates[self.limit] = rate
+        self._window_s[self.limit] = elapsed
         if self._probing:
             self._probing = False
             base = self._rates.get(self._settled_at, 0.0)
@@ -298,17 +300,16 @@ class ConcurrencyController:
                 # A comparison between the training thread alone and with workers.
                 self._alone_won = keep if self.limit == 0 else not keep
             if keep:
+                if lower:  # the higher limit, measured before, lost: charge that as a probe
+                    self._charge(self._settled_at, rate, self._window_s.get(self._settled_at, 0.0))
                 self._settled_at = self.limit
                 self._settle_windows = SETTLE_WINDOWS_MIN
                 return self._probe(-1 if lower else +1)  # keep walking the same way
             self._direction = +1 if lower else -1
             self._windows_since_probe = 0
             self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
-            now = self._clock()
-            settled_rate = self._rates.get(self._settled_at)
-            missed = 1.0 - rate / settled_rate if settled_rate else 1.0
-            lost = (now - self._probe_started) * min(max(missed, 0.0), 1.0)
-            self._next_probe_at = now + PROBE_BUDGET * lost
+            base = self._rates.get(self._settled_at, 0.0)
+            self._charge(self.limit, base, self._clock() - self._probe_started)
             return self._set(self._settled_at)
         self._windows_since_probe += 1
         if len(self._rates) == 1:
@@ -330,6 +331,18 @@ class ConcurrencyController:
                 changed = self._probe(-self._direction)
             return changed
         return None
+
+    def _charge(self, loser: int, winning_rate: float, seconds: float) -> None:
+        """Space the next probe by what ``seconds`` at ``loser`` lost (``PROBE_BUDGET``).
+
+        Also when ``loser`` was the starting limit and a probe beat it: its first window was a
+        probe in all but name (token windows: 6 ms at a third of the training thread's rate, so
+        the first probe of one worker waits 0.4 s rather than 80 ms).
+        """
+        rate = self._rates.get(loser, 0.0)
+        missed = 1.0 - rate / winning_rate if winning_rate > 0 else 1.0
+        lost = seconds * min(max(missed, 0.0), 1.0)
+        self._next_probe_at = max(self._next_probe_at, self._clock() + PROBE_BUDGET * lost)
 
     def _probe(self, step: int) -> int | None:
         target = self.limit + step

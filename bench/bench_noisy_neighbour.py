@@ -76,17 +76,9 @@ def _make_loader(key: str, dataset: Any, batch_size: int) -> Any:
 
     if key == "dl2":
         return DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=2)
-    if key == "thread2":
-        return ThreadDataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=2)
-    from threadloader._isolation import IsolatedDataLoaderIter
-
-    class Isolated(ThreadDataLoader[Any]):  # until loader.py dispatches isolation itself
-        def _get_iterator(self) -> Any:
-            resume, self._resume = self._resume, None
-            return IsolatedDataLoaderIter(self, resume)
-
-    return Isolated(
-        dataset, batch_size=batch_size, shuffle=True, num_workers=2, isolation="process"
+    isolation = None if key == "thread2" else "process"
+    return ThreadDataLoader(
+        dataset, batch_size=batch_size, shuffle=True, num_workers=2, isolation=isolation
     )
 
 

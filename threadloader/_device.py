@@ -79,6 +79,7 @@ class _HostBatches:
         snapshot = dataclasses.replace(
             progress,
             dataset_states=list(progress.dataset_states or []) or None,
+            rng_states=list(progress.rng_states or []) or None,
             workers_alive=list(progress.workers_alive),
         )
         return Tagged(batch, snapshot)

@@ -86,6 +86,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             capture_state=self._dataset_kind == _DatasetKind.Iterable
             and dataset_is_stateful(self._dataset),
             resume_states=resume.worker_states if resume is not None else None,
+            capture_rng=bool(loader.save_worker_rng),
+            resume_rng=resume.rng_states if resume is not None else None,
         )
 
     def _new_stats(self) -> None:
@@ -130,6 +132,16 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             progress.dataset_states = list(resume.worker_states)
             if resume.workers_status is not None:
                 self._workers_status = list(resume.workers_status)
+        if resume is not None and resume.rng_states is not None:
+            progress.rng_states = list(resume.rng_states)
+        elif progress.rng_states is None or not self._persistent_workers:
+            # Persistent workers keep their generators across epochs: so do their states.
+            progress.rng_states = [None] * self._num_workers
+        if resume is not None and (
+            resume.worker_states is not None or resume.rng_states is not None
+        ):
+            # Per-worker state resumes: so does the round robin, at the worker after the one
+            # that made the last delivered batch (_state points 4 and 6).
             progress.next_worker = resume.next_worker % self._num_workers
             for _ in range(progress.next_worker):
                 next(self._worker_queue_idx_cycle)
@@ -256,6 +268,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         progress = self._progress
         if result.state is not None and progress.dataset_states is not None:
             progress.dataset_states[worker_id] = result.state
+        if result.rng is not None and progress.rng_states is not None:
+            progress.rng_states[worker_id] = result.rng
         progress.next_worker = (worker_id + 1) % self._num_workers
         if isinstance(result.data, ExceptionWrapper):
             reraise(result.data)

@@ -55,7 +55,7 @@ from threadloader.memory import pinned_collate
 # Message tags. Training process -> helper, on the task pipe: ``_task_board``'s TASK and EPOCH.
 # The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
 # Helper -> training process, on the result socket:
-RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, stage timings, fetch limit)
+RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, rng, stage timings, fetch limit)
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
 RETIRE = 12  # (RETIRE, seg_id)
 FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
@@ -291,7 +291,9 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
 def _send_result(sender: _Sender, result: Result, timings: Any, limit: int) -> None:
     head = (RESULT, result.idx, result.worker_id, result.generation)
     try:
-        payload = ForkingPickler.dumps((*head, result.data, result.state, timings, limit))
+        payload = ForkingPickler.dumps(
+            (*head, result.data, result.state, result.rng, timings, limit)
+        )
     except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
         where = f"in threadloader worker thread {result.worker_id}, batch {result.idx}"
         error = ExceptionWrapper(where=where)

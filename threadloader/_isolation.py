@@ -389,13 +389,13 @@ class IsolatedDataLoaderIter(DispatchingIter):
             except TimeoutError:
                 self.close()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
-            _, idx, worker_id, generation, data, state, timings, limit = msg
+            _, idx, worker_id, generation, data, state, rng, timings, limit = msg
             recorder = self._stats.workers[worker_id]
             for stage, seconds in timings:
                 recorder.add(stage, seconds)
             self._concurrency.limit = limit  # the helper's, for stats()
             if generation == self._generation:
-                return Result(idx, worker_id, generation, data, state)
+                return Result(idx, worker_id, generation, data, state, rng=rng)
             if isinstance(data, Packed):
                 link.reader.discard(data)
 

@@ -17,6 +17,11 @@ How state works; where the code disagrees with this, the code is wrong.
    its first batches are fetched again and dropped, with a warning.
 5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
    number of workers raises ``ValueError`` naming the mismatch.
+6. With ``save_worker_rng=True`` each worker's own generators (``WorkerInfo.rng``) are saved as
+   of its last delivered batch and put back after its ``worker_init_fn`` on resume, and round
+   robin resumes at the worker after the one that made the last delivered batch, so every
+   later batch is made by the same worker from the same generator state as without the
+   interruption. On another number of workers the generators start fresh, with a warning.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, _DatasetKind
 from torch.utils.data.dataloader import _get_distributed_settings
+
+from threadloader._worker_rng import as_plain
 
 STATE_VERSION = 1
 _KINDS = {_DatasetKind.Map: "map", _DatasetKind.Iterable: "iterable"}
@@ -48,6 +55,7 @@ class Resume:
     worker_states: list[Any] | None = None
     next_worker: int = 0
     workers_status: list[bool] | None = None
+    rng_states: list[Any] | None = None  # per-worker generator states (point 6)
 
 
 @dataclass
@@ -71,6 +79,8 @@ class Progress:
     dataset_states: list[Any] | None = None
     next_worker: int = 0
     workers_alive: list[bool] = field(default_factory=list)
+    # The workers' own generators as of each one's last delivered batch (point 6).
+    rng_states: list[Any] | None = None
 
     def pass_batches(self) -> int:
         """Batches delivered from the sampler's current pass (see ``resumed_batches``)."""
@@ -208,7 +218,18 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
         "worker_states": worker_states,
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
+        "worker_rng_states": _rng_states(loader, progress) if live else None,
     }
+
+
+def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
+    """Point 6: the saved generator states, when the loader saves them and has any yet."""
+    if not getattr(loader, "save_worker_rng", False) or progress is None:
+        return None
+    states = progress.rng_states
+    if not states or all(s is None for s in states):
+        return None
+    return [as_plain(s) if s is not None else None for s in states]
 
 
 def _sampler_epoch(loader: Any) -> int | None:
@@ -310,6 +331,15 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 f"loader has {expected} workers: an IterableDataset resumes on the same number "
                 "of workers"
             )
+    rng_states = state.get("worker_rng_states")  # optional: states saved without it resume
+    if rng_states is not None and len(rng_states) != loader.num_workers:
+        warnings.warn(
+            f"loader state holds the generators of {len(rng_states)} workers, this loader has "
+            f"{loader.num_workers}: the workers' own generators start fresh (seeded), so random "
+            "draws from them differ from an uninterrupted run",
+            stacklevel=3,
+        )
+        rng_states = None
     epoch = state["sampler_epoch"]
     if epoch is not None and callable(getattr(loader.sampler, "set_epoch", None)):
         # Trainers (Lightning) may call iter() before set_epoch() on resume, and the workers'
@@ -327,4 +357,5 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         worker_states=worker_states if stateful_iterable else None,
         next_worker=int(state["next_worker"]),
         workers_status=state["workers_status"] if stateful_iterable else None,
+        rng_states=list(rng_states) if rng_states is not None else None,
     )

@@ -41,6 +41,7 @@ from threadloader._concurrency import Gate
 from threadloader._fetch import Fetcher
 from threadloader._queues import BoundedQueue, QueueClosed
 from threadloader._timing import StageRecorder
+from threadloader._worker_rng import load_rng_state, rng_state
 
 #: Seconds ``close()`` waits in all for threads to finish their current task. A thread still
 #: inside a slow ``__getitem__`` after that is left to finish it on its own (it is a daemon and
@@ -80,7 +81,7 @@ class Result:
     Slots, not a dataclass, for the same reason as ``Task``.
     """
 
-    __slots__ = ("cpu", "data", "generation", "idx", "started", "state", "wall", "worker_id")
+    __slots__ = ("cpu", "data", "generation", "idx", "rng", "started", "state", "wall", "worker_id")
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class Result:
         started: float | None = None,
         cpu: float | None = None,
         wall: float | None = None,
+        rng: Any = None,
     ) -> None:
         self.idx = idx
         self.worker_id = worker_id
@@ -101,6 +103,7 @@ class Result:
         self.started = started  # time.perf_counter() when its fetch began (the controller's)
         self.cpu = cpu  # CPU seconds (time.thread_time) the fetch took
         self.wall = wall  # wall-clock seconds it took (with ``cpu``: how much of it was waiting)
+        self.rng = rng  # the worker's generators right after making it (``save_worker_rng``)
 
     def __repr__(self) -> str:
         return f"Result(idx={self.idx}, worker_id={self.worker_id}, generation={self.generation})"
@@ -119,6 +122,8 @@ class WorkerSpec:
     num_workers: int
     capture_state: bool = False  # IterableDataset with state_dict(): snapshot after each batch
     resume_states: list[Any] | None = None  # per-worker IterableDataset states to resume from
+    capture_rng: bool = False  # snapshot the worker's generators after each batch
+    resume_rng: list[Any] | None = None  # per-worker generator states to resume from
 
 
 def _make_worker_info(spec: WorkerSpec, worker_id: int, base_seed: int, dataset: Any) -> WorkerInfo:
@@ -218,6 +223,10 @@ class Worker:
             if resume is not None and resume[self.id] is not None:
                 dataset: Any = self.info.dataset
                 dataset.load_state_dict(resume[self.id])
+            # After worker_init_fn: the saved state already includes what it drew.
+            rng = self.spec.resume_rng
+            if rng is not None and rng[self.id] is not None:
+                load_rng_state(self.info, rng[self.id])
         except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
             self._pending_error = ExceptionWrapper(where=self._where())
         else:
@@ -250,8 +259,12 @@ class Worker:
         if cpu is not None:
             cpu = time.thread_time() - cpu
             wall = time.perf_counter() - started
-        state = self.snapshot() if data is not None else None
-        return Result(task.idx, self.id, task.generation, data, state, started, cpu, wall)
+        state = rng = None
+        if data is not None:
+            state = self.snapshot()
+            if self.spec.capture_rng:
+                rng = rng_state(self.info)
+        return Result(task.idx, self.id, task.generation, data, state, started, cpu, wall, rng)
 
     def run(self, task: Task, recorder: StageRecorder) -> Any:
         """Fetch and collate ``task``'s batch (pinned, when the collate pins); holding ``busy``.

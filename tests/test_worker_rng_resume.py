@@ -1,0 +1,182 @@
+"""``save_worker_rng=True``: random draws from the workers' own generators survive a resume.
+
+A dataset that augments with ``thread_safe_generator()`` and the worker's ``random`` and numpy
+generators: an epoch cut, saved (through ``torch.save``), loaded into a new loader and finished
+gives exactly the batches of an uninterrupted epoch, whichever thread made each batch (worker
+threads, the training thread on the lean path, the isolation helper's runners).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_batches_equal, roundtrip
+from torch.random import thread_safe_generator
+from torch.utils.data import Dataset, get_worker_info
+
+from threadloader import ThreadDataLoader, _iterator
+from threadloader._concurrency import ConcurrencyController
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Item ``i``: ``[i, torch draw, random draw, numpy draw]``, from the worker's generators."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = get_worker_info()
+        assert info is not None and info.rng is not None, "fetched outside a worker"
+        noise = torch.rand((), generator=thread_safe_generator()).item()
+        py = info.rng.random_generator.random()
+        np_draw = float(info.rng.numpy_generator.random())  # type: ignore[attr-defined]
+        return torch.tensor([float(index), noise, py, np_draw], dtype=torch.float64)
+
+
+def _init_draws(worker_id: int) -> None:
+    """A worker_init_fn that draws: the saved state must already include what it drew."""
+    info = get_worker_info()
+    assert info is not None and info.rng is not None
+    for _ in range(worker_id + 1):
+        info.rng.random_generator.random()
+        torch.rand((), generator=info.rng.torch_generator)
+
+
+class _AlwaysZero(ConcurrencyController):
+    """Keeps the training thread making every batch (the lean path)."""
+
+    def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
+        super().__init__(maximum, minimum, initial=minimum)
+
+    def on_batch(self, *args: float | None) -> int | None:
+        return None
+
+
+class _AlwaysMax(ConcurrencyController):
+    """Keeps every worker thread fetching."""
+
+    def on_batch(self, *args: float | None) -> int | None:
+        return None
+
+
+def _loader(num_workers: int = 2, **kwargs: Any) -> ThreadDataLoader[Any]:
+    options: dict[str, Any] = {
+        "batch_size": 4,
+        "shuffle": True,
+        "generator": torch.Generator().manual_seed(7),
+        "num_workers": num_workers,
+        "worker_init_fn": _init_draws,
+        "save_worker_rng": True,
+    }
+    options.update(kwargs)
+    return ThreadDataLoader(Augmented(), **options)
+
+
+def _cut_and_resume(
+    make: Callable[[], ThreadDataLoader[Any]], cut: int
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    loader = make()
+    it = iter(loader)
+    seen = list(itertools.islice(it, cut))
+    state = roundtrip(loader.state_dict())
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    return seen + list(resumed), state
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6])
+@pytest.mark.parametrize(
+    "who",
+    ["workers", "training-thread", "helper-process", "workers-device-stage"],
+    ids=lambda w: f"made-by-{w}",
+)
+def test_resumed_epoch_draws_exactly_what_an_uninterrupted_one_draws(
+    monkeypatch: pytest.MonkeyPatch, who: str, cut: int
+) -> None:
+    kwargs: dict[str, Any] = {}
+    if who == "workers":
+        monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysMax)
+    elif who == "training-thread":
+        monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    elif who == "helper-process":
+        kwargs["isolation"] = "process"
+    else:  # batches pass a transfer thread that runs ahead: the state is the loop's batch's
+        kwargs["device"] = "cpu"
+    reference = list(_loader(**kwargs))
+    got, state = _cut_and_resume(lambda: _loader(**kwargs), cut)
+    assert state["worker_rng_states"] is not None
+    assert len(got) == len(reference)
+    for mine, want in zip(got, reference, strict=True):
+        assert_batches_equal(mine, want)
+
+
+def test_without_the_option_a_resume_reseeds_the_generators() -> None:
+    """What the option buys: by default the indices resume exactly, the draws do not."""
+    reference = torch.cat(list(_loader(save_worker_rng=False)))
+    got, state = _cut_and_resume(lambda: _loader(save_worker_rng=False), 3)
+    resumed = torch.cat(got)
+    assert state["worker_rng_states"] is None
+    assert torch.equal(resumed[:, 0], reference[:, 0])  # same samples, same order
+    assert not torch.equal(resumed[12:, 1:], reference[12:, 1:])  # other draws after the cut
+
+
+def test_persistent_workers_resume_their_generators_in_a_later_epoch() -> None:
+    """Persistent workers' generators run on across epochs; a mid-epoch-2 resume continues them."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return _loader(persistent_workers=True)
+
+    reference = make()
+    list(reference)
+    second = list(reference)
+    loader = make()
+    list(loader)
+    seen = list(itertools.islice(iter(loader), 1))  # before worker 1 delivers in epoch 2
+    state = roundtrip(loader.state_dict())
+    assert state["worker_rng_states"][1] is not None  # carried from epoch 1
+    resumed = make()
+    resumed.load_state_dict(state)
+    for mine, want in zip(seen + list(resumed), second, strict=True):
+        assert_batches_equal(mine, want)
+
+
+def test_another_number_of_workers_warns_and_starts_the_generators_fresh() -> None:
+    loader = _loader(num_workers=2)
+    it = iter(loader)
+    seen = list(itertools.islice(it, 3))
+    state = roundtrip(loader.state_dict())
+    del it
+    resumed = _loader(num_workers=3)
+    with pytest.warns(UserWarning, match="generators of 2 workers, this loader has 3"):
+        resumed.load_state_dict(state)
+    rest = list(resumed)
+    indices = torch.cat(seen + rest)[:, 0].tolist()
+    assert sorted(indices) == [float(i) for i in range(48)]  # the index stream still resumes
+
+
+def test_saved_generator_state_is_plain_data() -> None:
+    """Lists, ints, a str and a uint8 tensor: a checkpoint loads it with weights_only=True."""
+    import io
+
+    loader = _loader()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    saved = [s for s in loaded["worker_rng_states"] if s is not None]
+    assert saved and isinstance(saved[0]["random"], list)
+    assert isinstance(saved[0]["torch"], torch.Tensor)
+
+
+def test_option_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="save_worker_rng must be a bool"):
+        ThreadDataLoader(Augmented(), save_worker_rng="yes")  # type: ignore[arg-type]

@@ -84,8 +84,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             generators as of its last delivered batch, so that after ``load_state_dict()``
             random draws from them (``thread_safe_generator()``, ``get_worker_info().rng``)
             continue exactly as without the interruption, on the same number of workers.
-            Costs ~7 us a batch (a snapshot of three generators); off by default, when a
-            resume reseeds them (``threadloader._worker_rng``).
+            Costs a snapshot of three generators a batch (measured: 250 -> 266 us a batch of
+            token windows); off by default, when a resume reseeds them.
 
     Raises:
         ValueError: for every argument combination DataLoader rejects, with its message; an

@@ -52,11 +52,13 @@ EARLY_BATCHES = 1
 EARLY_S = 0.004
 EARLY_REJECT = 0.8
 #: After a probe lost, the next one waits at least this many times the time it lost (its
-#: length times the fraction of the settled rate it missed), so that probing costs at most
-#: ~1/PROBE_BUDGET of the time however slow batches are. Token windows: a probe of one worker
-#: next to the training thread lasts ~5 ms at 40% of the rate, so the next waits >= 0.3 s (with
-#: a budget on probe length, 20x: 0.1 s, and probes cost 2% of the first 0.4 s).
-PROBE_BUDGET = 100
+#: length times the fraction of the settled rate it missed), so that probing costs ~1/PROBE_BUDGET
+#: of the time however slow batches are. Token windows: a probe of one worker next to the
+#: training thread lasts ~5 ms at 40% of the rate, so the next waits >= 0.6 s (with a budget on
+#: probe length, 20x: 0.1 s, and probes cost 2% of the first 0.4 s). 200, not 100: the estimate
+#: misses what contention costs after the probe, while the batches it started drain (pure
+#: Python: a probe estimated at 4 ms lost took 5-20 ms more than the training thread alone).
+PROBE_BUDGET = 200
 #: Fewer threads can only help when the fetching threads contend for the GIL, which needs the
 #: GIL held most of the time: the fetches together use at least a core. Below this many cores
 #: of fetch CPU time (threads mostly waiting on I/O: object storage, HTTP), no probe goes down...

@@ -230,9 +230,9 @@ def roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buf, weights_only=False)
 
 
-def assert_resumes_exactly(make: Callable[[], Any], cut: int) -> None:
-    """Run an epoch; then cut one after ``cut`` batches, save, load into a new loader, finish."""
-    reference = list(make())
+def cut_and_resume(make: Callable[[], Any], cut: int) -> tuple[list[Any], dict[str, Any]]:
+    """Cut an epoch after ``cut`` batches, save (through torch.save), load into a new loader,
+    finish: every batch the two loaders gave, and the state in between."""
     loader = make()
     it = iter(loader)
     seen = list(itertools.islice(it, cut))
@@ -240,7 +240,13 @@ def assert_resumes_exactly(make: Callable[[], Any], cut: int) -> None:
     del it
     resumed = make()
     resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert len(seen) + len(rest) == len(reference)
-    for got, want in zip(seen + rest, reference, strict=True):
-        assert_batches_equal(got, want)
+    return seen + list(resumed), state
+
+
+def assert_resumes_exactly(make: Callable[[], Any], cut: int) -> None:
+    """Run an epoch; then cut one after ``cut`` batches, save, load into a new loader, finish."""
+    reference = list(make())
+    got, _ = cut_and_resume(make, cut)
+    assert len(got) == len(reference)
+    for mine, want in zip(got, reference, strict=True):
+        assert_batches_equal(mine, want)

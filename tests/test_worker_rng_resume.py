@@ -9,12 +9,11 @@ threads, the training thread on the lean path, the isolation helper's runners).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from helpers import assert_batches_equal, roundtrip
+from helpers import assert_batches_equal, cut_and_resume, roundtrip
 from torch.random import thread_safe_generator
 from torch.utils.data import Dataset, get_worker_info
 
@@ -76,19 +75,6 @@ def _loader(num_workers: int = 2, **kwargs: Any) -> ThreadDataLoader[Any]:
     return ThreadDataLoader(Augmented(), **options)
 
 
-def _cut_and_resume(
-    make: Callable[[], ThreadDataLoader[Any]], cut: int
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    loader = make()
-    it = iter(loader)
-    seen = list(itertools.islice(it, cut))
-    state = roundtrip(loader.state_dict())
-    del it
-    resumed = make()
-    resumed.load_state_dict(state)
-    return seen + list(resumed), state
-
-
 @pytest.mark.parametrize("cut", [1, 3, 6])
 @pytest.mark.parametrize(
     "who",
@@ -108,7 +94,7 @@ def test_resumed_epoch_draws_exactly_what_an_uninterrupted_one_draws(
     else:  # batches pass a transfer thread that runs ahead: the state is the loop's batch's
         kwargs["device"] = "cpu"
     reference = list(_loader(**kwargs))
-    got, state = _cut_and_resume(lambda: _loader(**kwargs), cut)
+    got, state = cut_and_resume(lambda: _loader(**kwargs), cut)
     assert state["worker_rng_states"] is not None
     assert len(got) == len(reference)
     for mine, want in zip(got, reference, strict=True):
@@ -118,7 +104,7 @@ def test_resumed_epoch_draws_exactly_what_an_uninterrupted_one_draws(
 def test_without_the_option_a_resume_reseeds_the_generators() -> None:
     """What the option buys: by default the indices resume exactly, the draws do not."""
     reference = torch.cat(list(_loader(save_worker_rng=False)))
-    got, state = _cut_and_resume(lambda: _loader(save_worker_rng=False), 3)
+    got, state = cut_and_resume(lambda: _loader(save_worker_rng=False), 3)
     resumed = torch.cat(got)
     assert state["worker_rng_states"] is None
     assert torch.equal(resumed[:, 0], reference[:, 0])  # same samples, same order

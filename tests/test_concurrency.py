@@ -475,3 +475,46 @@ def test_a_starting_limit_that_lost_spaces_the_first_probe_like_a_lost_probe() -
         ctl.on_batch()
     lost = first_window_s * (1.0 - rates[2] / rates[0])
     assert clock.now - settled_at >= 0.9 * PROBE_BUDGET * lost > 0.2
+
+
+def _epoch_ending_mid_probe(probe_rate: float, probe_batches: int) -> ConcurrencyController:
+    """A controller at 2 workers whose epoch ends ``probe_batches`` into its probe of 0."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    while ctl.limit == 2:  # the first window, then the probe to the far extreme
+        clock.now += 1 / 1300
+        ctl.on_batch(started=clock.now - 0.0005)
+    assert ctl.limit == 0 and ctl.settled == 2
+    for _ in range(probe_batches + 1):  # the first fresh batch opens the window
+        clock.now += 1 / probe_rate
+        ctl.on_batch(started=clock.now - 0.0001)
+    assert ctl.settled == 2, "the probe window must still be open at the epoch's end"
+    return ctl
+
+
+@pytest.mark.parametrize(
+    ("probe_rate", "probe_batches", "starts_at"),
+    [(4000.0, 20, 0), (4000.0, 2, 2), (600.0, 20, 2)],
+    ids=["probe-winning", "too-few-batches", "probe-losing"],
+)
+def test_next_epoch_concludes_a_probe_its_epoch_cut_short(
+    probe_rate: float, probe_batches: int, starts_at: int
+) -> None:
+    """Epochs of 32 cheap batches end before a 20 ms probe window fills; the next epoch must
+    not start at the maximum again (token windows: 400 us a batch, DataLoader(0) 240)."""
+    nxt = _epoch_ending_mid_probe(probe_rate, probe_batches).next_epoch()
+    assert nxt.limit == starts_at and nxt.settled == starts_at
+
+
+def test_next_epoch_carries_the_rates_on_and_does_not_probe_the_far_extreme_again() -> None:
+    ctl = _epoch_ending_mid_probe(4000.0, 20)
+    nxt = ctl.next_epoch()
+    assert nxt is not ctl and nxt._rates == ctl._rates and nxt._rates is not ctl._rates
+    clock = nxt._clock
+    assert isinstance(clock, FakeClock)
+    limits = []
+    for _ in range(400):  # 0.1 s at 4,000 batches/s: before the probing budget allows a probe
+        clock.now += 1 / 4000
+        nxt.on_batch(started=clock.now - 0.0001)
+        limits.append(nxt.limit)
+    assert set(limits) == {0}

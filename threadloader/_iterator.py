@@ -59,13 +59,18 @@ if TYPE_CHECKING:
 RETRY_S = 0.02
 
 
-def _learned_limit(loader: ThreadDataLoader[Any], num_workers: int) -> int | None:
-    """The fetching limit the loader's previous epoch settled at, if it had as many workers."""
+def _controller(
+    loader: ThreadDataLoader[Any], num_workers: int, minimum: int
+) -> ConcurrencyController:
+    """This epoch's controller: the previous epoch's carried on, if it had as many workers."""
     previous = getattr(loader, "_stats", None)
     controller = previous.controller if previous is not None else None
-    if controller is None or controller.maximum != num_workers:
-        return None
-    return controller.settled
+    if controller is not None and (controller.maximum, controller.minimum) == (
+        num_workers,
+        minimum,
+    ):
+        return controller.next_epoch()
+    return ConcurrencyController(num_workers, minimum=minimum, cpus=usable_cpus())
 
 
 class ThreadedDataLoaderIter(DispatchingIter):
@@ -93,11 +98,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
         # Fewer fetching workers than num_workers is only safe when the training thread can run
         # the batches they leave waiting: else one worker stuck in a slow read would stall the
         # batches queued behind the gate (and a timeout would fire on the wrong batch).
-        self._concurrency = ConcurrencyController(
-            self._num_workers,
-            minimum=0 if self._run_here else self._num_workers,
-            initial=_learned_limit(loader, self._num_workers),
-            cpus=usable_cpus(),
+        self._concurrency = _controller(
+            loader, self._num_workers, minimum=0 if self._run_here else self._num_workers
         )
         self._log_every_s = loader.log_every_s
         self._new_stats()

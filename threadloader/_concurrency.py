@@ -154,9 +154,9 @@ class ConcurrencyController:
         minimum: the lowest limit allowed: 0 when the training thread can run tasks itself
             (map-style datasets), else 1.
         clock: a monotonic clock in seconds (tests pass a fake one).
-        initial: the limit to start at (clamped to ``[minimum, maximum]``): the limit an
-            earlier epoch of the same loader settled at, so each epoch does not learn it again.
-            ``None`` starts at ``maximum``.
+        initial: the limit to start at (clamped to ``[minimum, maximum]``); ``None`` starts
+            at ``maximum``. A later epoch of the same loader gets its controller from
+            ``next_epoch()`` instead, which also carries the rates measured.
         cpus: the CPUs the process may use (default ``os.cpu_count()``).
     """
 

@@ -9,13 +9,14 @@ threads, the training thread on the lean path, the isolation helper's runners).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from helpers import assert_batches_equal, cut_and_resume, roundtrip
 from torch.random import thread_safe_generator
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import ThreadDataLoader, _iterator
 from threadloader._concurrency import ConcurrencyController
@@ -166,3 +167,75 @@ def test_saved_generator_state_is_plain_data() -> None:
 def test_option_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="save_worker_rng must be a bool"):
         ThreadDataLoader(Augmented(), save_worker_rng="yes")  # type: ignore[arg-type]
+
+
+class AugmentedStream(IterableDataset[torch.Tensor]):
+    """An IterableDataset without state_dict: a resume replays its first batches."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        assert info is not None
+        for i in range(info.id, 40, info.num_workers):
+            noise = torch.rand((), generator=thread_safe_generator()).item()
+            yield torch.tensor([float(i), noise], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_replayed_iterable_dataset_draws_as_an_uninterrupted_one(cut: int) -> None:
+    """Replaying re-draws the first batches from the seeds: restoring the saved generators on
+    top would advance them twice."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            AugmentedStream(),
+            batch_size=4,
+            num_workers=2,
+            generator=torch.Generator().manual_seed(3),
+            save_worker_rng=True,
+        )
+
+    reference = list(make())
+    with pytest.warns(UserWarning, match="resuming by fetching and dropping"):
+        got, _ = cut_and_resume(make, cut)
+    for mine, want in zip(got, reference, strict=True):
+        assert_batches_equal(mine, want)
+
+
+class StatefulAugmentedStream(AugmentedStream):
+    """The same stream with state_dict: a resume skips to each worker's position, no replay."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        assert info is not None
+        mine = range(info.id, 40, info.num_workers)
+        for i in mine[self.position :]:  # skipped items draw nothing, as a real resume would
+            self.position += 1
+            noise = torch.rand((), generator=thread_safe_generator()).item()
+            yield torch.tensor([float(i), noise], dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_stateful_iterable_dataset_resumes_its_state_and_its_draws(cut: int) -> None:
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            StatefulAugmentedStream(),
+            batch_size=4,
+            num_workers=2,
+            generator=torch.Generator().manual_seed(3),
+            save_worker_rng=True,
+        )
+
+    reference = list(make())
+    got, state = cut_and_resume(make, cut)
+    assert state["worker_states"] is not None and state["worker_rng_states"] is not None
+    for mine, want in zip(got, reference, strict=True):
+        assert_batches_equal(mine, want)

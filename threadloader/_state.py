@@ -332,7 +332,11 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 "of workers"
             )
     rng_states = state.get("worker_rng_states")  # optional: states saved without it resume
-    if rng_states is not None and len(rng_states) != loader.num_workers:
+    if replay_data:
+        # The replayed batches draw again from the seeded generators, which brings them to the
+        # saved states by themselves: restoring those first would advance them twice.
+        rng_states = None
+    elif rng_states is not None and len(rng_states) != loader.num_workers:
         warnings.warn(
             f"loader state holds the generators of {len(rng_states)} workers, this loader has "
             f"{loader.num_workers}: the workers' own generators start fresh (seeded), so random "

@@ -170,42 +170,11 @@ def test_option_must_be_a_bool() -> None:
 
 
 class AugmentedStream(IterableDataset[torch.Tensor]):
-    """An IterableDataset without state_dict: a resume replays its first batches."""
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        info = get_worker_info()
-        assert info is not None
-        for i in range(info.id, 40, info.num_workers):
-            noise = torch.rand((), generator=thread_safe_generator()).item()
-            yield torch.tensor([float(i), noise], dtype=torch.float64)
-
-
-@pytest.mark.parametrize("cut", [1, 3])
-def test_a_replayed_iterable_dataset_draws_as_an_uninterrupted_one(cut: int) -> None:
-    """Replaying re-draws the first batches from the seeds: restoring the saved generators on
-    top would advance them twice."""
-
-    def make() -> ThreadDataLoader[Any]:
-        return ThreadDataLoader(
-            AugmentedStream(),
-            batch_size=4,
-            num_workers=2,
-            generator=torch.Generator().manual_seed(3),
-            save_worker_rng=True,
-        )
-
-    reference = list(make())
-    with pytest.warns(UserWarning, match="resuming by fetching and dropping"):
-        got, _ = cut_and_resume(make, cut)
-    for mine, want in zip(got, reference, strict=True):
-        assert_batches_equal(mine, want)
-
-
-class StatefulAugmentedStream(AugmentedStream):
-    """The same stream with state_dict: a resume skips to each worker's position, no replay."""
+    """An IterableDataset without state_dict (a resume replays its first batches) whose items
+    draw from the worker's generator."""
 
     def __init__(self) -> None:
-        self.position = 0
+        self.position = 0  # items this worker's copy has yielded
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = get_worker_info()
@@ -216,6 +185,10 @@ class StatefulAugmentedStream(AugmentedStream):
             noise = torch.rand((), generator=thread_safe_generator()).item()
             yield torch.tensor([float(i), noise], dtype=torch.float64)
 
+
+class StatefulAugmentedStream(AugmentedStream):
+    """The same stream with state_dict: a resume skips to each worker's position, no replay."""
+
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
 
@@ -223,19 +196,31 @@ class StatefulAugmentedStream(AugmentedStream):
         self.position = state["position"]
 
 
+def _stream_loader(dataset: AugmentedStream) -> ThreadDataLoader[Any]:
+    return ThreadDataLoader(
+        dataset,
+        batch_size=4,
+        num_workers=2,
+        generator=torch.Generator().manual_seed(3),
+        save_worker_rng=True,
+    )
+
+
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_replayed_iterable_dataset_draws_as_an_uninterrupted_one(cut: int) -> None:
+    """Replaying re-draws the first batches from the seeds: restoring the saved generators on
+    top would advance them twice."""
+    reference = list(_stream_loader(AugmentedStream()))
+    with pytest.warns(UserWarning, match="resuming by fetching and dropping"):
+        got, _ = cut_and_resume(lambda: _stream_loader(AugmentedStream()), cut)
+    for mine, want in zip(got, reference, strict=True):
+        assert_batches_equal(mine, want)
+
+
 @pytest.mark.parametrize("cut", [1, 3])
 def test_a_stateful_iterable_dataset_resumes_its_state_and_its_draws(cut: int) -> None:
-    def make() -> ThreadDataLoader[Any]:
-        return ThreadDataLoader(
-            StatefulAugmentedStream(),
-            batch_size=4,
-            num_workers=2,
-            generator=torch.Generator().manual_seed(3),
-            save_worker_rng=True,
-        )
-
-    reference = list(make())
-    got, state = cut_and_resume(make, cut)
+    reference = list(_stream_loader(StatefulAugmentedStream()))
+    got, state = cut_and_resume(lambda: _stream_loader(StatefulAugmentedStream()), cut)
     assert state["worker_states"] is not None and state["worker_rng_states"] is not None
     for mine, want in zip(got, reference, strict=True):
         assert_batches_equal(mine, want)

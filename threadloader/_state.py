@@ -224,7 +224,7 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
 
 def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
     """Point 6: the saved generator states, when the loader saves them and has any yet."""
-    if not getattr(loader, "save_worker_rng", False) or progress is None:
+    if not loader.save_worker_rng or progress is None:
         return None
     states = progress.rng_states
     if not states or all(s is None for s in states):

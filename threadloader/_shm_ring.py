@@ -195,8 +195,7 @@ class RingWriter:
         """
         while True:
             with self._lock:
-                if not self._free:  # what was returned since: read only when it is needed
-                    self._read_mailbox()
+                self._read_mailbox()
                 if min_bytes > self._slot_bytes:
                     self._resize(_round_up(int(min_bytes * HEADROOM) + ALIGN, PAGE))
                 elif self._slot_bytes == 0:

@@ -183,6 +183,7 @@ def test_recreating_the_loader_keeps_every_constructor_option() -> None:
         "log_every_s": 5.0,
         "device": "cpu",
         "device_prefetch": 3,
+        "save_worker_rng": True,
     }
     data = Ids()
     loader = ThreadDataLoader(data, batch_size=4, shuffle=True, **options)

@@ -438,7 +438,8 @@ def test_probing_loses_little_of_the_first_half_second() -> None:
 
     Token windows: one worker next to the training thread runs at 40% of the rate, and a probe
     lasts at least two of its batch latencies (~3 ms each). Spacing probes by 20x their length
-    let them cost 2.6% of the first 0.4 s after settling; by 100x the time they lose, 1.3%.
+    let them cost 2.6% of the first 0.4 s after settling; by 100x the time they lose, 1.3%;
+    by 200x (PROBE_BUDGET now) the first probe comes after those 0.4 s.
     """
     clock = FakeClock()
     ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)

@@ -389,7 +389,7 @@ class ConcurrencyController:
 
         Also when ``loser`` was the starting limit and a probe beat it: its first window was a
         probe in all but name (token windows: 6 ms at a third of the training thread's rate, so
-        the first probe of one worker waits 0.4 s rather than 80 ms).
+        the first probe of one worker waits ~0.8 s at PROBE_BUDGET = 200, rather than 80 ms).
         """
         rate = self._rates.get(loser, 0.0)
         missed = 1.0 - rate / winning_rate if winning_rate > 0 else 1.0

@@ -456,6 +456,43 @@ def test_stats_count_batches_data_wait_and_helper_stage_times() -> None:
     assert "8 batches" in str(stats)
 
 
+# --------------------------------------------------------------------------------------------
+# Waiting for results: poll briefly, then sleep (_isolation point 6)
+
+
+def _waits(loader: ThreadDataLoader[Any]) -> tuple[list[int], int, int]:
+    iterator = iter(loader)
+    got = [int(b) for b in iterator]
+    link = iterator._link  # type: ignore[attr-defined]
+    return got, link.polled, link.spun
+
+
+@pytest.mark.skipif(_isolation.usable_cpus() < 2, reason="polls only with a CPU to spare")
+def test_short_waits_for_cheap_batches_are_polled_not_slept() -> None:
+    """One fetching thread making sub-millisecond batches: the loop polls and never sleeps."""
+    loader = IsolatedLoader(SlowItems(n=300, delay=0.0002), batch_size=None, num_workers=1)
+    got, polled, spun = _waits(loader)
+    assert got == list(range(300))
+    assert spun >= 100, (polled, spun)  # most waits; a loaded machine may stretch a few
+
+
+def test_waits_longer_than_the_polling_window_sleep() -> None:
+    """20 ms batches: the first wait is long, so no wait polls (it would only burn a CPU)."""
+    loader = IsolatedLoader(SlowItems(n=8, delay=0.02), batch_size=None, num_workers=1)
+    got, polled, _ = _waits(loader)
+    assert got == list(range(8))
+    assert polled == 0
+
+
+def test_no_polling_when_the_helper_needs_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one CPU the polling would take it from the helper's fetching thread."""
+    monkeypatch.setattr(_isolation, "usable_cpus", lambda: 1)
+    loader = IsolatedLoader(SlowItems(n=100, delay=0.0002), batch_size=None, num_workers=1)
+    got, polled, _ = _waits(loader)
+    assert got == list(range(100))
+    assert polled == 0
+
+
 @pytest.mark.parametrize("cut", [0, 1, 5])
 def test_resume_yields_exactly_the_batches_not_yet_seen(cut: int) -> None:
     """Shuffled map-style epoch: a state taken after `cut` batches resumes with the rest."""

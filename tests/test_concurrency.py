@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -18,7 +19,12 @@ from helpers import (
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader, _iterator
-from threadloader._concurrency import PROBE_BUDGET, ConcurrencyController, Gate
+from threadloader._concurrency import (
+    BACKOFF_MAX,
+    PROBE_BUDGET,
+    ConcurrencyController,
+    Gate,
+)
 
 
 class FakeClock:
@@ -519,3 +525,43 @@ def test_next_epoch_carries_the_rates_on_and_does_not_probe_the_far_extreme_agai
         nxt.on_batch(started=clock.now - 0.0001)
         limits.append(nxt.limit)
     assert set(limits) == {0}
+
+
+def _probe_starts(
+    ctl: ConcurrencyController, clock: FakeClock, rates: dict[int, float], seconds: float
+) -> list[float]:
+    """Drive for ``seconds``; the times at which the limit left the settled one."""
+    starts, end = [], clock.now + seconds
+    while clock.now < end:
+        before = ctl.limit
+        clock.now += 1.0 / rates[ctl.limit]
+        ctl.on_batch(started=clock.now - 1.0 / rates[ctl.limit])
+        if ctl.limit != before and before == ctl.settled:
+            starts.append(clock.now)
+    return starts
+
+
+def test_probes_lost_in_a_row_back_off_and_a_win_resets_the_spacing() -> None:
+    """The same losing probe, again and again, waits twice as long each time (up to 8x).
+
+    The starting limit's window lost to the first probe, and counts as the first loss of the
+    row: the first probe after settling is charged at 2x, the next at 4x, then 8x.
+    """
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock, cpus=2)
+    losing = {2: 1300.0, 1: 1600.0, 0: 4000.0}
+    _drive(ctl, clock, losing, 100)
+    assert ctl.settled == 0
+    starts = _probe_starts(ctl, clock, losing, 120.0)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(gaps) >= 6, gaps
+    assert 1.7 * gaps[0] <= gaps[1] <= 2.3 * gaps[0], gaps  # doubling (2x, then 4x)
+    capped = BACKOFF_MAX / 2 * gaps[0]  # 8x, against the first gap's 2x
+    assert all(0.9 * capped <= g <= 1.1 * capped for g in gaps[-4:]), gaps  # then capped
+    # One worker now wins: it is kept, and the spacing of the next lost probes starts over.
+    winning = {2: 1300.0, 1: 8000.0, 0: 4000.0}
+    while ctl.settled != 1:
+        _drive(ctl, clock, winning, 1)
+    after = _probe_starts(ctl, clock, {2: 1000.0, 1: 8000.0, 0: 4000.0}, 20.0)
+    again = [b - a for a, b in itertools.pairwise(after)]
+    assert again and again[0] < 3 * gaps[0], (again, gaps)

@@ -59,6 +59,13 @@ EARLY_REJECT = 0.8
 #: misses what contention costs after the probe, while the batches it started drain (pure
 #: Python: a probe estimated at 4 ms lost took 5-20 ms more than the training thread alone).
 PROBE_BUDGET = 200
+#: Each probe lost in a row doubles the budget the next one waits for, up to this multiple of
+#: PROBE_BUDGET; a probe that wins starts again at 1. A workload that does not change keeps
+#: losing the same probe: pure Python items, one worker next to the training thread, lost ~5 ms
+#: a probe, one every ~0.9 s (-1% against DataLoader(0) over 1.7 s); spaced 2x, 4x, 8x further
+#: each time, probing costs less the longer the run, and a changed workload is still noticed
+#: within ~10 s (a 5 ms loss at 8x waits 8 s).
+BACKOFF_MAX = 8
 #: A probe still running when its epoch ends is judged on its partial window if it holds at
 #: least this many batches (``next_epoch``); with fewer, the next epoch starts at the settled limit.
 CONCLUDE_BATCHES = 4
@@ -189,6 +196,8 @@ class ConcurrencyController:
         self._probing = False
         self._windows_since_probe = 0
         self._settle_windows = SETTLE_WINDOWS_MIN
+        self._backoff = 1  # the multiple of PROBE_BUDGET the next lost probe is charged at
+        self._first_probe = True  # no probe judged yet (next_epoch's controllers: False)
         self._warmup = WARMUP_WINDOWS
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
         self._alone_won = False  # the last comparison of limit 0 with 1 favoured 0
@@ -338,9 +347,13 @@ class ConcurrencyController:
         if self.limit == 0 or self._settled_at == 0:
             # A comparison between the training thread alone and with workers.
             self._alone_won = keep if self.limit == 0 else not keep
+        first, self._first_probe = self._first_probe, False
         if keep:
+            self._backoff = 1
             if lower:  # the higher limit, measured before, lost: charge that as a probe
                 self._charge(self._settled_at, rate, self._window_s.get(self._settled_at, 0.0))
+                if first:  # the starting limit's window lost: the first of a row (BACKOFF_MAX)
+                    self._backoff = 2
             self._settled_at = self.limit
             self._settle_windows = SETTLE_WINDOWS_MIN
             return True
@@ -349,6 +362,7 @@ class ConcurrencyController:
         self._settle_windows = min(2 * self._settle_windows, SETTLE_WINDOWS_MAX)
         settled_rate = self._rates.get(self._settled_at, 0.0)
         self._charge(self.limit, settled_rate, self._clock() - self._probe_started)
+        self._backoff = min(2 * self._backoff, BACKOFF_MAX)
         return False
 
     def next_epoch(self) -> ConcurrencyController:
@@ -378,6 +392,8 @@ class ConcurrencyController:
         nxt._rates = dict(self._rates)
         nxt._window_s = dict(self._window_s)
         nxt._settle_windows = self._settle_windows
+        nxt._backoff = self._backoff
+        nxt._first_probe = False
         nxt._next_probe_at = self._next_probe_at
         nxt._direction = self._direction
         nxt._alone_won = self._alone_won
@@ -385,7 +401,7 @@ class ConcurrencyController:
         return nxt
 
     def _charge(self, loser: int, winning_rate: float, seconds: float) -> None:
-        """Space the next probe by what ``seconds`` at ``loser`` lost (``PROBE_BUDGET``).
+        """Space the next probe by what ``seconds`` at ``loser`` lost (``PROBE_BUDGET``, backed off).
 
         Also when ``loser`` was the starting limit and a probe beat it: its first window was a
         probe in all but name (token windows: 6 ms at a third of the training thread's rate, so
@@ -394,7 +410,8 @@ class ConcurrencyController:
         rate = self._rates.get(loser, 0.0)
         missed = 1.0 - rate / winning_rate if winning_rate > 0 else 1.0
         lost = seconds * min(max(missed, 0.0), 1.0)
-        self._next_probe_at = max(self._next_probe_at, self._clock() + PROBE_BUDGET * lost)
+        budget = PROBE_BUDGET * self._backoff
+        self._next_probe_at = max(self._next_probe_at, self._clock() + budget * lost)
 
     def _probe(self, step: int) -> int | None:
         target = self.limit + step

@@ -392,6 +392,35 @@ def test_a_failure_outside_user_batches_ends_the_helper_and_is_raised() -> None:
         next(iterator)
 
 
+class StateCannotCross(IterableDataset[int]):
+    """A stateful IterableDataset whose state holds something pickle refuses (a local function)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[int]:
+        while self.pos < 10:
+            self.pos += 1
+            yield self.pos
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": self.pos, "hook": (lambda: None) if self.pos == 4 else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pos = state["pos"]
+
+
+def test_a_state_that_cannot_be_pickled_raises_at_its_batch_and_the_epoch_goes_on() -> None:
+    """The batch whose state cannot cross to the training process raises pickle's error there."""
+    iterator = iter(IsolatedLoader(StateCannotCross(), batch_size=2, num_workers=1))
+    assert next(iterator).tolist() == [1, 2]
+    with pytest.raises(AttributeError, match="pickle local object") as info:
+        next(iterator)
+    assert "worker thread 0, batch 1" in str(info.value)
+    assert next(iterator).tolist() == [5, 6]
+    iterator.close()  # type: ignore[attr-defined]
+
+
 def test_fork_context_is_refused() -> None:
     """multiprocessing_context='fork' is refused, naming the reason and what to pass instead."""
     with pytest.raises(ValueError, match="not 'fork'"):

@@ -150,14 +150,20 @@ class _Sender:
 
 
 class _Timings(StageRecorder):
-    """Collects one batch's stage durations, to travel with its result to ``stats()``."""
+    """Collects one batch's stage durations, to travel with its result to ``stats()``.
 
-    def __init__(self) -> None:
-        super().__init__("batch")
+    One per batch, written by the one thread making it: a list, without the recorder's lock.
+    """
+
+    def __init__(self) -> None:  # no super().__init__: no lock, no stage table
+        self.name = "batch"
         self.events: list[tuple[str, float]] = []
 
-    def _add_locked(self, stage: str, seconds: float) -> None:
+    def add(self, stage: str, seconds: float) -> None:
         self.events.append((stage, seconds))
+
+    def add_pair(self, stage: str, seconds: float, stage2: str, seconds2: float) -> None:
+        self.events += ((stage, seconds), (stage2, seconds2))
 
 
 class _IntoSlot:
@@ -290,14 +296,18 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
 
 def _send_result(sender: _Sender, result: Result, timings: Any, limit: int) -> None:
     head = (RESULT, result.idx, result.worker_id, result.generation)
+    msg = (*head, result.data, result.state, result.rng, timings, limit)
     try:
-        payload = ForkingPickler.dumps(
-            (*head, result.data, result.state, result.rng, timings, limit)
-        )
+        if type(result.data) is Packed and result.state is None and result.rng is None:
+            # Bytes, ints, strings and dtypes only: plain pickle, without ForkingPickler's
+            # per-call copy of the reducer table (torch's reducers are for tensors).
+            payload: bytes | memoryview = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        else:
+            payload = ForkingPickler.dumps(msg)
     except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
         where = f"in threadloader worker thread {result.worker_id}, batch {result.idx}"
         error = ExceptionWrapper(where=where)
-        payload = ForkingPickler.dumps((*head, error, None, timings, limit))
+        payload = ForkingPickler.dumps((*head, error, None, None, timings, limit))
     sender.send_bytes(payload)
 
 

@@ -107,6 +107,7 @@ class Segment:
     in_use: int = 0  # helper side: slots handed out and not yet released
     retired: bool = False  # helper side: no slot of it will be handed out again
     u8: torch.Tensor = field(init=False)  # the whole segment as bytes (helper side)
+    views: list[torch.Tensor | None] = field(init=False)  # each slot's bytes, made on first use
     array: np.ndarray[Any, np.dtype[np.uint8]] = field(init=False)  # (training side)
 
     @classmethod
@@ -131,9 +132,13 @@ class Slot(NamedTuple):
         return self.segment.slot_bytes
 
     def bytes_view(self) -> torch.Tensor:
-        """The slot as a uint8 tensor sharing its memory (helper side)."""
-        start = self.number * self.segment.slot_bytes
-        return self.segment.u8[start : start + self.segment.slot_bytes]
+        """The slot as a uint8 tensor sharing its memory (helper side); made once per slot."""
+        segment = self.segment
+        view = segment.views[self.number]
+        if view is None:
+            start = self.number * segment.slot_bytes
+            view = segment.views[self.number] = segment.u8[start : start + segment.slot_bytes]
+        return view
 
     def address(self) -> int:
         return int(self.segment.u8.data_ptr()) + self.number * self.segment.slot_bytes
@@ -293,6 +298,7 @@ class RingWriter:
         try:
             segment = Segment.map(seg_id, slot_bytes, count, fd)
             segment.u8 = torch.frombuffer(segment.mm, dtype=torch.uint8)
+            segment.views = [None] * count
             self._announce(segment, fd)
         finally:
             os.close(fd)

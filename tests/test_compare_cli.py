@@ -151,6 +151,17 @@ def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) 
     assert base["ratio_vs_baseline"] == pytest.approx(1.0)
 
 
+def test_runs_last_one_second_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --batches or --seconds each run is timed for 1 s: past every loader's start-up."""
+    argv = ["compare", "--loaders", "dataloader0", "--rounds", "1", "--json", "--no-progress"]
+    code, out, _ = _main(argv, capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["config"]["seconds"] == 1.0 and data["config"]["batches"] is None
+    (run,) = data["results"][0]["runs"]
+    assert 1.0 <= run["elapsed_s"] < 1.5
+
+
 def test_seconds_bounds_a_run_and_step_ms_lowers_data_wait(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

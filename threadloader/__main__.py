@@ -109,9 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     amount.add_argument(
         "--batches",
         type=_positive_int,
-        help="batches timed per run, after the first (default: 200)",
+        help="batches timed per run, after the first",
     )
-    amount.add_argument("--seconds", type=_positive_float, help="seconds timed per run")
+    amount.add_argument(
+        "--seconds",
+        type=_positive_float,
+        help="seconds timed per run, after the first batch (default: 1, long enough for "
+        "every loader's start-up to be over: the first batch has its own column)",
+    )
     cmp.add_argument(
         "--num-workers",
         type=_positive_int,
@@ -163,8 +168,8 @@ def _compare_command(args: argparse.Namespace) -> int:
         workload=args.workload,
         dataset=args.dataset,
         batch_size=args.batch_size,
-        batches=args.batches if args.batches is not None or args.seconds is not None else 200,
-        seconds=args.seconds,
+        batches=args.batches,
+        seconds=None if args.batches is not None else (args.seconds or 1.0),
         num_workers=args.num_workers,
         rounds=args.rounds,
         step_ms=args.step_ms,

@@ -65,8 +65,8 @@ class CompareConfig:
     workload: str = "tokens"
     dataset: str | None = None
     batch_size: int | None = None
-    batches: int | None = 200
-    seconds: float | None = None
+    batches: int | None = None
+    seconds: float | None = 1.0
     num_workers: int = 2
     rounds: int = 3
     step_ms: float = 0.0

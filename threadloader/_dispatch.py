@@ -118,6 +118,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             warn_replay(self._dataset, self._discard)
         self._send_idx = 0  # number of the next batch to dispatch
         self._rcvd_idx = 0  # number of the next batch to deliver (in order)
+        self._sampler_done = False  # the sampler ran out: what is in flight drains
         # batch number -> (worker_id, in_flight) until its result arrives, then
         # (worker_id, in_flight, result) while parked behind an earlier batch
         self._task_info: dict[int, tuple[Any, ...]] = {}
@@ -171,6 +172,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         try:
             index = self._next_index()
         except StopIteration:
+            self._sampler_done = True
             return
         worker_id = self._next_worker()
         if worker_id is None:

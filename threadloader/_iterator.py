@@ -147,6 +147,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             raise ValueError("a live change of the index stream needs in_order=True")
         self._generation = self._pool.new_epoch()
         self._forget_in_flight()
+        self._sampler_done = False  # rewound
         self._fill()
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Task:
@@ -245,6 +246,11 @@ class ThreadedDataLoaderIter(DispatchingIter):
         return self._deliver(result)
 
     def _unpack(self, result: Result) -> Any:
+        if self._sampler_done:
+            # The last batches drain with nothing dispatched behind them: their rate says
+            # nothing about the limit (32 threads ending an epoch delivered at 8x their rate,
+            # and the next epoch took that for the rate to compare itself with).
+            return result.data
         limit = self._concurrency.on_batch(result.started, result.cpu, result.wall)
         if limit is not None:
             self._pool.gate.set_limit(limit)

@@ -648,3 +648,49 @@ def test_batches_draining_after_the_sampler_ran_out_are_not_measured(monkeypatch
     loader = ThreadDataLoader(SlowInit(), batch_size=4, num_workers=2, prefetch_factor=2)
     assert torch.equal(torch.cat(list(loader)), torch.arange(40))
     assert _Counting.shown == 10 - 4
+
+
+class _NamesThreads(Dataset[torch.Tensor]):
+    """Records the names of the threads alive while each item is made."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.seen.update(t.name for t in threading.enumerate())
+        return torch.tensor(i)
+
+
+@pytest.mark.timeout(30)
+def test_an_epoch_that_starts_on_the_lean_path_starts_no_thread(monkeypatch) -> None:
+    """Limit 0 from the start and no worker_init_fn: the training thread makes every batch."""
+    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    dataset = _NamesThreads()
+    before = threading.active_count()
+    kwargs: dict[str, Any] = {"batch_size": 4, "num_workers": 2, "shuffle": True}
+    loader = ThreadDataLoader(dataset, generator=torch.Generator().manual_seed(3), **kwargs)
+    ours = collect_epochs(loader, 1)
+    assert not [n for n in dataset.seen if n.startswith("threadloader-")]
+    expected = torch_epochs(dataset, generator=torch.Generator().manual_seed(3), **kwargs)
+    assert_epochs_equal(ours, expected)
+    assert threading.active_count() == before
+
+
+@pytest.mark.timeout(30)
+def test_worker_init_fn_runs_on_worker_threads_even_when_the_epoch_starts_lean(
+    monkeypatch,
+) -> None:
+    """A worker_init_fn may depend on its thread (affinity, thread-locals): the lean start waits."""
+    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    ran_on: list[str] = []
+    loader = ThreadDataLoader(
+        SlowInit(),
+        batch_size=4,
+        num_workers=2,
+        worker_init_fn=lambda i: ran_on.append(threading.current_thread().name),
+    )
+    assert torch.equal(torch.cat(list(loader)), torch.arange(40))
+    assert len(ran_on) == 2 and all("-worker" in name for name in ran_on), ran_on

@@ -310,7 +310,8 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
     """
     _worker_info.set_for_thread(worker.info)
     with worker.busy:
-        worker.initialize()
+        if not worker.ready:  # else the training thread did it (``WorkerPool.start``)
+            worker.initialize()
     while True:
         if not gate.wait_open():
             return
@@ -348,6 +349,9 @@ class WorkerPool:
         max_tasks: the dispatcher's bound on tasks in flight (``num_workers * prefetch_factor``).
         name: thread-name prefix, e.g. ``threadloader-7f3a``, so a stack dump reads on its own.
         recorders: one stage recorder per worker, for ``stats()``.
+        start: start the threads now. ``False`` (an epoch that begins with the training thread
+            fetching alone, and no ``worker_init_fn``): the calling thread initializes every
+            worker now, and the threads start on the first ``start()``, if ever.
     """
 
     def __init__(
@@ -357,6 +361,7 @@ class WorkerPool:
         max_tasks: int,
         name: str,
         recorders: list[StageRecorder],
+        start: bool = True,
     ) -> None:
         n = spec.num_workers
         # Bounds (see _queues): each worker holds at most max_tasks tasks plus one NewEpoch;
@@ -368,20 +373,42 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._threads: list[threading.Thread] = []
+        self._name = name
         _exit_hook.track(self)
-        try:
+        if start:
+            self.start()
+        else:
             for w in self.workers:
-                t = threading.Thread(
-                    target=_worker_loop,
-                    args=(w, self.gate, self.results),
-                    name=f"{name}-worker{w.id}",
-                    daemon=True,  # never block exit; the exit hook joins them first
-                )
-                t.start()
-                self._threads.append(t)
-        except BaseException:
-            self.close()
-            raise
+                # No user code runs here (no worker_init_fn): only the fetcher is made, and
+                # which thread makes it cannot be told apart.
+                with w.busy:
+                    previous = _worker_info.swap(w.info)
+                    try:
+                        w.initialize()
+                    finally:
+                        _worker_info.swap(previous)
+
+    def start(self) -> None:
+        """Start the worker threads, unless started (or closed) already; from the owner only."""
+        error: BaseException | None = None
+        with self._lock:
+            if self._threads or self._closed:
+                return
+            try:
+                for w in self.workers:
+                    t = threading.Thread(
+                        target=_worker_loop,
+                        args=(w, self.gate, self.results),
+                        name=f"{self._name}-worker{w.id}",
+                        daemon=True,  # never block exit; the exit hook joins them first
+                    )
+                    t.start()
+                    self._threads.append(t)
+            except BaseException as e:  # noqa: BLE001  # re-raised below, once closed
+                error = e
+        if error is not None:
+            self.close()  # joins the threads that did start
+            raise error
 
     def __repr__(self) -> str:
         alive = sum(t.is_alive() for t in self._threads)

@@ -310,7 +310,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
     """
     _worker_info.set_for_thread(worker.info)
     with worker.busy:
-        if not worker.ready:  # else the training thread did it (``WorkerPool.start``)
+        if not worker.ready:  # else the training thread did (``WorkerPool(start=False)``)
             worker.initialize()
     while True:
         if not gate.wait_open():
@@ -377,7 +377,8 @@ class WorkerPool:
         _exit_hook.track(self)
         if start:
             self.start()
-        else:
+            return
+        try:
             for w in self.workers:
                 # No user code runs here (no worker_init_fn): only the fetcher is made, and
                 # which thread makes it cannot be told apart.
@@ -387,6 +388,9 @@ class WorkerPool:
                         w.initialize()
                     finally:
                         _worker_info.swap(previous)
+        except BaseException:  # a KeyboardInterrupt: untrack the pool before it is dropped
+            self.close()
+            raise
 
     def start(self) -> None:
         """Start the worker threads, unless started (or closed) already; from the owner only."""

@@ -491,7 +491,7 @@ def test_short_waits_for_cheap_batches_are_polled_not_slept() -> None:
     loader = IsolatedLoader(SlowItems(n=300, delay=0.0002), batch_size=None, num_workers=1)
     got, polled, spun = _waits(loader)
     assert got == list(range(300))
-    assert spun >= 30, (polled, spun)  # most waits (~250 here); a loaded machine stretches some
+    assert spun >= 100, (polled, spun)  # most waits (~298 here); a loaded machine stretches some
 
 
 def test_waits_longer_than_the_polling_window_sleep() -> None:

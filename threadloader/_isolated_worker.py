@@ -244,20 +244,6 @@ def _runner_loop(first: Worker, helper: _Helper) -> None:
         _exit_now(1)
 
 
-def _start(worker: Worker) -> None:
-    """Run ``worker``'s start (``worker_init_fn``, as that worker) unless it ran; holding ``busy``.
-
-    Whichever runner gets there first: another runner may claim a worker's first task before
-    the runner started for that worker has run at all.
-    """
-    if not worker.ready:
-        _worker_info.swap(worker.info)
-        try:
-            worker.initialize()
-        finally:
-            _worker_info.swap(None)
-
-
 def _run_tasks(first: Worker, helper: _Helper) -> None:
     """What one runner thread runs: start worker ``first``, then any worker's tasks in order.
 
@@ -265,7 +251,9 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
     that worker's ``WorkerInfo`` installed and its ``busy`` lock held (``_task_board``).
     """
     with first.busy:
-        _start(first)
+        # Whichever runner gets there first starts a worker: another runner may claim its
+        # first task before the runner started for it has run at all.
+        first.initialize_here()
     board, pacer, sender = helper.board, helper.pacer, helper.sender
     done: int | None = None
     while True:
@@ -276,7 +264,7 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
         done = worker.id
         if msg[0] == EPOCH:
             with worker.busy:
-                _start(worker)
+                worker.initialize_here()
                 worker.start_epoch(msg[2])
             continue
         _, _, idx, generation, index = msg
@@ -284,7 +272,7 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
             continue  # an abandoned epoch's
         timings = _Timings()
         with worker.busy:
-            _start(worker)
+            worker.initialize_here()
             result = worker.run_timed(Task(idx, index, generation), timings)
         if result.data is not None:
             _send_result(sender, result, timings.events, pacer.limit)

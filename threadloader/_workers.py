@@ -234,6 +234,21 @@ class Worker:
             self.start_epoch(self.generation)
         self.ready = True
 
+    def initialize_here(self) -> None:
+        """``initialize`` on the calling thread, as this worker, unless it ran; holding ``busy``.
+
+        For a thread that is not this worker's own (its ``WorkerInfo`` is installed for the
+        call): the training thread starting an epoch without threads, or whichever isolation
+        runner first claims one of this worker's tasks.
+        """
+        if self.ready:
+            return
+        previous = _worker_info.swap(self.info)
+        try:
+            self.initialize()
+        finally:
+            _worker_info.swap(previous)
+
     def snapshot(self) -> Any:
         """This worker's IterableDataset state now, if the loader tracks it; else None."""
         if not self.spec.capture_state:
@@ -383,11 +398,7 @@ class WorkerPool:
                 # No user code runs here (no worker_init_fn): only the fetcher is made, and
                 # which thread makes it cannot be told apart.
                 with w.busy:
-                    previous = _worker_info.swap(w.info)
-                    try:
-                        w.initialize()
-                    finally:
-                        _worker_info.swap(previous)
+                    w.initialize_here()
         except BaseException:  # a KeyboardInterrupt: untrack the pool before it is dropped
             self.close()
             raise

@@ -210,3 +210,32 @@ def test_timeout_without_workers_fails_like_torch(kind: str) -> None:
     theirs, ours = first(DataLoader), first(ThreadDataLoader)
     assert type(ours) is type(theirs)
     assert str(ours) == str(theirs)
+
+
+# torch's iterator, failing in __init__, then fails again in __del__ (no _shutdown attribute).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_prefetch_factor_zero_with_workers_fails_at_iter_like_torch() -> None:
+    """torch accepts prefetch_factor=0 in the constructor and fails in iter(): never 0 batches."""
+
+    def first(make: Callable[..., DataLoader]) -> BaseException | None:
+        loader = make(Squares(), num_workers=1, prefetch_factor=0)
+        return call_with_args(lambda: next(iter(loader)))
+
+    theirs, ours = first(DataLoader), first(ThreadDataLoader)
+    assert isinstance(theirs, AssertionError)
+    assert type(ours) is type(theirs)
+    assert str(ours) == str(theirs)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_workers_set_after_construction_fail_clearly_instead_of_an_empty_epoch() -> None:
+    """num_workers raised after the constructor leaves prefetch_factor None: torch fails (a
+    TypeError comparing None); so do we, with a message that says what to set."""
+    loader = ThreadDataLoader(Squares(), batch_size=2)
+    loader.num_workers = 2
+    with pytest.raises(TypeError, match="prefetch_factor is None with num_workers=2"):
+        next(iter(loader))
+    reference = DataLoader(Squares(), batch_size=2)
+    reference.num_workers = 2
+    with pytest.raises(TypeError):
+        next(iter(reference))

@@ -363,3 +363,30 @@ def test_iterable_length_warnings_match_dataloaders(
         # torch adds a hint about worker processes after this sentence; threads may word it anew
         prefix = str(ref.message).split("samples have been fetched.")[0]
         assert str(mine.message).startswith(prefix)
+
+
+class CountingBatchSampler(Sampler[list[int]]):
+    """A batch sampler whose batches depend on how often __iter__ was called."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.calls += 1
+        return iter([[self.calls * 10 + i] for i in range(2)])
+
+    def __len__(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("num_workers", NUM_WORKERS)
+def test_sampler_iter_is_called_as_often_as_by_dataloader(
+    num_workers: int, persistent: bool
+) -> None:
+    """torch's worker iterator calls iter(batch_sampler) twice for its first epoch and uses the
+    second iterator: a sampler that counts its calls gives the same batches through both."""
+    kwargs = {"num_workers": num_workers, "persistent_workers": persistent and num_workers > 0}
+    theirs = torch_epochs(range(100), epochs=2, batch_sampler=CountingBatchSampler(), **kwargs)
+    loader = ThreadDataLoader(range(100), batch_sampler=CountingBatchSampler(), **kwargs)
+    assert_epochs_equal(collect_epochs(loader, 2), theirs)

@@ -327,6 +327,49 @@ def test_slow_batch_raises_torchs_timeout_error(num_workers: int, after: str) ->
     assert threading.active_count() <= before
 
 
+class SlowFirstEpoch:
+    """Map-style of 6 items; item 5 takes 0.6 s until ``slow`` is cleared."""
+
+    def __init__(self) -> None:
+        self.slow = True
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> int:
+        if index == 5 and self.slow:
+            time.sleep(0.6)
+        return index
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+@pytest.mark.parametrize("ended_by", ["timeout", "close"])
+def test_persistent_loader_starts_a_working_epoch_after_one_ended_early(
+    ended_by: str, isolation: str | None
+) -> None:
+    """A timeout or Ctrl-C (which closes the iterator, as close() does) ends an epoch of a
+    persistent loader; torch's next iter() works, and so must ours, on fresh workers."""
+    dataset = SlowFirstEpoch()
+    loader = ThreadDataLoader(
+        dataset,
+        batch_size=1,
+        num_workers=2,
+        persistent_workers=True,
+        timeout=0.2 if ended_by == "timeout" else 0,
+        isolation=isolation,
+    )
+    it = iter(loader)
+    assert int(next(it)) == 0
+    if ended_by == "timeout":
+        with pytest.raises(RuntimeError, match="timed out"):
+            list(it)
+    else:
+        it.close()
+    dataset.slow = False
+    for _ in range(2):
+        assert [int(b) for b in loader] == list(range(6))
+
+
 def test_timeout_does_not_fire_when_batches_arrive_in_time() -> None:
     """A generous timeout changes nothing: torch's batches arrive."""
     kwargs = {"batch_size": 2, "num_workers": 2, "timeout": 30.0}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -46,6 +47,27 @@ from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
 from threadloader.stats import EpochStats
 
 
+def prefetch_factor(loader: Any) -> int:
+    """The loader's ``prefetch_factor``, checked where torch's worker iterator checks it.
+
+    Raises:
+        TypeError: it is None (``num_workers`` was raised after construction, which leaves
+            torch's default unset; torch fails comparing None with 0).
+        AssertionError: it is not positive (torch's error and message).
+    """
+    factor = loader.prefetch_factor
+    if factor is None:
+        raise TypeError(
+            f"prefetch_factor is None with num_workers={loader.num_workers}: the constructor "
+            "sets it only when num_workers > 0, so set it too when raising num_workers later"
+        )
+    if factor <= 0:
+        raise AssertionError(
+            "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+        )
+    return int(factor)
+
+
 class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     """The dispatch / reorder / delivery loop over ``num_workers`` workers (module docstring)."""
 
@@ -55,6 +77,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     _resume: Resume | None
     _log_every_s: float | None
     _concurrency: ConcurrencyController
+    _finalizer: weakref.finalize[Any, Any]
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Any:
         raise NotImplementedError
@@ -67,6 +90,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
 
     def close(self) -> None:
         raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran or the epoch ended for good (timeout, Ctrl-C)."""
+        return not self._finalizer.alive
 
     def _restart_workers(self) -> None:
         raise NotImplementedError
@@ -98,10 +126,13 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         resume = self._resume if first_iter else None
         self._resume = None
-        if not first_iter:
-            # torch's _BaseDataLoaderIter.__init__ already made the first epoch's sampler
-            # iterator: a second iter() would restart a positional sampler's resumed pass.
+        if not first_iter or resume is None:
+            # As torch's worker iterator: the first epoch's sampler iterator is the second one
+            # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
+            # __iter__ counts its calls or draws eagerly can tell. Not when resuming: a second
+            # iter() would restart a positional sampler's resumed pass.
             super()._reset(loader, first_iter)
+        if not first_iter:
             self._restart_workers()
             self._new_stats()
         self._start_epoch(loader, resume)

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data._utils.collate import default_collate
 
 from threadloader._concurrency import ConcurrencyController, usable_cpus
-from threadloader._dispatch import DispatchingIter
+from threadloader._dispatch import DispatchingIter, prefetch_factor
 from threadloader._dispatch import reraise as _reraise
 from threadloader._isolated_worker import (
     FATAL,
@@ -361,7 +361,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._resume = resume
         if resume is not None:
             self._base_seed = resume.base_seed
-        self._prefetch_factor: int = loader.prefetch_factor or 0
+        self._prefetch_factor = prefetch_factor(loader)
         self._in_order: bool = loader.in_order
         self._log_every_s = getattr(loader, "log_every_s", None)
         spec = HelperSpec(

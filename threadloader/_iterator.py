@@ -43,7 +43,7 @@ from torch.utils.data import _DatasetKind
 
 from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._device import host_collate
-from threadloader._dispatch import DispatchingIter
+from threadloader._dispatch import DispatchingIter, prefetch_factor
 from threadloader._queues import QueueClosed
 from threadloader._state import (
     Progress,
@@ -92,7 +92,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._resume = resume
         if resume is not None:
             self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's
-        self._prefetch_factor: int = loader.prefetch_factor or 0
+        self._prefetch_factor = prefetch_factor(loader)
         self._in_order: bool = loader.in_order
         # The training thread may run a map-style batch itself (point 1 above), except under a
         # timeout: a batch that takes too long must raise, as torch's does, not block here.

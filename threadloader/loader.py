@@ -160,8 +160,11 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
 
     def __iter__(self) -> Any:
-        if self._resume is not None and self._iterator is not None:
-            # Persistent workers were seeded for another epoch: resume on fresh ones.
+        if self._iterator is not None and (
+            self._resume is not None or getattr(self._iterator, "closed", False)
+        ):
+            # Persistent workers were seeded for another epoch: resume on fresh ones. Or they
+            # were stopped (a timeout, Ctrl-C, close()): torch's workers would still be there.
             self._iterator.close()  # type: ignore[attr-defined]
             self._iterator = None
         self._epochs_started += 1

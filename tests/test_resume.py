@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -366,3 +367,144 @@ def test_state_round_trips_through_torch_distributed_checkpoint(tmp_path) -> Non
         dcp.load(target, checkpoint_id=str(tmp_path))
     resumed.load_state_dict(target["loader"])
     assert torch.cat(seen + list(resumed)).tolist() == reference
+
+
+class SlowItems(Dataset[int]):
+    """Item i is i; the items in ``slow`` take 0.2 s, so later batches overtake theirs."""
+
+    def __init__(self, slow: frozenset[int] = frozenset(), n: int = 24) -> None:
+        self.n, self.slow = n, slow
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i in self.slow:
+            time.sleep(0.2)
+        return i
+
+
+def _items(batches: list[Any]) -> list[int]:
+    return [int(x) for b in batches for x in (b if isinstance(b, torch.Tensor) else [b])]
+
+
+def _out_of_order_loader(sampler_kind: str, num_workers: int, **kwargs: Any) -> Any:
+    """Batches of 2 of 24 items; the epoch's first batch is slow when ``slow_first``."""
+    slow_first = kwargs.pop("slow_first", False)
+
+    def make(dataset: SlowItems, **extra: Any) -> Any:
+        sampler = {
+            "sequential": None,
+            "shuffle": ShuffleSampler(dataset, seed=3),
+            "torch": torch.utils.data.RandomSampler(
+                dataset, generator=torch.Generator().manual_seed(3)
+            ),
+        }[sampler_kind]
+        return ThreadDataLoader(dataset, batch_size=2, sampler=sampler, **extra)
+
+    slow = frozenset(_items([next(iter(make(SlowItems())))])) if slow_first else frozenset()
+    return make(SlowItems(slow), num_workers=num_workers, **kwargs)
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+@pytest.mark.parametrize("resume_workers", [0, 2, 3])
+@pytest.mark.parametrize("sampler_kind", ["sequential", "shuffle", "torch"])
+def test_resume_after_out_of_order_delivery_loses_and_repeats_nothing(
+    sampler_kind: str, resume_workers: int, isolation: str | None
+) -> None:
+    """in_order=False delivers later batches before slow earlier ones: the state remembers
+    which were delivered, and the resumed epoch delivers exactly the others (_state point 7)."""
+    # A timeout keeps the training thread from making batches itself: workers make them all.
+    loader = _out_of_order_loader(
+        sampler_kind, 2, in_order=False, isolation=isolation, timeout=30, slow_first=True
+    )
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    resumed = _out_of_order_loader(sampler_kind, resume_workers, in_order=False)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    seen = _items(first) + _items(rest)
+    assert sorted(seen) == list(range(24))
+
+
+@pytest.mark.parametrize("sampler_kind", ["sequential", "shuffle", "torch"])
+def test_an_out_of_order_state_resumed_then_saved_again_resumes_exactly(
+    sampler_kind: str,
+) -> None:
+    """A resumed pass skips the positions delivered before the save; a state taken in it
+    counts past them, so a second resume neither repeats nor loses a batch."""
+    loader = _out_of_order_loader(sampler_kind, 2, in_order=False, timeout=30, slow_first=True)
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    second_loader = _out_of_order_loader(sampler_kind, 0)
+    second_loader.load_state_dict(state)
+    it = iter(second_loader)
+    second = [next(it) for _ in range(4)]
+    state = second_loader.state_dict()
+    del it
+    third_loader = _out_of_order_loader(sampler_kind, 2)
+    third_loader.load_state_dict(state)
+    seen = _items(first) + _items(second) + _items(list(third_loader))
+    assert sorted(seen) == list(range(24))
+
+
+class FailsAt(Dataset[int]):
+    """Item i is i; item ``bad`` raises ValueError."""
+
+    def __init__(self, n: int = 16, bad: int = 5) -> None:
+        self.n, self.bad = n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            raise ValueError(f"item {i} is corrupt")
+        return i
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+@pytest.mark.parametrize("sampler_kind", ["sequential", "shuffle", "torch"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_caught_worker_error_counts_as_a_used_batch_in_the_state(
+    num_workers: int, sampler_kind: str, isolation: str | None
+) -> None:
+    """The loop catches a batch's error and goes on, as torch allows: that batch's indices were
+    used, so a resume neither repeats the batch after it nor loses one (_state point 7)."""
+    if isolation and not num_workers:
+        pytest.skip("isolation needs workers")
+
+    def make(workers: int, **kwargs: Any) -> Any:
+        dataset = FailsAt()
+        sampler = {
+            "sequential": None,
+            "shuffle": ShuffleSampler(dataset, seed=1),
+            "torch": torch.utils.data.RandomSampler(
+                dataset, generator=torch.Generator().manual_seed(1)
+            ),
+        }[sampler_kind]
+        return ThreadDataLoader(
+            dataset, batch_size=1, sampler=sampler, num_workers=workers, **kwargs
+        )
+
+    loader = make(num_workers, isolation=isolation)
+    it = iter(loader)
+    seen, errors = [], 0
+    while errors == 0 or len(seen) < 8:
+        try:
+            seen.append(int(next(it)))
+        except ValueError:
+            errors += 1
+    state = loader.state_dict()
+    del it
+    assert state["batches_yielded"] == len(seen)  # torch's count: returned batches only
+    resumed = make(2 - num_workers)
+    resumed.load_state_dict(state)
+    rest = [int(b) for b in resumed]
+    assert sorted(seen + rest) == [i for i in range(16) if i != 5]

@@ -304,6 +304,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         if result.rng is not None and progress.rng_states is not None:
             progress.rng_states[worker_id] = result.rng
         progress.next_worker = (worker_id + 1) % self._num_workers
+        if self._dataset_kind == _DatasetKind.Map:
+            progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)
         if isinstance(result.data, ExceptionWrapper):
             reraise(result.data)
         return self._unpack(result)

@@ -66,6 +66,8 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         )
         self._pin_memory = False  # pinned by the collate above, not again after it
         self._sampler_iter = begin_pass(self, loader, resume)
+        self._map_style = self._dataset_kind == _DatasetKind.Map
+        self._drawn = self._behind = 0  # map-style: batches drawn, and behind the loop
         if self._progress.dataset_states is None:
             self._progress.dataset_states = [None]
         self._progress.workers_alive = [True]
@@ -75,6 +77,11 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
 
     def close(self) -> None:
         """Nothing to stop: batches are made in the calling thread."""
+
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        self._drawn += 1
+        return index
 
     def _next_data(self) -> Any:
         start = time.perf_counter()
@@ -89,6 +96,10 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             self._progress.exhausted = True
             raise
         finally:
+            if self._map_style and self._drawn > self._behind:
+                # Returned or raised: either way its indices are used (_state point 7).
+                self._progress.behind(self._behind)
+                self._behind += 1
             self._stats.on_next(time.perf_counter() - start, False, delivered, delivered)
         if self._track_dataset:
             state = copy.deepcopy(self._dataset.state_dict())

@@ -22,6 +22,11 @@ How state works; where the code disagrees with this, the code is wrong.
    robin resumes at the worker after the one that made the last delivered batch, so every
    later batch is made by the same worker from the same generator state as without the
    interruption. On another number of workers the generators start fresh, with a warning.
+7. Map-style positions: a batch is behind the loop once ``__next__`` returned it *or raised its
+   error* (the loop may catch the error and go on: its indices were used, as in torch). The state
+   holds the first position not behind the loop and, with ``in_order=False``, the positions after
+   it already delivered; a resume continues at the first and skips the others, so a batch is
+   never lost nor repeated. ``batches_yielded`` stays torch's count of returned batches.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ _KINDS = {_DatasetKind.Map: "map", _DatasetKind.Iterable: "iterable"}
 class Resume:
     """A checked state, waiting for the next ``iter()`` to resume from it."""
 
-    batches: int
+    batches: int  # batches returned before the save (torch's _num_yielded)
     base_seed: int
     rng_source: str
     rng_state: torch.Tensor
@@ -56,6 +61,8 @@ class Resume:
     next_worker: int = 0
     workers_status: list[bool] | None = None
     rng_states: list[Any] | None = None  # per-worker generator states (point 6)
+    position: int = 0  # map-style: where the index stream resumes (point 7)
+    skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
 
 
 @dataclass
@@ -81,10 +88,32 @@ class Progress:
     workers_alive: list[bool] = field(default_factory=list)
     # The workers' own generators as of each one's last delivered batch (point 6).
     rng_states: list[Any] | None = None
+    # Map-style (point 7): every position below ``done`` is behind the loop, and so are those in
+    # ``ahead`` (sorted; out-of-order delivery, or a resume's skipped positions).
+    done: int = 0
+    ahead: tuple[int, ...] = ()
+    # The position this iterator's index stream starts at, and the later ones it skips.
+    pass_start: int = 0
+    pass_skips: tuple[int, ...] = ()
 
-    def pass_batches(self) -> int:
-        """Batches delivered from the sampler's current pass (see ``resumed_batches``)."""
-        return self.batches - self.resumed_batches
+    def pass_positions(self) -> int:
+        """Positions drawn from the sampler's current pass and behind the loop, in order."""
+        return self.done - self.resumed_batches
+
+    def behind(self, pass_index: int) -> None:
+        """Record that the loop is past the ``pass_index``-th batch of this iterator's stream."""
+        position = self.pass_start + pass_index
+        for skipped in self.pass_skips:  # the stream left these out: count past them
+            if skipped > position:
+                break
+            position += 1
+        if position != self.done:
+            self.ahead = tuple(sorted((*self.ahead, position)))
+            return
+        done, ahead = position + 1, self.ahead
+        while ahead and ahead[0] == done:
+            ahead, done = ahead[1:], done + 1
+        self.done, self.ahead = done, ahead
 
 
 class ProgressMixin:
@@ -142,6 +171,8 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress: Progress = it._progress
     progress.exhausted = False
     progress.resumed_batches = 0
+    progress.done = progress.pass_start = 0
+    progress.ahead = progress.pass_skips = ()
     if resume is None:
         progress.base_seed = int(it._base_seed)
         progress.rng_source, progress.rng_state = snapshot_rng(loader)
@@ -160,13 +191,26 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
             torch.set_rng_state(mine)
         sampler_iter = itertools.chain(first, sampler_iter)
     if resume.replay_indices:
-        for _ in itertools.islice(sampler_iter, resume.batches):
+        for _ in itertools.islice(sampler_iter, resume.position):
             pass
     progress.dataset_states = resume.worker_states
     progress.batches = resume.batches
+    progress.done = progress.pass_start = resume.position
+    progress.ahead = progress.pass_skips = resume.skips
     if positional_sampler(loader) is not None:
-        progress.resumed_batches = resume.batches  # the sampler resumes at its own cursor
+        progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
+    if resume.skips:
+        sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
     return sampler_iter
+
+
+def _skipping(stream: Iterator[Any], offsets: list[int]) -> Iterator[Any]:
+    """``stream`` without its items at ``offsets`` (sorted): batches delivered before the save."""
+    for offset, item in enumerate(stream):
+        if offsets and offset == offsets[0]:
+            offsets.pop(0)
+            continue
+        yield item
 
 
 def warn_replay(dataset: Any, batches: int) -> None:
@@ -183,6 +227,10 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
     kind = _KINDS[loader._dataset_kind]
     fresh = progress is None or progress.exhausted or progress.rng_state is None
     batches = 0 if fresh or progress is None else progress.batches
+    map_style = kind == "map"
+    # Point 7: where a map-style stream resumes (an iterable one resumes by its batch count).
+    position = progress.done if map_style and not fresh and progress is not None else batches
+    ahead = list(progress.ahead) if map_style and not fresh and progress is not None else []
     if fresh or progress is None or progress.rng_state is None:
         source, rng_state = snapshot_rng(loader)
         base_seed = progress.base_seed if progress is not None else 0
@@ -192,7 +240,7 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
     sampler_state = None
     if positional is not None:
         sampler, per_batch = positional
-        this_pass = batches - (progress.resumed_batches if progress is not None else 0)
+        this_pass = position - (progress.resumed_batches if progress is not None else 0)
         sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
         if fresh and progress is not None:
             sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
@@ -205,6 +253,8 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
         "epoch": loader._epochs_started,
         "in_progress": not fresh,
         "batches_yielded": batches,
+        "position": position,
+        "delivered_ahead": ahead,
         "base_seed": base_seed,
         "rng_source": source,
         "rng_state": rng_state.clone(),
@@ -309,9 +359,24 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         )
     if not isinstance(state["rng_state"], torch.Tensor):
         raise ValueError("loader state rng_state must be a tensor")  # noqa: TRY004
+    # Point 7; states saved before these keys existed resume at their batch count.
+    position = state.get("position", batches)
+    skips = state.get("delivered_ahead") or []
+    if (
+        not isinstance(position, int)
+        or position < 0
+        or not isinstance(skips, list)
+        or not all(isinstance(p, int) for p in skips)
+        or skips != sorted(set(skips))
+        or (skips and skips[0] <= position)
+    ):
+        raise ValueError(
+            f"loader state position {position!r} / delivered_ahead {skips!r} are not a position "
+            "and the sorted positions after it"
+        )
     positional = positional_sampler(loader)
     world_size, _ = _get_distributed_settings()
-    replay_indices = kind == "map" and positional is None and batches > 0
+    replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
     if replay_indices and state["world_size"] != world_size:
         raise ValueError(
             f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "
@@ -362,4 +427,6 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         next_worker=int(state["next_worker"]),
         workers_status=state["workers_status"] if stateful_iterable else None,
         rng_states=list(rng_states) if rng_states is not None else None,
+        position=position if kind == "map" else batches,
+        skips=tuple(skips) if kind == "map" else (),
     )

@@ -240,7 +240,12 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "set_mixture_weights during an epoch with device= is not supported: call it "
                 "between epochs, or use device=None and move batches to the device yourself"
             )
-        consumed = epoch._progress.pass_batches() * (self.batch_size or 1)
+        if epoch._progress.ahead:
+            raise ValueError(
+                "set_mixture_weights cannot rewind this epoch: it resumed from a state saved "
+                "with in_order=False, and batches after the current one were already delivered"
+            )
+        consumed = epoch._progress.pass_positions() * (self.batch_size or 1)
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
         redispatch = getattr(epoch, "redispatch", None)
         if redispatch is not None:

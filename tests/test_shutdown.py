@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from threadloader import ThreadDataLoader, _workers
+from threadloader import ThreadDataLoader, _exit_hook, _workers
 
 _preexisting: set[threading.Thread] = set()
 
@@ -135,7 +135,7 @@ def test_threads_end_when_iterator_is_dropped_after_worker_exception() -> None:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_keyboard_interrupt_while_waiting_ends_the_threads() -> None:
-    """Ctrl-C while next() waits for a slow batch raises KeyboardInterrupt and joins the threads."""
+    """Ctrl-C while next() waits for a slow batch raises KeyboardInterrupt; the threads end."""
     loader = ThreadDataLoader(Squares(delay=0.2), batch_size=8, num_workers=2)
     it = iter(loader)
     main = threading.main_thread().ident
@@ -147,9 +147,42 @@ def test_keyboard_interrupt_while_waiting_ends_the_threads() -> None:
             next(it)
     finally:
         timer.join()
-    assert _ours() == []
+    assert _wait_for_no_threads() == []  # each finishes the item it was in, then exits
     with pytest.raises(RuntimeError, match="was closed"):
         next(it)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_keyboard_interrupt_does_not_wait_for_a_worker_stuck_in_user_code(monkeypatch) -> None:
+    """Ctrl-C is raised while a worker is still inside a slow read (torch raises at once too);
+    that worker exits when its read returns, and the exit hook would join it at exit."""
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+
+    class Stuck(Squares):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            if i == 0:
+                entered.set()
+                release.wait(30)
+                left.set()
+            return torch.tensor(i)
+
+    monkeypatch.setattr(_workers, "JOIN_TIMEOUT_S", 60.0)  # a join would outlast the read
+    # timeout > 0: the training thread never makes the batch itself, a worker does.
+    it = iter(ThreadDataLoader(Stuck(), batch_size=4, num_workers=2, timeout=60))
+    assert entered.wait(10)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        timer.join()
+    assert not left.is_set()  # raised while the read was still running, not after it
+    assert any(isinstance(o, _workers.WorkerPool) for o in _exit_hook._live)
+    release.set()
+    assert _wait_for_no_threads() == []
 
 
 def test_worker_stuck_in_slow_getitem_does_not_hang_shutdown(monkeypatch) -> None:

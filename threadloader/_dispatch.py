@@ -91,6 +91,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def close(self) -> None:
         raise NotImplementedError
 
+    def _abandon(self) -> None:
+        """End the epoch now (Ctrl-C); waiting at most briefly. ``close()`` unless overridden."""
+        self.close()
+
     @property
     def closed(self) -> bool:
         """True once ``close()`` ran or the epoch ended for good (timeout, Ctrl-C)."""
@@ -247,7 +251,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._progress.exhausted = True
             raise
         except KeyboardInterrupt:
-            self.close()  # Ctrl-C while waiting: the epoch is over, the workers must not linger
+            # Ctrl-C while waiting: the epoch is over and the workers must stop, but the user
+            # must not wait for one stuck in a slow read (torch raises at once too).
+            self._abandon()
             raise
         finally:
             waited = time.perf_counter() - start

@@ -136,6 +136,11 @@ class ThreadedDataLoaderIter(DispatchingIter):
         """Stop and join the worker threads now. Idempotent; later ``next()`` calls raise."""
         self._finalizer()
 
+    def _abandon(self) -> None:
+        """End the epoch now, without waiting for a worker inside user code (timeout, Ctrl-C)."""
+        self._finalizer.detach()
+        self._pool.close(wait=False)
+
     def _restart_workers(self) -> None:
         self._generation = self._pool.new_epoch()
 
@@ -186,8 +191,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
                     continue
                 # A worker is stuck in user code: end the epoch without waiting for it (it exits
                 # when that call returns), so the caller is not blocked past its own timeout.
-                self._finalizer.detach()
-                self._pool.close(wait=False)
+                self._abandon()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
             except QueueClosed:
                 raise RuntimeError(

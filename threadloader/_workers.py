@@ -445,19 +445,22 @@ class WorkerPool:
 
         Args:
             wait: join the threads, for at most ``JOIN_TIMEOUT_S`` in all. A thread still inside
-                user code after that (or at once, with ``wait=False``) finishes that call on its
-                own and exits, having nothing left to fetch.
+                user code after that finishes that call on its own and exits, having nothing
+                left to fetch. With ``False``, join none now: the pool stays with the exit hook,
+                whose ``close()`` joins what is left at interpreter exit (a later ``close()``
+                joins too).
         """
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        for w in self.workers:
-            w.tasks.close()
-        self.gate.close()
-        self.results.close()
+            first, self._closed = not self._closed, True
+        if first:
+            for w in self.workers:
+                w.tasks.close()
+            self.gate.close()
+            self.results.close()
+        if not wait:
+            return  # still tracked: the exit hook joins a thread still in user code then
         me = threading.current_thread()
-        deadline = time.monotonic() + (JOIN_TIMEOUT_S if wait else 0.0)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         for t in self._threads:
             if t is not me:
                 t.join(max(0.0, deadline - time.monotonic()))

@@ -51,13 +51,14 @@ def host_collate(loader: Any, collate_fn: Callable[[Any], Any], pin: bool) -> Ca
         pin: torch's own decision to pin (``pin_memory=True`` and an accelerator present).
     """
     staging = getattr(loader, "_staging", None)
+    as_worker = loader.num_workers > 0  # torch collates in a worker process: out= semantics
     if staging is not None:
-        return pinning_collate(collate_fn, staging)
+        return pinning_collate(collate_fn, staging, as_worker=as_worker)
     if pin:
-        return pinning_collate(collate_fn, pinned_allocator)
+        return pinning_collate(collate_fn, pinned_allocator, as_worker=as_worker)
     recycler = getattr(loader, "_recycler", None)
     if recycler is not None and collate_fn is default_collate:
-        return RecyclingCollate(recycler)
+        return RecyclingCollate(recycler, as_worker=as_worker)
     return collate_fn
 
 

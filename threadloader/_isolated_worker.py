@@ -50,7 +50,7 @@ from threadloader._shm_ring import Packed, RingWriter, Segment, SlotAllocator, p
 from threadloader._task_board import EPOCH, TaskBoard
 from threadloader._timing import StageRecorder
 from threadloader._workers import Result, Task, Worker, WorkerSpec
-from threadloader.memory import pinned_collate
+from threadloader.memory import pageable_allocator, pinned_collate
 
 # Message tags. Training process -> helper, on the task pipe: ``_task_board``'s TASK and EPOCH.
 # The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
@@ -186,9 +186,13 @@ class _IntoSlot:
             if slot is not None:
                 allocator = SlotAllocator(slot)
         if allocator is None:
+            if self._direct:  # no slot free: torch's worker semantics all the same
+                return pack(
+                    pinned_collate(batch, pageable_allocator, as_worker=True), self._ring, None
+                )
             return pack(self._collate_fn(batch), self._ring, None)
         try:
-            data = pinned_collate(batch, allocator)
+            data = pinned_collate(batch, allocator, as_worker=True)
         except BaseException:
             self._ring.release([allocator.slot.key])
             raise

@@ -60,6 +60,7 @@ class RecyclingAllocator:
         stacks_only: tells ``pinned_collate`` that only the tensors it stacks need this memory;
             what torch's collate functions build otherwise (numbers, user types) is already
             ordinary memory and is kept as built, not copied.
+        fresh_below: ``min_bytes``: ``pinned_collate`` may let torch allocate smaller tensors.
         hits: allocations served from a reused buffer.
         misses: allocations that needed new memory.
     """
@@ -70,7 +71,7 @@ class RecyclingAllocator:
         if max_free < 0:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
         self._max_free = max_free
-        self._min_bytes = min_bytes
+        self._min_bytes = self.fresh_below = min_bytes
         self._lock = threading.Lock()
         self._free: deque[np.ndarray] = deque()  # under _lock
         self._returned: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
@@ -137,15 +138,16 @@ def _sample_bytes(sample: Any) -> int:
     """Bytes of the tensors and arrays at the top level of one sample (a cheap lower bound).
 
     Runs once per batch: exact types first (a tensor, a tuple or list of them), the abstract
-    ones (``Mapping``, ``Sequence``: slower ``isinstance``) only when those fail.
+    ones (``Mapping``, ``Sequence``: slower ``isinstance``) only when those fail. Sparse and
+    nested tensors (no ``nbytes``) count as 0: collation then reports them as torch does.
     """
     kind = type(sample)
     if kind is torch.Tensor or kind is np.ndarray:
-        return int(sample.nbytes)
+        return _bytes(sample)
     if kind is tuple or kind is list:
         values = sample
     elif isinstance(sample, (torch.Tensor, np.ndarray)):
-        return int(sample.nbytes)
+        return _bytes(sample)
     elif isinstance(sample, Mapping):
         values = list(sample.values())
     elif isinstance(sample, Sequence) and not isinstance(sample, (str, bytes)):
@@ -155,29 +157,47 @@ def _sample_bytes(sample: Any) -> int:
     total = 0
     for value in values:
         if isinstance(value, (torch.Tensor, np.ndarray)):
-            total += int(value.nbytes)
+            total += _bytes(value)
     return total
+
+
+def _bytes(value: torch.Tensor | np.ndarray) -> int:
+    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_nested):
+        return 0
+    return int(value.nbytes)
 
 
 class RecyclingCollate:
     """``default_collate``, stacking large batches into recycled memory.
 
-    A batch whose tensors come to less than ``min_bytes`` (judged from its first sample's top
-    level) goes to torch's ``default_collate`` as it is: for small batches the dispatch in
-    Python of ``pinned_collate`` costs more (measured: +4 us on a 16 x 2049 int64 batch, 3% of a
-    token-window batch) than fresh memory does.
+    In the training thread (``num_workers=0``, ``as_worker=False``) a batch whose tensors come to
+    less than ``min_bytes`` (judged from its first sample's top level) goes to torch's
+    ``default_collate`` as it is: for small batches the dispatch in Python of ``pinned_collate``
+    costs more (measured: +4 us on a 16 x 2049 int64 batch, 3% of a token-window batch) than
+    fresh memory does. In worker threads every batch goes through ``pinned_collate`` with
+    ``as_worker=True``: torch's workers stack into a contiguous tensor of the first sample's
+    dtype, which torch's ``default_collate`` does only where it sees worker info, and then in
+    shared memory (the allocator hands out ``torch.empty`` below ``min_bytes``).
 
     Args:
         allocator: the loader's ``RecyclingAllocator``.
+        as_worker: collate as a DataLoader worker does (``memory.pinned_collate``).
     """
 
-    def __init__(self, allocator: RecyclingAllocator) -> None:
+    def __init__(self, allocator: RecyclingAllocator, as_worker: bool = False) -> None:
         self.allocator = allocator
+        self.as_worker = as_worker
 
     def __repr__(self) -> str:
-        return f"<default_collate into {self.allocator!r}>"
+        return f"<default_collate into {self.allocator!r}{' as a worker' * self.as_worker}>"
 
     def __call__(self, batch: Any) -> Any:
-        if len(batch) * _sample_bytes(batch[0]) < self.allocator._min_bytes:
-            return default_collate(batch)
-        return pinned_collate(batch, self.allocator)
+        if self.as_worker:
+            return pinned_collate(batch, self.allocator, as_worker=True)
+        if (
+            isinstance(batch, Sequence)
+            and batch
+            and len(batch) * _sample_bytes(batch[0]) >= self.allocator._min_bytes
+        ):
+            return pinned_collate(batch, self.allocator)
+        return default_collate(batch)  # small batches, and torch's own errors for odd ones

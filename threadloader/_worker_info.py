@@ -11,7 +11,10 @@ the global exactly as before. Processes and the main thread see no change.
 One torch caller must *not* see a thread's info: ``collate_tensor_fn`` (the tensor case of
 ``default_collate``) stacks into a fresh shared-memory file whenever it sees worker info, which
 only helps a batch that crosses a process boundary. Threads share memory, so for that one caller
-the patched function answers ``None`` and collation stays an ordinary ``torch.stack``.
+the patched function answers ``None`` and collation stays an ordinary ``torch.stack``. (The
+loader's own default collation does not come here: ``memory.pinned_collate(as_worker=True)``
+gives torch's worker results without shared memory. This answer serves a user's ``collate_fn``
+that calls ``default_collate`` itself.)
 """
 
 from __future__ import annotations

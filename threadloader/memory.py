@@ -12,11 +12,18 @@ no accelerator, which is how CI checks it.
 How the pieces behave; where the code disagrees with this, the code is wrong.
 
 1. ``pinned_collate(batch, allocator)`` returns what ``default_collate(batch)`` returns: same
-   types, keys, dtypes, shapes and values, the same exceptions with the same messages; every
-   tensor in its output was written into memory that ``allocator`` returned. It dispatches on
-   torch's own ``default_collate_fn_map``, read at each call, so element types a user registered
-   there are collated by the user's function and then pinned, as torch would pin them.
-2. ``pin_batch(data, allocator)`` returns what torch's ``pin_memory(data)`` returns, with
+   types, keys, dtypes, shapes, values and memory layout, the same exceptions with the same
+   messages; every tensor in its output was written into memory that ``allocator`` returned
+   (a tensor torch would not give a contiguous layout is stacked as torch stacks it, then
+   pinned). It dispatches on torch's own ``default_collate_fn_map``, read at each call, so
+   element types a user registered there are collated by the user's function and then pinned,
+   as torch would pin them.
+2. ``as_worker=True``: what ``default_collate`` returns inside a DataLoader *worker*, where torch
+   stacks each tensor into a new contiguous tensor of the first sample's dtype (``out=``): other
+   samples' dtypes are cast to it, a layout like channels-last becomes contiguous, and samples
+   that require grad raise torch's ``out=`` error. The loader's worker threads collate this way,
+   so their batches are those of torch's worker processes.
+3. ``pin_batch(data, allocator)`` returns what torch's ``pin_memory(data)`` returns, with
    ``allocator`` providing the page-locked memory: containers rebuilt the same way, custom
    objects pinned by their own ``pin_memory()``, already-pinned tensors returned as they are.
 
@@ -51,7 +58,9 @@ __all__ = [
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 """``allocator(shape, dtype)`` returns an uninitialised, contiguous CPU tensor of that shape and
-dtype; ``pinned_collate`` and ``pin_batch`` write every output tensor into one."""
+dtype; ``pinned_collate`` and ``pin_batch`` write every output tensor into one. An allocator
+with a ``fresh_below`` attribute (bytes) accepts that smaller tensors come from torch's own
+allocation instead (``_recycle.RecyclingAllocator``: ordinary memory either way)."""
 
 _SPARSE_LAYOUTS = frozenset(
     {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
@@ -203,8 +212,10 @@ def pin_batch(data: Any, allocator: Allocator) -> Any:
 # Collating straight into the destination: torch's default_collate, one copy.
 
 
-def _collate_tensors(batch: Sequence[torch.Tensor], allocator: Allocator) -> torch.Tensor:
-    """torch's ``collate_tensor_fn``, stacking into ``allocator`` memory."""
+def _collate_tensors(
+    batch: Sequence[torch.Tensor], allocator: Allocator, as_worker: bool
+) -> torch.Tensor:
+    """torch's ``collate_tensor_fn``, stacking into ``allocator`` memory (point 1 or 2)."""
     elem = batch[0]
     if elem.is_nested:
         raise RuntimeError(
@@ -216,33 +227,50 @@ def _collate_tensors(batch: Sequence[torch.Tensor], allocator: Allocator) -> tor
             "Batches of sparse tensors are not currently supported by the default collate_fn; "
             "please provide a custom collate_fn to handle them appropriately."
         )
+    if elem.device.type != "cpu":
+        # Device tensors are not ours to pin: collate as torch does, then let pinning decide
+        # (torch's pin_memory() raises for device tensors).
+        return _finish(torch.stack(list(batch), 0), allocator)
+    if as_worker:
+        # torch's worker: out= of the first sample's dtype, contiguous (point 2).
+        shape = (len(batch), *elem.shape)
+        if elem.numel() * len(batch) * elem.element_size() < getattr(allocator, "fresh_below", 0):
+            # Memory from anywhere will do: a plain stack is that result, checked on the one
+            # output (a separate empty() costs ~2 us a tensor), unless promotion, autograd or
+            # a kept layout made it differ; then the out= stack gives torch's result or error.
+            stacked = torch.stack(list(batch), 0)
+            if (
+                stacked.dtype == elem.dtype
+                and not stacked.requires_grad
+                and stacked.is_contiguous()
+            ):
+                return stacked
+        return torch.stack(list(batch), 0, out=allocator(shape, elem.dtype))
     dtype = elem.dtype
+    same_layout = True
     needs_grad = False
     for t in batch:
         if t.dtype != dtype:
             dtype = torch.promote_types(dtype, t.dtype)  # torch.stack's type promotion
         needs_grad = needs_grad or t.requires_grad
-    if (
-        elem.device.type != "cpu"
-        or elem.layout != torch.strided
-        or (needs_grad and torch.is_grad_enabled())
-    ):
-        # out= refuses autograd inputs, and device tensors are not ours to pin: collate as
-        # torch does, then let pinning decide (torch's pin_memory() raises for device tensors).
+        same_layout = same_layout and t.is_contiguous()
+    if not same_layout or (needs_grad and torch.is_grad_enabled()):
+        # out= refuses autograd inputs, and is contiguous where stack would keep another
+        # layout (channels-last samples, transposed views): collate as torch does, then pin.
         return _finish(torch.stack(list(batch), 0), allocator)
     out = allocator((len(batch), *elem.shape), dtype)
     return torch.stack(list(batch), 0, out=out)
 
 
-def _collate_numpy_arrays(batch: Sequence[Any], allocator: Allocator) -> Any:
+def _collate_numpy_arrays(batch: Sequence[Any], allocator: Allocator, as_worker: bool) -> Any:
     """torch's ``collate_numpy_array_fn``: the arrays become tensors, then collate as tensors."""
     elem = batch[0]
     if _torch_collate.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
         raise TypeError(_torch_collate.default_collate_err_msg_format.format(elem.dtype))
-    return _collate([torch.as_tensor(b) for b in batch], allocator)
+    return _collate([torch.as_tensor(b) for b in batch], allocator, as_worker)
 
 
-_OURS: dict[Callable[..., Any], Callable[[Any, Allocator], Any]] = {
+_OURS: dict[Callable[..., Any], Callable[[Any, Allocator, bool], Any]] = {
     _torch_collate.collate_tensor_fn: _collate_tensors,
     _torch_collate.collate_numpy_array_fn: _collate_numpy_arrays,
 }
@@ -263,7 +291,7 @@ def _finish(collated: Any, allocator: Allocator) -> Any:
     return pin_batch(collated, allocator)
 
 
-def _collate(batch: Sequence[Any], allocator: Allocator) -> Any:
+def _collate(batch: Sequence[Any], allocator: Allocator, as_worker: bool) -> Any:
     """torch's ``collate(batch, collate_fn_map=default_collate_fn_map)``, into ``allocator``."""
     elem = batch[0]
     elem_type = type(elem)
@@ -277,21 +305,27 @@ def _collate(batch: Sequence[Any], allocator: Allocator) -> Any:
     if fn is not None:
         ours = _OURS.get(fn)
         if ours is not None:
-            return ours(batch, allocator)
+            return ours(batch, allocator, as_worker)
         return _finish(fn(batch, collate_fn_map=fn_map), allocator)
 
     if isinstance(elem, Mapping):
         try:
             if isinstance(elem, collections.abc.MutableMapping):
                 clone = copy.copy(elem)
-                clone.update({key: _collate([d[key] for d in batch], allocator) for key in elem})
+                clone.update(
+                    {key: _collate([d[key] for d in batch], allocator, as_worker) for key in elem}
+                )
                 return clone
-            return elem_type({key: _collate([d[key] for d in batch], allocator) for key in elem})
+            return elem_type(
+                {key: _collate([d[key] for d in batch], allocator, as_worker) for key in elem}
+            )
         except TypeError:
             # As torch: a mapping type without copy()/update() or dict construction.
-            return {key: _collate([d[key] for d in batch], allocator) for key in elem}
+            return {key: _collate([d[key] for d in batch], allocator, as_worker) for key in elem}
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
-        return elem_type(*(_collate(samples, allocator) for samples in zip(*batch, strict=False)))
+        return elem_type(
+            *(_collate(samples, allocator, as_worker) for samples in zip(*batch, strict=False))
+        )
     if isinstance(elem, Sequence):
         it = iter(batch)
         elem_size = len(next(it))
@@ -299,20 +333,22 @@ def _collate(batch: Sequence[Any], allocator: Allocator) -> Any:
             raise RuntimeError("each element in list of batch should be of equal size")
         transposed = list(zip(*batch, strict=False))
         if isinstance(elem, tuple):
-            return [_collate(samples, allocator) for samples in transposed]  # torch: a list
+            return [
+                _collate(samples, allocator, as_worker) for samples in transposed
+            ]  # torch: a list
         try:
             if isinstance(elem, collections.abc.MutableSequence):
                 seq = copy.copy(elem)
                 for i, samples in enumerate(transposed):
-                    seq[i] = _collate(samples, allocator)
+                    seq[i] = _collate(samples, allocator, as_worker)
                 return seq
-            return elem_type([_collate(samples, allocator) for samples in transposed])
+            return elem_type([_collate(samples, allocator, as_worker) for samples in transposed])
         except TypeError:
-            return [_collate(samples, allocator) for samples in transposed]
+            return [_collate(samples, allocator, as_worker) for samples in transposed]
     raise TypeError(_torch_collate.default_collate_err_msg_format.format(elem_type))
 
 
-def pinned_collate(batch: Sequence[Any], allocator: Allocator) -> Any:
+def pinned_collate(batch: Sequence[Any], allocator: Allocator, *, as_worker: bool = False) -> Any:
     """Collate ``batch`` as ``default_collate`` does, writing each tensor into ``allocator`` memory.
 
     Tensors and numpy arrays are stacked straight into a buffer from ``allocator`` (one copy,
@@ -327,9 +363,13 @@ def pinned_collate(batch: Sequence[Any], allocator: Allocator) -> Any:
         allocator: ``allocator(shape, dtype)`` returns the destination tensor:
             ``pinned_allocator`` for batches the user keeps, a ``BufferPool`` for staging
             buffers, ``pageable_allocator`` where nothing is pinned.
+        as_worker: collate as ``default_collate`` does inside a DataLoader worker process:
+            each tensor stacked into a contiguous tensor of its first sample's dtype (point 2
+            of the module docstring). False: as it does in the process that calls it.
 
     Returns:
-        What ``default_collate(batch)`` returns, equal in types, dtypes, shapes and values.
+        What ``default_collate(batch)`` returns, equal in types, dtypes, shapes, values and
+        (where the samples' layout is kept) strides.
 
     Raises:
         TypeError: an element type ``default_collate`` does not support (its message).
@@ -337,7 +377,7 @@ def pinned_collate(batch: Sequence[Any], allocator: Allocator) -> Any:
             messages).
         IndexError: ``batch`` is empty, as for ``default_collate``.
     """
-    return _collate(batch, allocator)
+    return _collate(batch, allocator, as_worker)
 
 
 class _CollateThenPin:
@@ -354,7 +394,9 @@ class _CollateThenPin:
         return pin_batch(self.collate_fn(batch), self.allocator)
 
 
-def pinning_collate(collate_fn: Callable[[Any], Any], allocator: Allocator) -> Callable[[Any], Any]:
+def pinning_collate(
+    collate_fn: Callable[[Any], Any], allocator: Allocator, *, as_worker: bool = False
+) -> Callable[[Any], Any]:
     """Return a collate function whose output lives in ``allocator`` memory: the worker's one.
 
     With torch's ``default_collate`` (what DataLoader uses when ``collate_fn`` is None and
@@ -365,10 +407,11 @@ def pinning_collate(collate_fn: Callable[[Any], Any], allocator: Allocator) -> C
     Args:
         collate_fn: the loader's collate function (``loader.collate_fn``).
         allocator: where tensors go (see ``pinned_collate``).
+        as_worker: ``default_collate`` collates as in a DataLoader worker (``pinned_collate``).
 
     Returns:
         A callable taking what ``collate_fn`` takes.
     """
     if collate_fn is _torch_collate.default_collate:
-        return functools.partial(pinned_collate, allocator=allocator)
+        return functools.partial(pinned_collate, allocator=allocator, as_worker=as_worker)
     return _CollateThenPin(collate_fn, allocator)

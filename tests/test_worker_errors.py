@@ -197,6 +197,28 @@ def test_worker_init_fn_error_is_raised_for_that_workers_first_batch(num_workers
     assert 1 in worker_ids_named(str(error).splitlines()[0])
 
 
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_batches_after_a_failed_worker_start_raise_a_clear_error(isolation: str | None) -> None:
+    """After worker 1's start error was raised, its later batches raise an error saying it never
+    started (torch's worker process fails on an unbound name there); other workers' batches
+    come as usual."""
+    kwargs: dict[str, Any] = {
+        "batch_size": 2,
+        "num_workers": 2,
+        "worker_init_fn": init_fails_in_worker_one,
+        "timeout": 30,  # workers make every batch, in torch's round robin
+    }
+    iterator = iter(ThreadDataLoader(list(range(12)), isolation=isolation, **kwargs))
+    ours = outcomes(iterator, 10)
+    del iterator
+    kinds = ["error" if o.error is not None else "batch" for o in ours]
+    assert kinds == ["batch", "error"] * 3
+    assert "worker 1 could not start" in str(ours[1].error)
+    for later in (ours[3].error, ours[5].error):
+        assert isinstance(later, RuntimeError)
+        assert "worker thread 1 failed to start" in str(later)
+
+
 class NeedsTwoArguments(Exception):
     """An exception whose __init__ cannot be called with one message string."""
 

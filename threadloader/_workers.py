@@ -299,6 +299,17 @@ class Worker:
             return error
         if self._ended:
             return None
+        if self._fetcher is None:
+            # Its start failed and that error was raised with its first batch; say so again
+            # for each later one (torch's worker process fails on an unbound name there).
+            try:
+                raise RuntimeError(
+                    f"threadloader worker thread {self.id} failed to start (worker_init_fn or "
+                    f"the dataset's setup raised; that error came with an earlier batch), so it "
+                    f"cannot make batch {task.idx}"
+                )
+            except RuntimeError:
+                return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
         try:
             return self._fetcher.fetch(task.index, recorder)
         except StopIteration:

@@ -290,3 +290,87 @@ def test_exit_with_a_live_iterator_does_not_hang(persistent: bool) -> None:
     )
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stderr == b""
+
+
+@pytest.mark.parametrize("prefetch_factor", [2, 4])
+def test_a_new_epoch_after_a_break_with_results_unread_completes(prefetch_factor: int) -> None:
+    """A break leaves up to prefetch_factor * num_workers results unread in a persistent
+    loader; the next epoch dispatches as many again. The stale ones must make room (they did
+    not: the results queue overflowed, a worker thread died, and the epoch hung)."""
+    loader = ThreadDataLoader(
+        Squares(n=64),
+        batch_size=2,
+        num_workers=2,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=True,
+        timeout=10,  # workers make every batch; a lost one fails the test instead of hanging
+    )
+    it = iter(loader)
+    next(it)
+    pool = it._pool
+    deadline = time.monotonic() + 5
+    while len(pool.results) < prefetch_factor * 2 - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # let the workers finish every batch in flight
+    del it
+    it = iter(loader)  # dispatches prefetch_factor * 2 tasks of the new epoch at once
+    deadline = time.monotonic() + 2
+    while any(len(w.tasks) for w in pool.workers) and time.monotonic() < deadline:
+        time.sleep(0.01)  # ... and the workers take them all before the loop reads any
+    time.sleep(0.05)  # and hand the last ones over
+    assert len(list(it)) == 32
+    assert all(t.is_alive() for t in pool._threads)
+
+
+def test_untrack_from_a_finalizer_on_a_thread_holding_the_hook_lock_does_not_deadlock() -> None:
+    """The garbage collector may run an iterator's finalizer (pool.close -> untrack) inside
+    track(), on the thread that holds the hook's lock: untrack must not wait for it."""
+
+    class Owner:
+        def close(self) -> None:
+            pass
+
+    owner = Owner()
+    _exit_hook.track(owner)
+
+    def finalizer_inside_track() -> None:
+        with _exit_hook._lock:
+            _exit_hook.untrack(owner)
+
+    thread = threading.Thread(target=finalizer_inside_track, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()
+    _exit_hook.untrack(owner)  # the lock is free now: this one removes it
+    assert owner not in _exit_hook._live
+
+
+class StateFailsOnThird(IterableDataset[int]):
+    """Counts 0..11; its state_dict() raises on the third call (the loader saves it per batch)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.calls = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        while self.pos < 12:
+            self.pos += 1
+            yield self.pos - 1
+
+    def state_dict(self) -> dict[str, int]:
+        self.calls += 1
+        if self.calls == 3:
+            raise ValueError("state cannot be saved")
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+def test_a_dataset_state_that_cannot_be_saved_is_raised_not_a_dead_worker() -> None:
+    """The loader saves a stateful IterableDataset's state after each batch, in the worker:
+    when state_dict() raises, that batch raises it in the training thread (a worker thread
+    used to die there, and the epoch waited for its batch forever)."""
+    loader = ThreadDataLoader(StateFailsOnThird(), batch_size=2, num_workers=1, timeout=10)
+    with pytest.raises(ValueError, match="state cannot be saved"):
+        list(loader)
+    assert _wait_for_no_threads() == []

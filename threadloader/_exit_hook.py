@@ -49,9 +49,18 @@ def track(owner: Closable) -> None:
 
 
 def untrack(owner: Closable) -> None:
-    """``owner`` closed itself: nothing to do for it at exit."""
-    with _lock:
+    """``owner`` closed itself: nothing to do for it at exit.
+
+    Never waits: it runs from finalizers, which the garbage collector may call on a thread that
+    holds ``_lock`` already (an allocation inside ``track``). If the lock is busy the owner
+    stays in the set until it is collected; closing it again at exit is a no-op.
+    """
+    if not _lock.acquire(blocking=False):
+        return
+    try:
         _live.discard(owner)
+    finally:
+        _lock.release()
 
 
 def _after_fork_in_child() -> None:

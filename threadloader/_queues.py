@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -130,6 +131,13 @@ class BoundedQueue(Generic[T]):
                 self._items.popleft()
                 return True
             return False
+
+    def drop_where(self, stale: Callable[[T], bool]) -> None:
+        """Drop every unread item for which ``stale(item)`` is true (results of an old epoch)."""
+        with self._lock:
+            kept = [item for item in self._items if not stale(item)]
+            self._items.clear()
+            self._items.extend(kept)
 
     def replace_all(self, item: T) -> None:
         """Drop every unread item and put ``item`` in their place (an epoch restart)."""

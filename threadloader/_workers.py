@@ -276,10 +276,16 @@ class Worker:
             cpu = time.thread_time() - cpu
             wall = time.perf_counter() - started
         state = rng = None
-        if data is not None:
-            state = self.snapshot()
-            if self.spec.capture_rng:
-                rng = rng_state(self.info)
+        if data is not None and not isinstance(data, ExceptionWrapper):
+            try:  # user code (the dataset's state_dict()): its error is the batch's, not a crash
+                state = self.snapshot()
+                if self.spec.capture_rng:
+                    rng = rng_state(self.info)
+            except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+                data = ExceptionWrapper(
+                    where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
+                )
+                state = rng = None
         return Result(task.idx, self.id, task.generation, data, state, started, cpu, wall, rng)
 
     def run(self, task: Task, recorder: StageRecorder) -> Any:
@@ -447,9 +453,13 @@ class WorkerPool:
             The new generation: results of earlier generations are stale.
         """
         self.generation += 1
+        generation = self.generation
         for w in self.workers:
-            w.tasks.replace_all(NewEpoch(self.generation))
-        return self.generation
+            w.tasks.replace_all(NewEpoch(generation))
+        # Results the training thread never read (a break, a live weight change) would hold
+        # room the new tasks need: the queue's bound counts one stale result per worker only.
+        self.results.drop_where(lambda r: r.generation != generation)
+        return generation
 
     def close(self, wait: bool = True) -> None:
         """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook.

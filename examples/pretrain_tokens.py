@@ -18,27 +18,28 @@ Result (2-core CPU, 10-15 s, mostly interpreter and torch start-up)::
 
     opened 4 web + 2 code shards (300,000 tokens) in 3.0 ms
     step   0  loss 6.442
-    step  60  set_weights(web 0.3, code 0.7): effective from global position 1024 = step 64
+    step  60  set_weights(web 0.3, code 0.7): effective from global position 960 = step 60
     step  99  loss 2.435
     checkpoint at step 100: sampler state 1581 bytes, 2 weight regimes
     step 149  loss 2.048
-    rebuilt with 70/30, loaded the checkpoint: schedule 0.3 code from 0, 0.7 code from 1024
+    rebuilt with 70/30, loaded the checkpoint: schedule 0.3 code from 0, 0.7 code from 960
     resumed from step 100: same 50 batches: True, same losses: True
     realised share of code windows (weights 0.3 / 0.7):
-      steps   0- 63: 0.300 (set: 0.300)
-      steps  64-149: 0.700 (set: 0.700)
+      steps   0- 59: 0.300 (set: 0.300)
+      steps  60-149: 0.700 (set: 0.700)
 
 The realised shares are exact, not approximately right: which source each position draws from
 is a low-discrepancy schedule (any 10,000 consecutive samples are within 0.05% of the weights),
 not a coin flip per sample.
 
-Why the change lands at step 64, not 60: by default a change takes effect at the first position
-the sampler has not handed out yet, and the loader had already dispatched
-``num_workers * prefetch_factor = 4`` batches ahead of the loop; those keep the old weights. The
-position is recorded in the loader's state, so the resumed run switches at the same sample. A
-loader hook can make it step 60 exactly: ``Mixture.set_weights(..., at_position=
-sampler.position_after(consumed))`` rewinds the sampler, and the loader drops the batches in
-flight (see ``threadloader.streams.MixtureSampler``).
+Where the change lands: by default at the first position the sampler has not handed out yet.
+These windows are cheap, so the loader soon finds that the training thread fetching alone is
+fastest and dispatches nothing ahead of the loop: the change lands at step 60. When workers do
+prefetch, the ``num_workers * prefetch_factor`` batches in flight keep the old weights (step 64
+here, with 4 batches ahead). Either way the position is recorded in the loader's state, so the
+resumed run switches at the same sample. ``loader.set_mixture_weights(...)`` always lands at the
+next batch the loop asks for: it rewinds the sampler and drops the batches in flight (see
+``threadloader.streams.MixtureSampler``).
 """
 
 from __future__ import annotations

@@ -268,6 +268,12 @@ def test_bad_weights_raise_value_error_naming_the_source(
     assert mixture.weights == WEIGHTS
 
 
+def test_huge_finite_weights_are_normalised_without_overflow() -> None:
+    """Weights are relative: 1e308 and 1e308 mean half and half (their sum overflows a float)."""
+    weights = _mixture({"books": 1e308, "code": 1e308}).weights
+    assert weights == {"books": 0.5, "code": 0.5, "web": 0.0}
+
+
 def test_bad_sources_raise_naming_the_source() -> None:
     """An empty source, a source without len() and no sources at all are rejected."""
     with pytest.raises(ValueError, match="source 'code' is empty"):
@@ -396,6 +402,33 @@ def test_loader_set_mixture_weights_applies_from_the_next_batch(num_workers: int
     position = loader.set_mixture_weights({"a": 0.1, "b": 0.9})
     got += list(it)
     assert position == cut * 8
+    assert torch.cat(got).tolist() == _mixture_reference(cut * 8)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", [0, 3])
+def test_a_change_right_after_a_resume_applies_from_the_next_batch(
+    num_workers: int, cut: int
+) -> None:
+    """Resume (global RNG: the first batch's indices are drawn early, under the saved RNG state),
+    then change the weights before any next(): that early draw is stale and must be dropped, so
+    the stream equals one changed at that position without an interruption."""
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=400)
+        return ThreadDataLoader(mixture, batch_size=8, sampler=sampler, num_workers=num_workers)
+
+    loader = make()
+    it = iter(loader)
+    got = [next(it) for _ in range(cut)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert resumed.set_mixture_weights({"a": 0.1, "b": 0.9}) == cut * 8
+    got += list(it)
     assert torch.cat(got).tolist() == _mixture_reference(cut * 8)
 
 

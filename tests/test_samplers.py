@@ -14,6 +14,7 @@ import re
 import tracemalloc
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -244,6 +245,25 @@ def test_set_epoch_to_another_epoch_drops_a_loaded_resume() -> None:
     assert len(list(sampler)) == 50
     sampler.load_state_dict(source.state_dict())
     assert len(list(sampler)) == 45
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "distributed"])
+def test_setting_another_epoch_and_back_still_drops_the_resume(kind: str) -> None:
+    """Point 3: any other epoch drops a loaded resume, even if the saved one is set again."""
+
+    def make() -> Any:
+        if kind == "shuffle":
+            return ShuffleSampler(50)
+        return DistributedShuffleSampler(50, num_replicas=1, rank=0)
+
+    source = make()
+    source.set_epoch(2)
+    _take(source, 5)
+    sampler = make()
+    sampler.load_state_dict(source.state_dict())
+    sampler.set_epoch(3)
+    sampler.set_epoch(2)
+    assert len(list(sampler)) == 50
 
 
 def test_the_cursor_follows_the_latest_iterator() -> None:

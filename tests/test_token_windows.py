@@ -13,6 +13,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -189,6 +190,15 @@ def test_bad_raw_file_raises_value_error_naming_it(
     with pytest.raises(ValueError, match=match) as info:
         TokenWindows([*token_files[:1], str(bad)], seq_len=4, dtype=dtype)
     assert str(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("header_bytes", [-2, 1.5])
+def test_a_header_size_that_is_not_a_byte_count_is_rejected(
+    token_files: list[str], header_bytes: Any
+) -> None:
+    """A negative (or fractional) header_bytes raises at once, not numpy's error on each read."""
+    with pytest.raises(ValueError, match="header_bytes must be an int >= 0"):
+        TokenWindows(token_files, seq_len=4, header_bytes=header_bytes)
 
 
 def test_bad_npy_files_raise_value_error_naming_them(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
 from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
+    Predrawn,
     Progress,
     ProgressMixin,
     Resume,
@@ -77,6 +78,12 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
 
     def close(self) -> None:
         """Nothing to stop: batches are made in the calling thread."""
+
+    def redispatch(self) -> None:
+        """The sampler was rewound to the delivered position (a live mixture-weight change):
+        drop what was drawn from it and not delivered, the resume's early draw (``Predrawn``)."""
+        if isinstance(self._sampler_iter, Predrawn):
+            self._sampler_iter = self._sampler_iter.rest
 
     def _next_index(self) -> Any:
         index = super()._next_index()

@@ -72,7 +72,12 @@ def check_weights(weights: Mapping[str, Any], names: Sequence[str]) -> tuple[flo
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"weight of source {name!r} must be finite and >= 0, got {raw!r}")
         values.append(value)
-    total = math.fsum(values)
+    try:
+        total = math.fsum(values)
+    except OverflowError:  # huge finite weights: only their ratios matter
+        top = max(values)
+        values = [v / top for v in values]
+        total = math.fsum(values)
     if total <= 0:
         raise ValueError(f"all weights are zero: at least one of {list(names)} needs a weight > 0")
     return tuple(v / total for v in values)

@@ -189,7 +189,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
             first = list(itertools.islice(sampler_iter, 1))
         finally:
             torch.set_rng_state(mine)
-        sampler_iter = itertools.chain(first, sampler_iter)
+        sampler_iter = Predrawn(first, sampler_iter)
     if resume.replay_indices:
         for _ in itertools.islice(sampler_iter, resume.position):
             pass
@@ -202,6 +202,22 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     if resume.skips:
         sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
     return sampler_iter
+
+
+class Predrawn(Iterator[Any]):
+    """``head`` (drawn early, under the saved RNG), then ``rest``: the stream ``begin_pass`` made.
+
+    A sampler rewound before the head was delivered (a live mixture-weight change right after
+    ``iter()``) makes the head stale: ``rest`` is the rewound stream without it.
+    """
+
+    def __init__(self, head: list[Any], rest: Iterator[Any]) -> None:
+        self.head, self.rest = head, rest
+
+    def __next__(self) -> Any:
+        if self.head:
+            return self.head.pop(0)
+        return next(self.rest)
 
 
 def _skipping(stream: Iterator[Any], offsets: list[int]) -> Iterator[Any]:

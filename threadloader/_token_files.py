@@ -73,6 +73,8 @@ def scan(paths: Sequence[str], dtype: np.dtype[Any], header_bytes: int) -> list[
     """
     if dtype.kind not in "iu":
         raise ValueError(f"token dtype must be an integer dtype, got {dtype}")
+    if not isinstance(header_bytes, int) or header_bytes < 0:
+        raise ValueError(f"header_bytes must be an int >= 0, got {header_bytes!r}")
     files = []
     for path in paths:
         if path.endswith(".npy"):

@@ -187,9 +187,12 @@ class ShuffleSampler(Sampler[int]):
         """Choose the order of the next ``iter()``: each epoch has its own permutation.
 
         Args:
-            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume.
+            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume; any
+                other epoch drops it (point 3).
         """
         self.epoch = epoch
+        if self._pending is not None and self._pending[0] != epoch:
+            self._pending = None
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Map positions of an epoch's order to dataset indices, vectorised, in O(len(positions)).
@@ -310,9 +313,9 @@ class DistributedShuffleSampler(Sampler[int]):
     resumes compose the same way. (So with ``drop_last=True``, a state saved at the very end of an
     epoch on ``W`` ranks and loaded on fewer ranks reads the fewer than ``W`` samples that ``W``
     dropped: call ``set_epoch`` with the next epoch to skip them.) With ``num_replicas=1`` the
-    order is ``ShuffleSampler``'s for the same seed and epoch. While a resumed pass is pending or running, ``len()`` is the
-    number of indices it yields on this rank; ``num_samples`` and ``total_size`` keep torch's
-    full-epoch values, and ``len()`` returns to ``num_samples`` with the next epoch.
+    order is ``ShuffleSampler``'s for the same seed and epoch. ``len()`` is always ``num_samples``
+    (torch's full-epoch share, which trainers count epochs with); ``remaining()`` is the number
+    of indices a pending or running resumed pass yields on this rank.
 
     Args:
         dataset: the dataset; its length is read once, here.
@@ -404,9 +407,12 @@ class DistributedShuffleSampler(Sampler[int]):
         """Set the epoch for this sampler: each epoch has its own order when ``shuffle=True``.
 
         Args:
-            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume.
+            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume; any
+                other epoch drops it (point 3).
         """
         self.epoch = epoch
+        if self._pending is not None and self._pending[0] != epoch:
+            self._pending = None
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Map global stream positions to dataset indices, vectorised.

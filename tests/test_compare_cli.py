@@ -285,6 +285,40 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert f"plot written to {out_png}" in out
 
 
+def test_plot_without_an_extension_writes_and_names_a_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot out (no extension) writes out.png, and the message names that file."""
+    pytest.importorskip("matplotlib")
+    code, out, err = _main(
+        ["compare", "--workload", "python", "--plot", str(tmp_path / "out"), *QUICK, *CORE], capsys
+    )
+    assert code == 0, err
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {tmp_path / 'out.png'}" in out
+
+
+def test_plot_to_a_directory_is_one_line_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot naming a directory fails at once, status 2 (it used to write <dir>.png)."""
+    pytest.importorskip("matplotlib")
+    code, out, err = _main(["compare", "--plot", str(tmp_path), *QUICK], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "it is a directory" in err, err
+    assert not Path(str(tmp_path) + ".png").exists()
+
+
+def test_no_chosen_loader_able_to_run_is_one_line(
+    user_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only loaders that cannot read an IterableDataset chosen: one line naming why, status 2."""
+    argv = ["compare", "--dataset", f"{user_module}:make_counting", "--loaders", "torchdata,spdl"]
+    code, out, err = _main([*argv, *QUICK], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "none of the chosen loaders can run" in err, err
+
+
 def test_plot_without_matplotlib_is_one_line_before_any_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

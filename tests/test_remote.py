@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import http.client
 import logging
 import pickle
 import socket
@@ -194,6 +195,38 @@ def test_a_try_slower_than_its_deadline_times_out_and_is_retried(server: FaultyH
         assert info.value.attempts == 2 and ds.stats().retries == 1
 
 
+def test_a_body_trickled_byte_by_byte_still_times_out_at_the_deadline() -> None:
+    """A server that sends its body 1 byte every 50 ms keeps each receive under the socket
+    timeout: the read must still end at its deadline, long before the body is complete."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    sent = [0]
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 60\r\n\r\n")
+            try:
+                for _ in range(60):
+                    time.sleep(0.05)
+                    conn.sendall(b"x")
+                    sent[0] += 1
+            except OSError:
+                pass  # the reader gave up and closed the connection
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/obj"
+    policy = RetryPolicy(attempts=1, timeout_s=0.3)
+    with RemoteFiles([url], retry=policy) as ds, pytest.raises(RemoteReadError, match="Timeout"):
+        ds[0]
+    assert sent[0] < 30  # gave up while the body was still coming (60 bytes take 3 s)
+    thread.join(10)
+    listener.close()
+
+
 def test_retry_after_sets_the_least_delay_before_the_next_try(server: FaultyHTTPServer) -> None:
     """A 503 with Retry-After: 1 makes the next try wait about a second, within max_backoff_s."""
     server.faults = Faults(fail_first=1, retry_after="1")
@@ -370,6 +403,9 @@ def test_a_glob_a_directory_and_a_file_url_list_local_objects(tmp_path: Any) -> 
     assert RemoteFiles([f"file://{tmp_path}/sub/c.bin"])[0] == b"sub/c.bin"
     with pytest.raises(ValueError, match="names no objects"):
         RemoteFiles(str(tmp_path / "*.none"))
+    assert RemoteFiles(str(tmp_path / "a.bin")).urls[0].endswith("/a.bin")  # one object
+    with pytest.raises(ValueError, match="names no objects"):  # a typo, not a 1-object dataset
+        RemoteFiles(str(tmp_path / "no" / "such" / "dir"))
     with pytest.raises(ValueError, match="cannot list HTTP"):
         RemoteFiles("http://127.0.0.1:1/*.bin")
 
@@ -402,6 +438,8 @@ def _wrapped(cause: BaseException) -> OSError:
         (_wrapped(_ClientError(403)), False),
         (FileNotFoundError(), False),
         (ValueError("bad"), False),
+        (http.client.InvalidURL("URL can't contain control characters"), False),
+        (http.client.IncompleteRead(b"", 10), True),
     ],
 )
 def test_transient_failures_are_told_from_permanent_ones(

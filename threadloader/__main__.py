@@ -185,8 +185,7 @@ def _compare_command(args: argparse.Namespace) -> int:
             if problem:
                 return _fail(problem)
         result = _compare.run_compare(config)
-        if args.plot is not None:
-            _compare.write_plot(result, args.plot)
+        written = _compare.write_plot(result, args.plot) if args.plot is not None else None
     except _compare.CompareError as e:
         return _fail(str(e))
     except KeyboardInterrupt:  # every loader is closed by then; a traceback would be noise
@@ -196,8 +195,8 @@ def _compare_command(args: argparse.Namespace) -> int:
         print(json.dumps(_compare.to_json(result), indent=2))
     else:
         print(_compare.format_table(result))
-        if args.plot is not None:
-            print(f"plot written to {args.plot}")
+        if written is not None:
+            print(f"plot written to {written}")
     return 0
 
 

@@ -411,6 +411,9 @@ def run_compare(config: CompareConfig) -> CompareResult:
             keys.append(key)
         else:
             skipped[key] = reason
+    if not keys:
+        reasons = "; ".join(f"{_label(k, config.num_workers)}: {r}" for k, r in skipped.items())
+        raise CompareError(f"none of the chosen loaders can run on {source.name}: {reasons}")
     make_sampler, memory_note = _memory_probe()
     runs: dict[str, list[RunResult]] = {k: [] for k in keys}
     progress = _Progress(config.rounds * len(keys), config.progress)

@@ -147,16 +147,27 @@ def check_plot_available() -> None:
         ) from e
 
 
-def write_plot(result: CompareResult, path: str) -> None:
+def plot_file(path: str) -> str:
+    """The file ``--plot path`` writes: ``path``, with ``.png`` added when it has no extension
+    (what matplotlib would write, said here so the message names the real file)."""
+    return path if os.path.splitext(path)[1] else path + ".png"
+
+
+def write_plot(result: CompareResult, path: str) -> str:
     """Write a bar chart of samples/s and peak memory per loader to ``path``.
 
     Args:
         result: What :func:`run_compare` returned.
-        path: Output file; the format follows its extension (``.png``, ``.svg``, ...).
+        path: Output file; the format follows its extension (``.png``, ``.svg``, ...); a name
+            without one gets ``.png``.
+
+    Returns:
+        The file written (``plot_file(path)``).
 
     Raises:
         CompareError: If matplotlib is not installed or the file cannot be written.
     """
+    path = plot_file(path)
     check_plot_available()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -204,6 +215,7 @@ def write_plot(result: CompareResult, path: str) -> None:
         fig.savefig(path)
     except (OSError, ValueError) as e:
         raise CompareError(f"cannot write plot {path!r}: {_one_line(e)}") from e
+    return path
 
 
 def plot_path_problem(path: str) -> str | None:
@@ -215,7 +227,10 @@ def plot_path_problem(path: str) -> str | None:
     Returns:
         A one-line reason, or None.
     """
-    folder = os.path.dirname(os.path.abspath(path))
+    target = plot_file(path)
+    if os.path.isdir(path) or os.path.isdir(target):
+        return f"cannot write plot {path!r}: it is a directory; give a file name such as out.png"
+    folder = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(folder):
         return f"cannot write plot {path!r}: folder {folder!r} does not exist"
     return None

@@ -107,7 +107,9 @@ class HTTPConnections:
                 if resp.status == 200:
                     body = _read_body(resp, conn, deadline)
                 elif resp.length is not None and resp.length <= 65536:
-                    body = resp.read()  # small error page: read it to keep the connection
+                    body = _read_body(
+                        resp, conn, deadline
+                    )  # small error page: keeps the connection
                 else:
                     resp.will_close = True
                     body = b""
@@ -140,12 +142,16 @@ def _read_body(
     resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, deadline: float
 ) -> bytes:
     chunks = []
-    while True:
+    while resp.length != 0:  # None (chunked, or until close) or bytes still to come
         _set_timeout(conn, deadline)  # the whole body within the deadline, not each recv
-        chunk = resp.read(_BODY_CHUNK)
+        # read1: one receive at most. read(n) keeps receiving until n bytes or the end, each
+        # receive under the timeout set before it, so a server trickling bytes held one read
+        # for many times its deadline.
+        chunk = resp.read1(_BODY_CHUNK)
         if not chunk:
             break
         chunks.append(chunk)
     if resp.length:  # the connection ended before Content-Length bytes arrived
         raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+    resp.read()  # nothing left: marks the response complete, so the connection can be reused
     return b"".join(chunks)

@@ -38,7 +38,13 @@ _TRANSIENT_TYPE_NAMES = frozenset(
         "ServerTimeoutError",
     }
 )
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+_PERMANENT = (
+    FileNotFoundError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+    http.client.InvalidURL,  # an HTTPException, but no second try can fix the URL
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -435,8 +435,10 @@ def _list(pattern: str, storage_options: Mapping[str, Any]) -> list[str]:
         paths = [p for p, info in fs.glob(path, detail=True).items() if info["type"] == "file"]
     elif fs.isdir(path):
         paths = fs.find(path)
-    else:
+    elif fs.exists(path):
         paths = [path]
+    else:
+        paths = []  # a typo would otherwise be a one-object dataset that fails on its first read
     if not paths:
-        raise ValueError(f"{pattern!r} names no objects")
+        raise ValueError(f"{pattern!r} names no objects (no such object, prefix or directory)")
     return sorted(fs.unstrip_protocol(p) for p in paths)

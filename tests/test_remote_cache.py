@@ -221,3 +221,23 @@ def test_memory_cache_evicts_least_recently_used() -> None:
     assert cache.get("a") is None and cache.get("b") == b"bbbbbbb"
     cache.put("d", b"d" * 7)  # b was just used: c goes
     assert cache.get("c") is None and cache.usage().stored_bytes == 14
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_loader_stats_report_the_datasets_reads_and_cache(
+    server: FaultyHTTPServer, tmp_path: Path, isolation: str | None
+) -> None:
+    """loader.stats() carries RemoteFiles' own counters (cache hits and misses, bytes), also
+    with isolation="process", where the helper's copy of the dataset does the reading."""
+    with RemoteFiles(_urls(server), cache_dir=tmp_path, retry=FAST) as ds:
+        loader = ThreadDataLoader(
+            ds, batch_size=8, num_workers=2, collate_fn=_list, isolation=isolation
+        )
+        assert len([b for b in loader]) == 6
+        first = loader.stats().dataset
+        assert len([b for b in loader]) == 6
+        second = loader.stats().dataset
+        report = str(loader.stats())
+    assert first.cache_misses == 48 and first.cache_hits == 0
+    assert second.cache_hits == 48 and second.cache_hit_bytes == sum(map(len, OBJECTS.values()))
+    assert "cache_hits=48" in report

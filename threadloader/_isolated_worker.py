@@ -55,7 +55,8 @@ from threadloader.memory import pageable_allocator, pinned_collate
 # Message tags. Training process -> helper, on the task pipe: ``_task_board``'s TASK and EPOCH.
 # The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
 # Helper -> training process, on the result socket:
-RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, rng, stage timings, fetch limit)
+RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, rng, stage timings, fetch limit,
+#              the dataset's stats() snapshot or None)
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
 RETIRE = 12  # (RETIRE, seg_id)
 FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
@@ -279,18 +280,26 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
             worker.initialize_here()
             result = worker.run_timed(Task(idx, index, generation), timings)
         if result.data is not None:
-            _send_result(sender, result, timings.events, pacer.limit)
+            dataset_stats = helper.dataset_stats() if helper.dataset_stats is not None else None
+            _send_result(sender, result, timings.events, pacer.limit, dataset_stats)
             limit = pacer.on_batch(result.started, result.cpu, result.wall)
             if limit is not None:
                 board.set_limit(limit)
         del result, msg  # a blocked take() must not pin the last batch
 
 
-def _send_result(sender: _Sender, result: Result, timings: Any, limit: int) -> None:
+def _send_result(
+    sender: _Sender, result: Result, timings: Any, limit: int, dataset_stats: Any
+) -> None:
     head = (RESULT, result.idx, result.worker_id, result.generation)
-    msg = (*head, result.data, result.state, result.rng, timings, limit)
+    msg = (*head, result.data, result.state, result.rng, timings, limit, dataset_stats)
     try:
-        if type(result.data) is Packed and result.state is None and result.rng is None:
+        if (
+            type(result.data) is Packed
+            and result.state is None
+            and result.rng is None
+            and dataset_stats is None
+        ):
             # Bytes, ints, strings and dtypes only: plain pickle, without ForkingPickler's
             # per-call copy of the reducer table (torch's reducers are for tensors).
             payload: bytes | memoryview = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
@@ -299,7 +308,7 @@ def _send_result(sender: _Sender, result: Result, timings: Any, limit: int) -> N
     except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
         where = f"in threadloader worker thread {result.worker_id}, batch {result.idx}"
         error = ExceptionWrapper(where=where)
-        payload = ForkingPickler.dumps((*head, error, None, None, timings, limit))
+        payload = ForkingPickler.dumps((*head, error, None, None, timings, limit, None))
     sender.send_bytes(payload)
 
 
@@ -313,6 +322,10 @@ class _Helper:
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
         n = worker_spec.num_workers
+        # A dataset with stats() (RemoteFiles) counts its reads here: they travel with each
+        # result, for the training process's loader.stats().
+        stats = getattr(spec.worker.dataset, "stats", None)
+        self.dataset_stats: Callable[[], Any] | None = stats if callable(stats) else None
         self.pacer = _Pacer(n)
         self.board = TaskBoard(tasks, n, limit=self.pacer.limit)
         self.workers = [

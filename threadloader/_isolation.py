@@ -427,7 +427,9 @@ class IsolatedDataLoaderIter(DispatchingIter):
             except TimeoutError:
                 self.close()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
-            _, idx, worker_id, generation, data, state, rng, timings, limit = msg
+            _, idx, worker_id, generation, data, state, rng, timings, limit, dataset_stats = msg
+            if dataset_stats is not None:
+                self._stats.dataset = dataset_stats
             recorder = self._stats.workers[worker_id]
             for stage, seconds in timings:
                 recorder.add(stage, seconds)

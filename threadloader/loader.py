@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -184,15 +185,22 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         Returns:
             A frozen ``LoaderStats``: batches, the training loop's data wait, per-stage timings,
-            worker busy time, and advice when the dataset holds the GIL. ``str()`` of it is a
-            one-screen report.
+            worker busy time, advice when the dataset holds the GIL, and the dataset's own
+            ``stats()`` when it has them (``RemoteFiles``: retries, skips, cache hits and
+            misses). ``str()`` of it is a one-screen report.
 
         Raises:
             RuntimeError: no epoch has started yet.
         """
         if self._stats is None:
             raise RuntimeError("stats() needs an epoch: iterate over the loader first")
-        return self._stats.snapshot()
+        snapshot = self._stats.snapshot()
+        if self.isolation is not None:
+            dataset_stats = self._stats.dataset  # the helper's copy does the reading
+        else:
+            own = getattr(self.dataset, "stats", None)
+            dataset_stats = own() if callable(own) else None
+        return dataclasses.replace(snapshot, dataset=dataset_stats)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None

@@ -82,6 +82,10 @@ class LoaderStats:
         cpu_cores_used: process CPU time over wall time: how many cores' worth were busy.
         gil_bound: the workers' throughput does not grow with threads (see module docstring).
         advice: what to do about the bottleneck, in a sentence; None when there is nothing to do.
+        dataset: the dataset's own ``stats()`` snapshot, when it has that method
+            (``RemoteFiles``: reads, retries, skipped items, cache hits, misses and bytes);
+            None otherwise. With ``isolation="process"`` it is the helper's copy's, as of the
+            last batch received (the training process's copy reads nothing).
     """
 
     batches: int
@@ -98,6 +102,7 @@ class LoaderStats:
     cpu_cores_used: float
     gil_bound: bool
     advice: str | None
+    dataset: Any = None
 
     def __str__(self) -> str:
         lines = [
@@ -123,6 +128,8 @@ class LoaderStats:
             )
         busy = ", ".join(f"{b:.2f}" for b in self.worker_busy_s)
         lines.append(f"  busy s      workers [{busy}], training thread {self.caller_busy_s:.2f}")
+        if self.dataset is not None:
+            lines.append(f"  dataset     {self.dataset}")
         if self.advice:
             lines.append(f"  advice      {self.advice}")
         return "\n".join(lines)
@@ -147,6 +154,7 @@ class EpochStats:
         self.caller = StageRecorder("caller")
         self.num_workers = num_workers
         self.controller: ConcurrencyController | None = None  # set by the threaded iterator
+        self.dataset: Any = None  # isolation: the helper's dataset stats() (LoaderStats.dataset)
         self._lock = threading.Lock()
         self._start = time.perf_counter()
         self._cpu_start = time.process_time()

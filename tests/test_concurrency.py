@@ -694,3 +694,54 @@ def test_worker_init_fn_runs_on_worker_threads_even_when_the_epoch_starts_lean(
     )
     assert torch.equal(torch.cat(list(loader)), torch.arange(40))
     assert len(ran_on) == 2 and all("-worker" in name for name in ran_on), ran_on
+
+
+class CountsConcurrentReads(Dataset[int]):
+    """Each item sleeps (releasing the GIL, like a decode); records the most reads at once."""
+
+    def __init__(self, n: int = 24, item_s: float = 0.05) -> None:
+        self.n, self.item_s = n, item_s
+        self.lock = threading.Lock()
+        self.active = 0
+        self.most = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        time.sleep(self.item_s)
+        with self.lock:
+            self.active -= 1
+        return index
+
+
+class _AlwaysOne(_AlwaysZero):
+    def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
+        ConcurrencyController.__init__(self, maximum, minimum, initial=1)
+
+
+def test_a_worker_waiting_for_its_task_in_the_training_thread_leaves_its_gate_slot(
+    monkeypatch,
+) -> None:
+    """Limit 1, the training thread making worker 0's batch: worker 0's thread must not sit on
+    the one slot while it waits, or worker 1 cannot fetch meanwhile (its batch waited)."""
+    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysOne)
+    wait_open = Gate.wait_open
+    started: set[int] = set()
+
+    def late_start(gate: Gate) -> bool:
+        if threading.get_ident() not in started:  # each worker, once: ready, but not at its
+            started.add(threading.get_ident())  # queue yet, so the first batch is left to us
+            time.sleep(0.1)
+        return wait_open(gate)
+
+    monkeypatch.setattr(Gate, "wait_open", late_start)
+    dataset = CountsConcurrentReads(item_s=0.15)
+    it = iter(ThreadDataLoader(dataset, batch_size=2, num_workers=2))
+    next(it)  # 0.3 s here, as worker 0; the workers reach the gate after 0.1 s
+    assert it._stats.snapshot().batches_run_by_caller == 1
+    del it
+    assert dataset.most == 2  # worker 1 fetched while the training thread did

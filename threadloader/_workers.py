@@ -358,16 +358,24 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
             continue
         if not gate.enter():
             return
-        try:
+        if not worker.busy.acquire(blocking=False):
+            # The training thread is running this worker's task: wait for it without holding
+            # a slot of the gate, which another worker can use meanwhile.
+            gate.exit()
             with worker.busy:
-                if not worker.tasks.take_head_if(msg):
-                    continue  # the training thread ran it, or a new epoch dropped it
-                if msg.generation == worker.generation:
-                    result = worker.run_timed(msg, worker.recorder)
-                    if result.data is not None:
-                        results.put(result)
-                    del result
+                pass
+            del msg
+            continue
+        try:
+            if not worker.tasks.take_head_if(msg):
+                continue  # the training thread ran it, or a new epoch dropped it
+            if msg.generation == worker.generation:
+                result = worker.run_timed(msg, worker.recorder)
+                if result.data is not None:
+                    results.put(result)
+                del result
         finally:
+            worker.busy.release()
             gate.exit()
         del msg  # a blocked peek() must not pin the last batch's task (CPython's thread.py)
 

@@ -148,6 +148,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _start_epoch(self, loader: Any, resume: Resume | None) -> None:
         """Start (or resume) the index stream and fill the pipeline: points 1 and 3."""
         self._sampler_iter = begin_pass(self, loader, resume)
+        self._map_style = self._dataset_kind == _DatasetKind.Map
         self._discard = resume.batches if resume is not None and resume.replay_data else 0
         if self._discard:
             warn_replay(self._dataset, self._discard)
@@ -310,7 +311,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         if result.rng is not None and progress.rng_states is not None:
             progress.rng_states[worker_id] = result.rng
         progress.next_worker = (worker_id + 1) % self._num_workers
-        if self._dataset_kind == _DatasetKind.Map:
+        if self._map_style:
             progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)
         if isinstance(result.data, ExceptionWrapper):
             reraise(result.data)

@@ -103,6 +103,9 @@ class Progress:
     def behind(self, pass_index: int) -> None:
         """Record that the loop is past the ``pass_index``-th batch of this iterator's stream."""
         position = self.pass_start + pass_index
+        if position == self.done and not self.ahead and not self.pass_skips:
+            self.done = position + 1  # in order, nothing skipped: every batch but a few
+            return
         for skipped in self.pass_skips:  # the stream left these out: count past them
             if skipped > position:
                 break

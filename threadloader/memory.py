@@ -227,25 +227,25 @@ def _collate_tensors(
             "Batches of sparse tensors are not currently supported by the default collate_fn; "
             "please provide a custom collate_fn to handle them appropriately."
         )
-    if elem.device.type != "cpu":
+    tensors = batch if type(batch) is list or type(batch) is tuple else list(batch)
+    if not elem.is_cpu:
         # Device tensors are not ours to pin: collate as torch does, then let pinning decide
         # (torch's pin_memory() raises for device tensors).
-        return _finish(torch.stack(list(batch), 0), allocator)
+        return _finish(torch.stack(tensors, 0), allocator)
     if as_worker:
         # torch's worker: out= of the first sample's dtype, contiguous (point 2).
-        shape = (len(batch), *elem.shape)
-        if elem.numel() * len(batch) * elem.element_size() < getattr(allocator, "fresh_below", 0):
+        if elem.nbytes * len(batch) < getattr(allocator, "fresh_below", 0):
             # Memory from anywhere will do: a plain stack is that result, checked on the one
             # output (a separate empty() costs ~2 us a tensor), unless promotion, autograd or
             # a kept layout made it differ; then the out= stack gives torch's result or error.
-            stacked = torch.stack(list(batch), 0)
+            stacked = torch.stack(tensors, 0)
             if (
                 stacked.dtype == elem.dtype
                 and not stacked.requires_grad
                 and stacked.is_contiguous()
             ):
                 return stacked
-        return torch.stack(list(batch), 0, out=allocator(shape, elem.dtype))
+        return torch.stack(tensors, 0, out=allocator((len(batch), *elem.shape), elem.dtype))
     dtype = elem.dtype
     same_layout = True
     needs_grad = False
@@ -257,9 +257,9 @@ def _collate_tensors(
     if not same_layout or (needs_grad and torch.is_grad_enabled()):
         # out= refuses autograd inputs, and is contiguous where stack would keep another
         # layout (channels-last samples, transposed views): collate as torch does, then pin.
-        return _finish(torch.stack(list(batch), 0), allocator)
+        return _finish(torch.stack(tensors, 0), allocator)
     out = allocator((len(batch), *elem.shape), dtype)
-    return torch.stack(list(batch), 0, out=out)
+    return torch.stack(tensors, 0, out=out)
 
 
 def _collate_numpy_arrays(batch: Sequence[Any], allocator: Allocator, as_worker: bool) -> Any:

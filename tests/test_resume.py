@@ -277,6 +277,58 @@ def test_bad_states_raise_naming_the_mismatch() -> None:
         ThreadDataLoader(StatefulShards(), batch_size=2, num_workers=3).load_state_dict(mid)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("in_progress", "no", "in_progress must be a bool"),
+        ("epoch", -5, "epoch must be an int >= 0"),
+        ("epoch", torch.tensor(3), "epoch must be an int"),
+        ("next_worker", -1, "next_worker must be an int >= 0"),
+        ("batches_yielded", True, "batches_yielded must be an int"),
+        ("base_seed", None, "base_seed must be an int"),
+        ("rng_state", torch.zeros(3, dtype=torch.uint8), "not a global RNG state"),
+    ],
+)
+def test_malformed_fields_raise_before_anything_changes(key: str, value: Any, match: str) -> None:
+    """A field of the wrong type or range raises ValueError naming it, before the sampler's
+    epoch or state is touched (a TypeError used to come after set_epoch had run)."""
+    source = ThreadDataLoader(Ids(20), batch_size=4, sampler=ShuffleSampler(20, seed=1))
+    it = iter(source)
+    next(it)
+    state = {**source.state_dict(), key: value}
+    del it
+    target = ThreadDataLoader(Ids(20), batch_size=4, sampler=ShuffleSampler(20, seed=1))
+    target.sampler.set_epoch(7)
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(state)
+    assert target.sampler.epoch == 7 and target.sampler.state_dict()["cursor"] == 0
+
+
+def test_a_mid_epoch_state_needs_the_same_batches_to_resume_a_torch_sampler() -> None:
+    """A torch sampler's position counts batches: another batch size (or sampler type) would
+    resume elsewhere, silently; it raises. ShuffleSampler keeps a cursor in samples and
+    resumes across the change."""
+    loader = ThreadDataLoader(Ids(40), batch_size=4, shuffle=True)
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict()
+    del it
+    with pytest.raises(ValueError, match="batch_size=4, this loader has batch_size=8"):
+        ThreadDataLoader(Ids(40), batch_size=8, shuffle=True).load_state_dict(state)
+    with pytest.raises(ValueError, match="RandomSampler sampler, this loader samples with"):
+        ThreadDataLoader(Ids(40), batch_size=4).load_state_dict(state)
+    source = ThreadDataLoader(Ids(40), batch_size=4, sampler=ShuffleSampler(40, seed=2))
+    it = iter(source)
+    seen = [x for _ in range(2) for x in next(it).tolist()]
+    state = source.state_dict()
+    del it
+    wider = ThreadDataLoader(Ids(40), batch_size=8, sampler=ShuffleSampler(40, seed=2))
+    wider.load_state_dict(state)
+    rest = [x for b in wider for x in b.tolist()]
+    assert sorted(seen + rest) == list(range(40))
+
+
 def test_replayed_sampler_refuses_another_world_size(monkeypatch) -> None:
     """A torch sampler cannot resume on another world size; the error says why."""
     loader = ThreadDataLoader(Ids(40), batch_size=4, shuffle=True)
@@ -508,3 +560,72 @@ def test_a_caught_worker_error_counts_as_a_used_batch_in_the_state(
     resumed.load_state_dict(state)
     rest = [int(b) for b in resumed]
     assert sorted(seen + rest) == [i for i in range(16) if i != 5]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("sampler_kind", ["torch", "shuffle"])
+def test_a_state_taken_after_the_last_batch_starts_the_next_epoch(
+    num_workers: int, sampler_kind: str
+) -> None:
+    """Lightning checkpoints at the epoch's last step, before next() raises StopIteration: the
+    state must start the next epoch (it resumed the finished one, empty, and the next epoch
+    was lost), whose batches equal an uninterrupted run's second epoch."""
+
+    def make() -> ThreadDataLoader[Any]:
+        dataset = Ids(24)
+        if sampler_kind == "shuffle":
+            return ThreadDataLoader(
+                dataset,
+                batch_size=4,
+                sampler=ShuffleSampler(dataset, seed=5),
+                num_workers=num_workers,
+            )
+        generator = torch.Generator().manual_seed(5)
+        return ThreadDataLoader(
+            dataset, batch_size=4, shuffle=True, generator=generator, num_workers=num_workers
+        )
+
+    def epoch(loader: Any, number: int) -> list[list[int]]:
+        if sampler_kind == "shuffle":
+            loader.sampler.set_epoch(number)  # as a trainer does
+        return [b.tolist() for b in loader]
+
+    reference = make()
+    epochs = [epoch(reference, 0), epoch(reference, 1)]
+    loader = make()
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(6)]  # every batch; StopIteration not yet raised
+    state = loader.state_dict()
+    assert state["in_progress"] is False
+    assert first == epochs[0]
+    with pytest.raises(StopIteration):
+        next(it)  # the peek at the end kept the stream as it was: nothing more, nothing lost
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert epoch(resumed, 1) == epochs[1]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_loaded_and_not_yet_started_is_what_state_dict_returns(num_workers: int) -> None:
+    """Saved again before the first batch of the resumed epoch (a preemption right after a
+    restart), the state is the loaded one, and resuming from it resumes the same epoch."""
+
+    def make() -> ThreadDataLoader[Any]:
+        generator = torch.Generator().manual_seed(9)
+        return ThreadDataLoader(
+            Ids(40), batch_size=4, shuffle=True, generator=generator, num_workers=num_workers
+        )
+
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    restarted = make()
+    restarted.load_state_dict(state)
+    again = restarted.state_dict()
+    assert again["position"] == 3 and again["in_progress"] is True
+    assert torch.equal(again["rng_state"], state["rng_state"])
+    final = make()
+    final.load_state_dict(again)
+    assert head + [b.tolist() for b in final] == head + rest

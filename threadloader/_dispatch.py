@@ -41,6 +41,7 @@ from threadloader._state import (
     Resume,
     begin_pass,
     dataset_is_stateful,
+    stream_has_more,
     warn_replay,
 )
 from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
@@ -94,6 +95,16 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _abandon(self) -> None:
         """End the epoch now (Ctrl-C); waiting at most briefly. ``close()`` unless overridden."""
         self.close()
+
+    def epoch_complete(self) -> bool:
+        """Every batch of this map-style epoch was delivered, though ``next()`` has not raised
+        ``StopIteration`` yet (``state_dict()`` then describes the next epoch).
+
+        May draw the next index to find out; a drawn one is kept for its turn (``Predrawn``).
+        """
+        if not self._map_style or self._progress.exhausted or self._task_info:
+            return False
+        return not stream_has_more(self)
 
     @property
     def closed(self) -> bool:

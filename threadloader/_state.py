@@ -223,6 +223,22 @@ class Predrawn(Iterator[Any]):
         return next(self.rest)
 
 
+def stream_has_more(it: Any) -> bool:
+    """Whether the iterator's index stream ``it._sampler_iter`` has another item.
+
+    Draws it to find out, and keeps it for its turn (``Predrawn``): the stream is unchanged.
+    """
+    stream = it._sampler_iter
+    if isinstance(stream, Predrawn) and stream.head:
+        return True
+    try:
+        head = next(stream)
+    except StopIteration:
+        return False
+    it._sampler_iter = Predrawn([head], stream)
+    return True
+
+
 def _skipping(stream: Iterator[Any], offsets: list[int]) -> Iterator[Any]:
     """``stream`` without its items at ``offsets`` (sorted): batches delivered before the save."""
     for offset, item in enumerate(stream):
@@ -240,11 +256,15 @@ def warn_replay(dataset: Any, batches: int) -> None:
     )
 
 
-def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
-    """The state of ``loader`` as of the batches its training loop received (point 1)."""
+def build_state(loader: Any, progress: Progress | None, complete: bool = False) -> dict[str, Any]:
+    """The state of ``loader`` as of the batches its training loop received (point 1).
+
+    ``complete``: every batch of the epoch was delivered, though ``next()`` has not raised
+    ``StopIteration`` yet; the state then starts the next epoch, as after the end.
+    """
     world_size, rank = _get_distributed_settings()
     kind = _KINDS[loader._dataset_kind]
-    fresh = progress is None or progress.exhausted or progress.rng_state is None
+    fresh = progress is None or progress.exhausted or progress.rng_state is None or complete
     batches = 0 if fresh or progress is None else progress.batches
     map_style = kind == "map"
     # Point 7: where a map-style stream resumes (an iterable one resumes by its batch count).
@@ -277,6 +297,8 @@ def build_state(loader: Any, progress: Progress | None) -> dict[str, Any]:
         "base_seed": base_seed,
         "rng_source": source,
         "rng_state": rng_state.clone(),
+        "batch_size": loader.batch_size,
+        "sampler_type": _type_name(loader.sampler),
         "sampler": sampler_state,
         "sampler_epoch": _sampler_epoch(loader),
         "dataset_kind": kind,
@@ -299,6 +321,18 @@ def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
     if not states or all(s is None for s in states):
         return None
     return [as_plain(s) if s is not None else None for s in states]
+
+
+def _type_name(obj: Any) -> str:
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _check_int(state: Mapping[str, Any], key: str, minimum: int | None = 0) -> None:
+    value = state[key]
+    if type(value) is not int or (minimum is not None and value < minimum):
+        wanted = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ValueError(f"loader state {key} must be {wanted}, got {value!r}")
 
 
 def _sampler_epoch(loader: Any) -> int | None:
@@ -340,6 +374,28 @@ _REQUIRED = (
 )
 
 
+def _check_same_batches(loader: Any, state: Mapping[str, Any], positional: bool) -> None:
+    """A mid-epoch position counts batches of the saving loader's sampler and batch size.
+
+    ``threadloader.samplers`` save a cursor in samples, so they resume across a change of
+    batch size; any other sampler resumes at ``position`` batches of *this* loader, which is the
+    same place only with the same batch size. States saved before these keys existed pass.
+    """
+    saved_type = state.get("sampler_type")
+    if saved_type is not None and saved_type != _type_name(loader.sampler):
+        raise ValueError(
+            f"loader state was saved mid-epoch with a {saved_type} sampler, this loader samples "
+            f"with {_type_name(loader.sampler)}: it would resume somewhere else"
+        )
+    saved_size = state.get("batch_size", loader.batch_size)
+    if not positional and saved_size != loader.batch_size:
+        raise ValueError(
+            f"loader state was saved mid-epoch with batch_size={saved_size}, this loader has "
+            f"batch_size={loader.batch_size}: its position counts batches of the other size "
+            "(threadloader.samplers resume across a batch size change)"
+        )
+
+
 def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     """Check ``state`` against ``loader`` and turn it into a pending resume.
 
@@ -357,6 +413,12 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             f"loader state has format version {state['version']!r}; this threadloader reads "
             f"version {STATE_VERSION}"
         )
+    # Types first: nothing (a sampler's epoch, its state) is changed by a state that fails.
+    for key in ("epoch", "batches_yielded", "num_workers", "next_worker"):
+        _check_int(state, key)
+    _check_int(state, "base_seed", minimum=None)
+    if type(state["in_progress"]) is not bool:
+        raise ValueError(f"loader state in_progress must be a bool, got {state['in_progress']!r}")
     kind = _KINDS[loader._dataset_kind]
     if state["dataset_kind"] != kind:
         raise ValueError(f"loader state is for a {state['dataset_kind']} dataset, this is {kind}")
@@ -378,6 +440,15 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         )
     if not isinstance(state["rng_state"], torch.Tensor):
         raise ValueError("loader state rng_state must be a tensor")  # noqa: TRY004
+    expected_rng = snapshot_rng(loader)[1]
+    if state["rng_state"].dtype != expected_rng.dtype or state["rng_state"].shape != (
+        expected_rng.shape
+    ):
+        raise ValueError(
+            f"loader state rng_state is a {state['rng_state'].dtype} tensor of shape "
+            f"{tuple(state['rng_state'].shape)}, not a {state['rng_source']} RNG state "
+            f"({expected_rng.dtype}, {tuple(expected_rng.shape)})"
+        )
     # Point 7; states saved before these keys existed resume at their batch count.
     position = state.get("position", batches)
     skips = state.get("delivered_ahead") or []
@@ -396,6 +467,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     positional = positional_sampler(loader)
     world_size, _ = _get_distributed_settings()
     replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
+    if state["in_progress"] and kind == "map":
+        _check_same_batches(loader, state, positional is not None)
     if replay_indices and state["world_size"] != world_size:
         raise ValueError(
             f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "

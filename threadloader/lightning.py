@@ -33,7 +33,9 @@ Where Lightning and a stateful loader meet, and what follows:
   ``Trainer(use_distributed_sampler=False)``; otherwise Lightning wraps it in its
   ``DistributedSamplerWrapper``, which materialises every index and deals them out again by rank.
 - A checkpoint taken at the end of an epoch does not restore loader state (Lightning's choice):
-  the next epoch starts from the sampler's ``set_epoch``, as with torch's DataLoader.
+  the next epoch starts from the sampler's ``set_epoch``, as with torch's DataLoader. One taken
+  at the epoch's last step (``every_n_train_steps``), when every batch was delivered but
+  ``next()`` has not raised ``StopIteration`` yet, holds a state that starts the next epoch.
 - ``seed_everything(workers=True)`` makes Lightning set every loader's ``worker_init_fn`` to one
   that reseeds the process-global RNGs; a ThreadDataLoader runs ``for_threads`` of it instead
   (``thread_worker_init_fn``), when an epoch's workers start.

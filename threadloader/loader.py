@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 import weakref
@@ -156,6 +157,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         )
         self._epochs_started = 0
         self._resume: Resume | None = None
+        self._pending_state: dict[str, Any] | None = None  # loaded, and no iter() since
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         self._host_epoch: weakref.ref[Any] | None = None
         self._stats: EpochStats | None = None  # likewise
@@ -169,6 +171,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._iterator.close()  # type: ignore[attr-defined]
             self._iterator = None
         self._epochs_started += 1
+        self._pending_state = None  # this epoch starts from it: its own progress says the rest
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         it: Any = super().__iter__()
@@ -269,9 +272,21 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         Returns:
             The state of the current (or last) epoch; a state taken after an epoch ended makes
-            the next ``iter()`` start the following epoch.
+            the next ``iter()`` start the following epoch, and so does one taken after the
+            epoch's last batch was delivered, before ``next()`` raised ``StopIteration``
+            (Lightning checkpoints at the last step of an epoch so). While a loaded state is
+            waiting for ``iter()``, that state.
         """
-        return build_state(self, self._progress)
+        if self._pending_state is not None:
+            return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
+        epoch = self._host_epoch() if self._host_epoch is not None else None
+        complete = (
+            self.device is None
+            and epoch is not None
+            and self._progress is epoch._progress
+            and epoch.epoch_complete()
+        )
+        return build_state(self, self._progress, complete=complete)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).
@@ -292,6 +307,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         resume = parse_state(self, state)
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
+        self._pending_state = copy.deepcopy(dict(state))
         if not state["in_progress"] and state["rng_source"] == "generator":
             self.generator.set_state(state["rng_state"])
 

@@ -600,6 +600,37 @@ def test_batches_larger_than_the_slots_grow_the_ring_and_arrive_intact() -> None
             assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+def views_and_odd_arrays(items: list[Any]) -> dict[str, Any]:
+    """A collate_fn whose leaves share memory, plus a 0-d and a Fortran-ordered array."""
+    tokens = torch.tensor([int(i) for i in items])
+    return {
+        "tokens": tokens,
+        "inputs": tokens[:-1],
+        "targets": tokens[1:],
+        "total": np.array(float(sum(int(i) for i in items))),
+        "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3) + int(items[0])),
+    }
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_leaves_sharing_memory_still_share_it_and_arrays_keep_their_shape(
+    isolation: str | None,
+) -> None:
+    """Views of one tensor arrive as views of one tensor (an in-place change shows in all, as
+    in-process and through torch's workers); a 0-d array stays 0-d, Fortran order stays."""
+    loader = ThreadDataLoader(
+        Ids(12), batch_size=4, num_workers=2, collate_fn=views_and_odd_arrays, isolation=isolation
+    )
+    for batch in loader:
+        first = int(batch["tokens"][0])
+        assert batch["total"].shape == () and float(batch["total"]) == 4 * first + 6
+        assert batch["fortran"].flags.f_contiguous and not batch["fortran"].flags.c_contiguous
+        assert np.array_equal(batch["fortran"], np.arange(6.0).reshape(2, 3) + first)
+        batch["tokens"].mul_(10)
+        assert batch["inputs"].tolist() == [10 * (first + k) for k in range(3)]
+        assert batch["targets"].tolist() == [10 * (first + k) for k in range(1, 4)]
+
+
 def test_a_delivered_batch_is_writable_and_its_own() -> None:
     """Writing into a delivered batch changes neither the next batches nor the dataset."""
     iterator = iter(IsolatedLoader(Ids(40), batch_size=4, num_workers=2))

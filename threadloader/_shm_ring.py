@@ -346,7 +346,8 @@ class Packed(NamedTuple):
         key: the slot holding the batch's arrays; None when it has none (all pickled).
         payload: the batch pickled, each placed tensor / array replaced by its layout index.
         layout: per placed leaf: ``(kind, offset, dtype, shape, stride)``; ``kind`` is "t" for a
-            tensor (stride in elements) or "n" for a C-contiguous numpy array.
+            tensor (stride in elements) or "n" for a numpy array (C order when ``stride`` is
+            empty, else its strides in bytes: Fortran order).
     """
 
     key: SlotKey | None
@@ -444,7 +445,7 @@ def pack(data: Any, ring: RingWriter, allocator: SlotAllocator | None) -> Packed
         slot, used = allocator.slot, allocator.used
     layout = _place(leaves, slot, used)
     if layout is None:  # did not fit (or no slot yet): every leaf goes to a big enough slot
-        needed = sum(_round_up(_nbytes(leaf), ALIGN) for leaf in leaves)
+        needed = _plan(leaves, None, 0, copy_all=True)[3]
         slot = ring.acquire(needed)
         assert slot is not None
         layout = _place(leaves, slot, 0, copy_all=True)
@@ -455,31 +456,76 @@ def pack(data: Any, ring: RingWriter, allocator: SlotAllocator | None) -> Packed
     return Packed(slot.key, buf.getvalue(), tuple(layout))
 
 
+def _byte_offset(t: torch.Tensor) -> int:
+    """Where ``t`` starts in its storage, in bytes."""
+    return int(t.storage_offset()) * t.element_size()
+
+
 def _nbytes(leaf: Any) -> int:
     if isinstance(leaf, torch.Tensor):
         return leaf.numel() * leaf.element_size()
     return int(leaf.nbytes)
 
 
-def _place(
-    leaves: list[Any], slot: Slot | None, used: int, copy_all: bool = False
-) -> list[Layout] | None:
-    """Where each leaf lives in ``slot``, copying in those not there yet; None if they don't fit."""
-    if slot is None:
-        return None
-    plan: list[tuple[Any, int, bool]] = []  # (leaf, offset, needs copy)
-    for leaf in leaves:
+_Plan = tuple[list[tuple[Any, int, bool]], dict[int, tuple[int, int, int]], dict[int, Any], int]
+
+
+def _plan(leaves: list[Any], slot: Slot | None, used: int, copy_all: bool) -> _Plan:
+    """Where each leaf goes: ``(leaf, offset, needs its own copy)``, the shared spans, and the
+    bytes used. Tensors already in ``slot`` stay where they are (unless ``copy_all``)."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    inside: dict[int, int | None] = {}
+    for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            offset = None if copy_all else _inside(leaf, slot)
+            inside[i] = None if copy_all or slot is None else _inside(leaf, slot)
+            if inside[i] is None and leaf.numel():
+                groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(leaf)
+    spans: dict[int, tuple[int, int, int]] = {}  # storage -> (slot offset, first byte, end byte)
+    plan: list[tuple[Any, int, bool]] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            offset = inside[i]
             if offset is not None:
                 plan.append((leaf, offset, False))
+                continue
+            key = leaf.untyped_storage().data_ptr() if leaf.numel() else None
+            shared = groups.get(key) if key is not None else None
+            if key is not None and shared is not None and len(shared) > 1:
+                if key not in spans:
+                    first = min(_byte_offset(t) for t in shared)
+                    first -= first % ALIGN  # keeps every view's alignment
+                    end = max(_byte_offset(t) + _tensor_span(t) for t in shared)
+                    start = _round_up(used, ALIGN)
+                    used = start + end - first
+                    spans[key] = (start, first, end)
+                start, first, _ = spans[key]
+                plan.append((leaf, start + _byte_offset(leaf) - first, False))
                 continue
         start = _round_up(used, ALIGN)
         used = start + _nbytes(leaf)
         plan.append((leaf, start, True))
+    sources = {key: groups[key][0] for key in spans}
+    return plan, spans, sources, used
+
+
+def _place(
+    leaves: list[Any], slot: Slot | None, used: int, copy_all: bool = False
+) -> list[Layout] | None:
+    """Where each leaf lives in ``slot``, copying in those not there yet; None if they don't fit.
+
+    Tensors that view one storage (``tokens`` and ``tokens[:-1]``) are placed as one copy of
+    the bytes they span and keep their strides, so they still share memory on the other side,
+    as they do in-process and through torch's worker processes.
+    """
+    if slot is None:
+        return None
+    plan, spans, sources, used = _plan(leaves, slot, used, copy_all)
     if used > slot.nbytes:
         return None
     view = slot.bytes_view()
+    for key, (start, first, end) in spans.items():
+        raw = torch.empty(0, dtype=torch.uint8).set_(sources[key].untyped_storage())
+        view[start : start + end - first].copy_(raw[first:end])
     layout: list[Layout] = []
     for leaf, offset, needs_copy in plan:
         if isinstance(leaf, torch.Tensor):
@@ -489,12 +535,16 @@ def _place(
                 dst = view[offset:end].view(leaf.dtype).as_strided(leaf.shape, stride)
                 dst.copy_(leaf)
             layout.append(("t", offset, leaf.dtype, tuple(leaf.shape), stride))
-        else:
-            array = np.ascontiguousarray(leaf)
-            if array.nbytes:
-                dst_np = view[offset : offset + array.nbytes].numpy()
-                dst_np[:] = array.reshape(-1).view(np.uint8)
-            layout.append(("n", offset, array.dtype.str, tuple(array.shape), ()))
+            continue
+        # numpy: C order, or F order as it is (a transposed batch stays so); 0-d stays 0-d.
+        fortran = leaf.flags.f_contiguous and not leaf.flags.c_contiguous
+        array = leaf if fortran else np.ascontiguousarray(leaf)
+        if array.nbytes:
+            dst_np = view[offset : offset + array.nbytes].numpy()
+            dst_np[:] = array.ravel(order="A").view(np.uint8)
+        layout.append(
+            ("n", offset, array.dtype.str, tuple(leaf.shape), leaf.strides if fortran else ())
+        )
     return layout
 
 
@@ -568,9 +618,12 @@ class RingReader:
                 leaf = typed.as_strided(shape, stride, offset // typed.element_size())
             else:
                 np_dtype = np.dtype(dtype)
-                count = int(np.prod(shape, dtype=np.int64))
-                end = offset + count * np_dtype.itemsize
-                leaf = owner[offset:end].view(np_dtype).reshape(shape)
+                if stride:  # Fortran order, kept
+                    leaf = np.ndarray(shape, np_dtype, buffer=owner, offset=offset, strides=stride)
+                else:
+                    count = int(np.prod(shape, dtype=np.int64))
+                    end = offset + count * np_dtype.itemsize
+                    leaf = owner[offset:end].view(np_dtype).reshape(shape)
             loaded[index] = leaf
             return leaf
 

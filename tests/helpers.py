@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import itertools
 import re
+import signal
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -250,3 +253,17 @@ def assert_resumes_exactly(make: Callable[[], Any], cut: int) -> None:
     assert len(got) == len(reference)
     for mine, want in zip(got, reference, strict=True):
         assert_batches_equal(mine, want)
+
+
+def interrupted_next(iterator: Iterator[Any], after_s: float = 0.1) -> None:
+    """Call ``next(iterator)`` and press Ctrl-C (SIGINT to the main thread) ``after_s`` into
+    the wait; assert that ``KeyboardInterrupt`` came out of ``next()``."""
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(after_s, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(iterator)
+    finally:
+        timer.join()

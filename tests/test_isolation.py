@@ -35,6 +35,7 @@ from helpers import (
     assert_same_multiset,
     collect,
     collect_epochs,
+    interrupted_next,
     outcomes,
     torch_epochs,
     torch_outcomes,
@@ -685,15 +686,7 @@ def test_keyboard_interrupt_while_waiting_ends_the_helper() -> None:
     """Ctrl-C while next() waits for a slow batch raises KeyboardInterrupt and ends the helper."""
     iterator = iter(IsolatedLoader(SlowItems(delay=0.2), batch_size=8, num_workers=2))
     pid = iterator.helper_pid  # type: ignore[attr-defined]
-    main = threading.main_thread().ident
-    assert main is not None
-    timer = threading.Timer(0.3, signal.pthread_kill, args=(main, signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            next(iterator)
-    finally:
-        timer.join()
+    interrupted_next(iterator, after_s=0.3)
     assert _helpers() == [] and _gone(pid)
     with pytest.raises(RuntimeError, match="was closed"):
         next(iterator)

@@ -440,18 +440,21 @@ def _items(batches: list[Any]) -> list[int]:
     return [int(x) for b in batches for x in (b if isinstance(b, torch.Tensor) else [b])]
 
 
+def _sampler(kind: str, dataset: Any, seed: int) -> Any:
+    """None (sequential), our positional ShuffleSampler, or torch's replayed RandomSampler."""
+    if kind == "sequential":
+        return None
+    if kind == "shuffle":
+        return ShuffleSampler(dataset, seed=seed)
+    return torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+
+
 def _out_of_order_loader(sampler_kind: str, num_workers: int, **kwargs: Any) -> Any:
     """Batches of 2 of 24 items; the epoch's first batch is slow when ``slow_first``."""
     slow_first = kwargs.pop("slow_first", False)
 
     def make(dataset: SlowItems, **extra: Any) -> Any:
-        sampler = {
-            "sequential": None,
-            "shuffle": ShuffleSampler(dataset, seed=3),
-            "torch": torch.utils.data.RandomSampler(
-                dataset, generator=torch.Generator().manual_seed(3)
-            ),
-        }[sampler_kind]
+        sampler = _sampler(sampler_kind, dataset, seed=3)
         return ThreadDataLoader(dataset, batch_size=2, sampler=sampler, **extra)
 
     slow = frozenset(_items([next(iter(make(SlowItems())))])) if slow_first else frozenset()
@@ -534,13 +537,7 @@ def test_a_caught_worker_error_counts_as_a_used_batch_in_the_state(
 
     def make(workers: int, **kwargs: Any) -> Any:
         dataset = FailsAt()
-        sampler = {
-            "sequential": None,
-            "shuffle": ShuffleSampler(dataset, seed=1),
-            "torch": torch.utils.data.RandomSampler(
-                dataset, generator=torch.Generator().manual_seed(1)
-            ),
-        }[sampler_kind]
+        sampler = _sampler(sampler_kind, dataset, seed=1)
         return ThreadDataLoader(
             dataset, batch_size=1, sampler=sampler, num_workers=workers, **kwargs
         )

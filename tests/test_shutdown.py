@@ -7,7 +7,6 @@ exception, ``KeyboardInterrupt`` while waiting, a worker stuck in slow user code
 from __future__ import annotations
 
 import gc
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import time
 
 import pytest
 import torch
+from helpers import interrupted_next
 from torch.utils.data import Dataset, IterableDataset
 
 from threadloader import ThreadDataLoader, _exit_hook, _workers
@@ -138,15 +138,7 @@ def test_keyboard_interrupt_while_waiting_ends_the_threads() -> None:
     """Ctrl-C while next() waits for a slow batch raises KeyboardInterrupt; the threads end."""
     loader = ThreadDataLoader(Squares(delay=0.2), batch_size=8, num_workers=2)
     it = iter(loader)
-    main = threading.main_thread().ident
-    assert main is not None
-    timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            next(it)
-    finally:
-        timer.join()
+    interrupted_next(it)
     assert _wait_for_no_threads() == []  # each finishes the item it was in, then exits
     with pytest.raises(RuntimeError, match="was closed"):
         next(it)
@@ -170,15 +162,7 @@ def test_keyboard_interrupt_does_not_wait_for_a_worker_stuck_in_user_code(monkey
     # timeout > 0: the training thread never makes the batch itself, a worker does.
     it = iter(ThreadDataLoader(Stuck(), batch_size=4, num_workers=2, timeout=60))
     assert entered.wait(10)
-    main = threading.main_thread().ident
-    assert main is not None
-    timer = threading.Timer(0.1, signal.pthread_kill, args=(main, signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            next(it)
-    finally:
-        timer.join()
+    interrupted_next(it)
     assert not left.is_set()  # raised while the read was still running, not after it
     assert any(isinstance(o, _workers.WorkerPool) for o in _exit_hook._live)
     release.set()

@@ -623,3 +623,25 @@ def test_a_state_loaded_and_not_yet_started_is_what_state_dict_returns(num_worke
     final = make()
     final.load_state_dict(again)
     assert head + [b.tolist() for b in final] == head + rest
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_dict_reads_nothing_ahead(num_workers: int) -> None:
+    """state_dict() after every batch changes neither the batches (the global RNG a sampler
+    seeds from is not drawn earlier) nor the cost of next() (nothing piles up per call)."""
+
+    def batches(save_each: bool) -> list[list[int]]:
+        torch.manual_seed(0)
+        loader = ThreadDataLoader(
+            list(range(3000)), batch_size=2, shuffle=True, num_workers=num_workers
+        )
+        it = iter(loader)
+        out = []
+        for _ in range(1500):
+            if save_each:
+                loader.state_dict()
+            torch.rand(1)  # the training step's own use of the global RNG
+            out.append(next(it).tolist())
+        return out
+
+    assert batches(save_each=True) == batches(save_each=False)

@@ -41,7 +41,6 @@ from threadloader._state import (
     Resume,
     begin_pass,
     dataset_is_stateful,
-    stream_has_more,
     warn_replay,
 )
 from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
@@ -57,6 +56,9 @@ def prefetch_factor(loader: Any) -> int:
         AssertionError: it is not positive (torch's error and message).
     """
     factor = loader.prefetch_factor
+    if factor is not None and not isinstance(factor, int):
+        # torch fails later, on range() of a float; say which argument it is
+        raise TypeError(f"prefetch_factor must be an int, got {factor!r}")
     if factor is None:
         raise TypeError(
             f"prefetch_factor is None with num_workers={loader.num_workers}: the constructor "
@@ -95,16 +97,6 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _abandon(self) -> None:
         """End the epoch now (Ctrl-C); waiting at most briefly. ``close()`` unless overridden."""
         self.close()
-
-    def epoch_complete(self) -> bool:
-        """Every batch of this map-style epoch was delivered, though ``next()`` has not raised
-        ``StopIteration`` yet (``state_dict()`` then describes the next epoch).
-
-        May draw the next index to find out; a drawn one is kept for its turn (``Predrawn``).
-        """
-        if not self._map_style or self._progress.exhausted or self._task_info:
-            return False
-        return not stream_has_more(self)
 
     @property
     def closed(self) -> bool:

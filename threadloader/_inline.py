@@ -19,7 +19,6 @@ from threadloader._state import (
     Resume,
     begin_pass,
     dataset_is_stateful,
-    stream_has_more,
     warn_replay,
 )
 from threadloader._timing import StageRecorder
@@ -79,13 +78,6 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
 
     def close(self) -> None:
         """Nothing to stop: batches are made in the calling thread."""
-
-    def epoch_complete(self) -> bool:
-        """Every batch of this map-style epoch was delivered, though ``next()`` has not raised
-        ``StopIteration`` yet (``state_dict()`` then describes the next epoch)."""
-        if not self._map_style or self._progress.exhausted:
-            return False
-        return not stream_has_more(self)
 
     def redispatch(self) -> None:
         """The sampler was rewound to the delivered position (a live mixture-weight change):

@@ -95,6 +95,8 @@ class Progress:
     # The position this iterator's index stream starts at, and the later ones it skips.
     pass_start: int = 0
     pass_skips: tuple[int, ...] = ()
+    # Batches a positional sampler's resumed pass yields (its remaining() as the pass began).
+    pass_total: int | None = None
 
     def pass_positions(self) -> int:
         """Positions drawn from the sampler's current pass and behind the loop, in order."""
@@ -176,6 +178,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.resumed_batches = 0
     progress.done = progress.pass_start = 0
     progress.ahead = progress.pass_skips = ()
+    progress.pass_total = None
     if resume is None:
         progress.base_seed = int(it._base_seed)
         progress.rng_source, progress.rng_state = snapshot_rng(loader)
@@ -202,6 +205,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.ahead = progress.pass_skips = resume.skips
     if positional_sampler(loader) is not None:
         progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
+        progress.pass_total = _resumed_pass_batches(loader)
     if resume.skips:
         sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
     return sampler_iter
@@ -223,20 +227,58 @@ class Predrawn(Iterator[Any]):
         return next(self.rest)
 
 
-def stream_has_more(it: Any) -> bool:
-    """Whether the iterator's index stream ``it._sampler_iter`` has another item.
+def epoch_complete(loader: Any, progress: Progress) -> bool:
+    """Every batch of this map-style epoch was delivered, though ``next()`` may not have raised
+    ``StopIteration`` yet (Lightning checkpoints at the epoch's last step so).
 
-    Draws it to find out, and keeps it for its turn (``Predrawn``): the stream is unchanged.
+    Counted, never probed (drawing ahead would move the sampler's RNG draws): the pass's length
+    is the index sampler's ``len()`` (a whole epoch, also for a replayed resume), or for a
+    positional sampler resumed mid-pass its ``remaining()`` indices in batches, read as the pass
+    began. Unknown lengths answer False (the state stays in progress, as before).
+    """
+    if loader._dataset_kind != _DatasetKind.Map or progress.exhausted or progress.ahead:
+        return False
+    if progress.resumed_batches:
+        total = progress.pass_total
+    else:
+        try:
+            total = len(loader._index_sampler)
+        except TypeError:  # a sampler without len()
+            return False
+    return total is not None and progress.done - progress.resumed_batches >= total
+
+
+def _resumed_pass_batches(loader: Any) -> int | None:
+    """Batches a positional sampler's pass yields, read as it begins (None: it cannot say)."""
+    positional = positional_sampler(loader)
+    if positional is None:
+        return None
+    sampler, per_batch = positional
+    remaining = getattr(sampler, "remaining", None)
+    if not callable(remaining):
+        return None
+    indices = int(remaining())
+    if per_batch == 1:
+        return indices
+    return indices // per_batch if loader._index_sampler.drop_last else -(-indices // per_batch)
+
+
+def stream_ended(it: Any) -> bool:
+    """Whether the iterator's index stream ``it._sampler_iter`` is at its end, ending it.
+
+    Called only once every batch was counted delivered (``epoch_complete``): the draw runs what
+    the sampler does when it ends. A stream that still yields keeps that item for its turn
+    (``Predrawn``), and is asked no more while it holds one.
     """
     stream = it._sampler_iter
     if isinstance(stream, Predrawn) and stream.head:
-        return True
+        return False
     try:
         head = next(stream)
     except StopIteration:
-        return False
+        return True
     it._sampler_iter = Predrawn([head], stream)
-    return True
+    return False
 
 
 def _skipping(stream: Iterator[Any], offsets: list[int]) -> Iterator[Any]:
@@ -388,11 +430,12 @@ def _check_same_batches(loader: Any, state: Mapping[str, Any], positional: bool)
             f"with {_type_name(loader.sampler)}: it would resume somewhere else"
         )
     saved_size = state.get("batch_size", loader.batch_size)
-    if not positional and saved_size != loader.batch_size:
+    if saved_size != loader.batch_size and (not positional or state.get("delivered_ahead")):
         raise ValueError(
             f"loader state was saved mid-epoch with batch_size={saved_size}, this loader has "
             f"batch_size={loader.batch_size}: its position counts batches of the other size "
-            "(threadloader.samplers resume across a batch size change)"
+            "(threadloader.samplers resume across a batch size change, unless batches were "
+            "delivered out of order before the save)"
         )
 
 

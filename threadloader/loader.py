@@ -20,7 +20,14 @@ from threadloader._inline import InlineDataLoaderIter
 from threadloader._isolation import IsolatedDataLoaderIter, check_isolation
 from threadloader._iterator import ThreadedDataLoaderIter
 from threadloader._recycle import RecyclingAllocator
-from threadloader._state import Progress, Resume, build_state, parse_state
+from threadloader._state import (
+    Progress,
+    Resume,
+    build_state,
+    epoch_complete,
+    parse_state,
+    stream_ended,
+)
 from threadloader.memory import BufferPool
 from threadloader.stats import EpochStats, LoaderStats
 
@@ -253,8 +260,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             )
         if epoch._progress.ahead:
             raise ValueError(
-                "set_mixture_weights cannot rewind this epoch: it resumed from a state saved "
-                "with in_order=False, and batches after the current one were already delivered"
+                "set_mixture_weights cannot rewind this epoch: batches after the current one "
+                "were already delivered out of order (in_order=False, now or in the state it "
+                "resumed from)"
             )
         consumed = epoch._progress.pass_positions() * (self.batch_size or 1)
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
@@ -279,14 +287,15 @@ class ThreadDataLoader(DataLoader[T_co]):
         """
         if self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
-        epoch = self._host_epoch() if self._host_epoch is not None else None
-        complete = (
-            self.device is None
-            and epoch is not None
-            and self._progress is epoch._progress
-            and epoch.epoch_complete()
-        )
-        return build_state(self, self._progress, complete=complete)
+        progress = self._progress
+        complete = self.device is None and progress is not None and epoch_complete(self, progress)
+        if complete:
+            epoch = self._host_epoch() if self._host_epoch is not None else None
+            if epoch is not None and epoch._progress is progress:
+                # Counted complete: let the sampler's iterator end now, as the next next() would
+                # (torch's RandomSampler draws once more from the loader's generator then).
+                complete = stream_ended(epoch)
+        return build_state(self, progress, complete=complete)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).

@@ -239,3 +239,13 @@ def test_workers_set_after_construction_fail_clearly_instead_of_an_empty_epoch()
     reference.num_workers = 2
     with pytest.raises(TypeError):
         next(iter(reference))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_float_prefetch_factor_fails_at_iter_with_a_type_error_like_torch() -> None:
+    """torch accepts prefetch_factor=2.5 in the constructor and fails in iter() (range() of a
+    float); ours fails there too, naming the argument, instead of truncating it to 2."""
+    with pytest.raises(TypeError, match="prefetch_factor must be an int"):
+        next(iter(ThreadDataLoader(Squares(), num_workers=1, prefetch_factor=2.5)))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        next(iter(DataLoader(Squares(), num_workers=1, prefetch_factor=2.5)))  # type: ignore[arg-type]

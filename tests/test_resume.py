@@ -645,3 +645,34 @@ def test_state_dict_reads_nothing_ahead(num_workers: int) -> None:
         return out
 
     assert batches(save_each=True) == batches(save_each=False)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_taken_after_the_last_batch_starts_the_next_epoch_with_device_too(
+    num_workers: int,
+) -> None:
+    """device= (cpu here: the same transfer stage): the last-step state starts a whole next
+    epoch, not an empty one. Its order may differ from an uninterrupted run's: the transfer
+    thread may not have run the sampler to its end (RandomSampler's last draw) yet."""
+
+    def make() -> ThreadDataLoader[Any]:
+        generator = torch.Generator().manual_seed(3)
+        return ThreadDataLoader(
+            Ids(12),
+            batch_size=2,
+            shuffle=True,
+            generator=generator,
+            num_workers=num_workers,
+            device="cpu",
+        )
+
+    reference = make()
+    epochs = [[b.tolist() for b in reference] for _ in range(2)]
+    loader = make()
+    it = iter(loader)
+    assert [next(it).tolist() for _ in range(6)] == epochs[0]
+    state = loader.state_dict()
+    assert state["in_progress"] is False
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert sorted(x for b in resumed for x in b.tolist()) == sorted(x for b in epochs[1] for x in b)

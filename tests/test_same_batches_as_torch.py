@@ -390,3 +390,42 @@ def test_sampler_iter_is_called_as_often_as_by_dataloader(
     theirs = torch_epochs(range(100), epochs=2, batch_sampler=CountingBatchSampler(), **kwargs)
     loader = ThreadDataLoader(range(100), batch_sampler=CountingBatchSampler(), **kwargs)
     assert_epochs_equal(collect_epochs(loader, 2), theirs)
+
+
+class SometimesNone(Numbers):
+    """Item 2 is None: a batch of its own with batch_size=None."""
+
+    def __getitem__(self, index: int) -> Any:
+        return None if index == 2 else super().__getitem__(index)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("num_workers", "isolation"), [(0, None), (1, None), (2, None), (3, None), (2, "process")]
+)
+def test_none_batches_are_delivered_like_dataloader(
+    num_workers: int, isolation: str | None
+) -> None:
+    """None is a batch like any other (a None item with batch_size=None, or a collate_fn that
+    returns None): it was taken for "this worker has nothing" and the epoch hung."""
+    kwargs: dict[str, Any] = {"batch_size": None, "num_workers": num_workers}
+    theirs = torch_epochs(SometimesNone(12), **kwargs)
+    # timeout > 0: workers make every batch (the training thread never makes one itself)
+    timeout = 10 if num_workers else 0
+    ours = collect_epochs(
+        ThreadDataLoader(SometimesNone(12), isolation=isolation, timeout=timeout, **kwargs), 1
+    )
+    assert_epochs_equal(ours, theirs)
+    collated = ThreadDataLoader(
+        Numbers(12),
+        batch_size=3,
+        num_workers=num_workers,
+        collate_fn=collate_to_none,
+        isolation=isolation,
+        timeout=timeout,
+    )
+    assert list(collated) == [None] * 4
+
+
+def collate_to_none(batch: list[Any]) -> None:
+    return None

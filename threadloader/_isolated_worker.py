@@ -49,7 +49,7 @@ from threadloader._concurrency import ConcurrencyController
 from threadloader._shm_ring import Packed, RingWriter, Segment, SlotAllocator, pack
 from threadloader._task_board import EPOCH, TaskBoard
 from threadloader._timing import StageRecorder
-from threadloader._workers import Result, Task, Worker, WorkerSpec
+from threadloader._workers import NOTHING, Result, Task, Worker, WorkerSpec
 from threadloader.memory import pageable_allocator, pinned_collate
 
 # Message tags. Training process -> helper, on the task pipe: ``_task_board``'s TASK and EPOCH.
@@ -279,7 +279,7 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
         with worker.busy:
             worker.initialize_here()
             result = worker.run_timed(Task(idx, index, generation), timings)
-        if result.data is not None:
+        if result.data is not NOTHING:
             dataset_stats = helper.dataset_stats() if helper.dataset_stats is not None else None
             _send_result(sender, result, timings.events, pacer.limit, dataset_stats)
             limit = pacer.on_batch(result.started, result.cpu, result.wall)

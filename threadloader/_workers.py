@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.random  # else imported on first use: 5 ms into each isolation helper's start
@@ -74,6 +74,22 @@ class NewEpoch:
     """Control message for persistent workers: start over on a fresh dataset iterator."""
 
     generation: int
+
+
+class _Nothing:
+    """What a worker whose IterableDataset already ran out makes of a task: nothing to send.
+
+    Not ``None``: a dataset or a ``collate_fn`` may legitimately make a ``None`` batch.
+    """
+
+    def __repr__(self) -> str:
+        return "NOTHING"
+
+    def __reduce__(self) -> str:
+        return "NOTHING"  # one object in every process
+
+
+NOTHING: Final = _Nothing()
 
 
 class Result:
@@ -276,7 +292,7 @@ class Worker:
             cpu = time.thread_time() - cpu
             wall = time.perf_counter() - started
         state = rng = None
-        if data is not None and not isinstance(data, ExceptionWrapper):
+        if data is not NOTHING and not isinstance(data, ExceptionWrapper):
             try:  # user code (the dataset's state_dict()): its error is the batch's, not a crash
                 state = self.snapshot()
                 if self.spec.capture_rng:
@@ -298,13 +314,14 @@ class Worker:
         Returns:
             The batch; an ``ExceptionWrapper`` naming this worker and the batch's indices;
             ``_IterableDatasetStopIteration`` when the IterableDataset just ran out; or
-            ``None`` when it had already run out (torch's worker sends nothing then either).
+            ``NOTHING`` when it had already run out (torch's worker sends nothing then either).
+            ``None`` is a batch like any other (a dataset or collate_fn may return it).
         """
         if self._pending_error is not None:
             error, self._pending_error = self._pending_error, None
             return error
         if self._ended:
-            return None
+            return NOTHING
         if self._fetcher is None:
             # Its start failed and that error was raised with its first batch; say so again
             # for each later one (torch's worker process fails on an unbound name there).
@@ -371,7 +388,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
                 continue  # the training thread ran it, or a new epoch dropped it
             if msg.generation == worker.generation:
                 result = worker.run_timed(msg, worker.recorder)
-                if result.data is not None:
+                if result.data is not NOTHING:
                     results.put(result)
                 del result
         finally:

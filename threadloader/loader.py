@@ -288,8 +288,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
         progress = self._progress
-        complete = self.device is None and progress is not None and epoch_complete(self, progress)
-        if complete:
+        complete = progress is not None and epoch_complete(self, progress)
+        if complete and self.device is None:  # with device=, the transfer thread drains it
             epoch = self._host_epoch() if self._host_epoch is not None else None
             if epoch is not None and epoch._progress is progress:
                 # Counted complete: let the sampler's iterator end now, as the next next() would

@@ -285,6 +285,8 @@ def test_bad_states_raise_naming_the_mismatch() -> None:
         ("epoch", torch.tensor(3), "epoch must be an int"),
         ("next_worker", -1, "next_worker must be an int >= 0"),
         ("batches_yielded", True, "batches_yielded must be an int"),
+        ("position", True, "position must be an int"),
+        ("delivered_ahead", [True], "not a position and the sorted positions"),
         ("base_seed", None, "base_seed must be an int"),
         ("rng_state", torch.zeros(3, dtype=torch.uint8), "not a global RNG state"),
     ],

@@ -107,9 +107,8 @@ class HTTPConnections:
                 if resp.status == 200:
                     body = _read_body(resp, conn, deadline)
                 elif resp.length is not None and resp.length <= 65536:
-                    body = _read_body(
-                        resp, conn, deadline
-                    )  # small error page: keeps the connection
+                    # A small error page: read it to keep the connection.
+                    body = _read_body(resp, conn, deadline)
                 else:
                     resp.will_close = True
                     body = b""

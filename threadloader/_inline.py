@@ -13,13 +13,13 @@ from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
 from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
-    Predrawn,
     Progress,
     ProgressMixin,
     Resume,
     begin_pass,
     dataset_is_stateful,
     warn_replay,
+    without_predrawn,
 )
 from threadloader._timing import StageRecorder
 from threadloader.stats import EpochStats
@@ -82,8 +82,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
     def redispatch(self) -> None:
         """The sampler was rewound to the delivered position (a live mixture-weight change):
         drop what was drawn from it and not delivered, the resume's early draw (``Predrawn``)."""
-        if isinstance(self._sampler_iter, Predrawn):
-            self._sampler_iter = self._sampler_iter.rest
+        self._sampler_iter = without_predrawn(self._sampler_iter)
 
     def _next_index(self) -> Any:
         index = super()._next_index()

@@ -46,9 +46,9 @@ from threadloader._device import host_collate
 from threadloader._dispatch import DispatchingIter, prefetch_factor
 from threadloader._queues import QueueClosed
 from threadloader._state import (
-    Predrawn,
     Progress,
     Resume,
+    without_predrawn,
 )
 from threadloader._workers import (
     NewEpoch,
@@ -163,8 +163,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._generation = self._pool.new_epoch()
         self._forget_in_flight()
         self._sampler_done = False  # rewound
-        if isinstance(self._sampler_iter, Predrawn):  # its early draw is stale too
-            self._sampler_iter = self._sampler_iter.rest
+        self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
         self._fill()
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Task:

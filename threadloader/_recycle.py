@@ -177,7 +177,7 @@ class RecyclingCollate:
     fresh memory does. In worker threads every batch goes through ``pinned_collate`` with
     ``as_worker=True``: torch's workers stack into a contiguous tensor of the first sample's
     dtype, which torch's ``default_collate`` does only where it sees worker info, and then in
-    shared memory (the allocator hands out ``torch.empty`` below ``min_bytes``).
+    shared memory (below ``min_bytes``, ``fresh_below``, a plain stack checked to be that result).
 
     Args:
         allocator: the loader's ``RecyclingAllocator``.

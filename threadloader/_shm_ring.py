@@ -474,12 +474,14 @@ def _plan(leaves: list[Any], slot: Slot | None, used: int, copy_all: bool) -> _P
     """Where each leaf goes: ``(leaf, offset, needs its own copy)``, the shared spans, and the
     bytes used. Tensors already in ``slot`` stay where they are (unless ``copy_all``)."""
     groups: dict[int, list[torch.Tensor]] = {}
-    inside: dict[int, int | None] = {}
+    inside: dict[int, int | None] = {}  # leaf index -> its offset in the slot, if it is there
+    storage: dict[int, int] = {}  # leaf index -> its storage, for tensors to copy in
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
             inside[i] = None if copy_all or slot is None else _inside(leaf, slot)
             if inside[i] is None and leaf.numel():
-                groups.setdefault(leaf.untyped_storage().data_ptr(), []).append(leaf)
+                storage[i] = ptr = leaf.untyped_storage().data_ptr()
+                groups.setdefault(ptr, []).append(leaf)
     spans: dict[int, tuple[int, int, int]] = {}  # storage -> (slot offset, first byte, end byte)
     plan: list[tuple[Any, int, bool]] = []
     for i, leaf in enumerate(leaves):
@@ -488,7 +490,7 @@ def _plan(leaves: list[Any], slot: Slot | None, used: int, copy_all: bool) -> _P
             if offset is not None:
                 plan.append((leaf, offset, False))
                 continue
-            key = leaf.untyped_storage().data_ptr() if leaf.numel() else None
+            key = storage.get(i)
             shared = groups.get(key) if key is not None else None
             if key is not None and shared is not None and len(shared) > 1:
                 if key not in spans:

@@ -211,6 +211,12 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     return sampler_iter
 
 
+def without_predrawn(stream: Iterator[Any]) -> Iterator[Any]:
+    """``stream`` without a ``Predrawn`` head: what a sampler rewound to the delivered position
+    (a live mixture-weight change) yields; the head was drawn before the rewind."""
+    return stream.rest if isinstance(stream, Predrawn) else stream
+
+
 class Predrawn(Iterator[Any]):
     """``head`` (drawn early, under the saved RNG), then ``rest``: the stream ``begin_pass`` made.
 
@@ -471,9 +477,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             f"loader state is for a dataset of length {state['dataset_length']}, "
             f"this dataset has length {length}"
         )
-    batches = state["batches_yielded"]
-    if not isinstance(batches, int) or batches < 0:
-        raise ValueError(f"loader state batches_yielded must be an int >= 0, got {batches!r}")
+    batches = state["batches_yielded"]  # an int >= 0: checked with the other fields above
     if state["rng_source"] not in ("generator", "global"):
         raise ValueError(f"loader state rng_source {state['rng_source']!r} is not understood")
     if state["rng_source"] != _rng_source(loader):
@@ -493,13 +497,13 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             f"({expected_rng.dtype}, {tuple(expected_rng.shape)})"
         )
     # Point 7; states saved before these keys existed resume at their batch count.
+    if "position" in state:
+        _check_int(state, "position")
     position = state.get("position", batches)
     skips = state.get("delivered_ahead") or []
     if (
-        not isinstance(position, int)
-        or position < 0
-        or not isinstance(skips, list)
-        or not all(isinstance(p, int) for p in skips)
+        not isinstance(skips, list)
+        or not all(type(p) is int for p in skips)
         or skips != sorted(set(skips))
         or (skips and skips[0] <= position)
     ):

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import _DatasetKind
 
+from threadloader._gathered import Gathered, parts_getter
 from threadloader._timing import StageRecorder
 
 
@@ -46,6 +47,14 @@ class Fetcher:
         self._iterable = kind == _DatasetKind.Iterable
         self._iter: Iterator[Any] | None = iter(dataset) if self._iterable else None
         self._ended = False
+        # A dataset that gathers whole batches, collated by our default collate (_gathered).
+        self._gather = (
+            parts_getter(dataset)
+            if auto_collation
+            and not self._iterable
+            and getattr(collate_fn, "takes_gathered", False)
+            else None
+        )
 
     def fetch(self, index: Any, recorder: StageRecorder) -> Any:
         """The collated batch for ``index``; its fetch and collate durations go to ``recorder``.
@@ -67,6 +76,8 @@ class Fetcher:
         dataset = self._dataset
         if not self._auto:
             return dataset[index]
+        if self._gather is not None:
+            return Gathered(self._gather(index))
         getitems = getattr(dataset, "__getitems__", None)
         if getitems:
             return getitems(index)

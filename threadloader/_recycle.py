@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from threadloader._gathered import Gathered
 from threadloader.memory import pinned_collate
 
 #: Smallest batch tensor worth pooling (see point 2).
@@ -184,6 +185,8 @@ class RecyclingCollate:
         as_worker: collate as a DataLoader worker does (``memory.pinned_collate``).
     """
 
+    takes_gathered = True  # _gathered point 3
+
     def __init__(self, allocator: RecyclingAllocator, as_worker: bool = False) -> None:
         self.allocator = allocator
         self.as_worker = as_worker
@@ -192,8 +195,8 @@ class RecyclingCollate:
         return f"<default_collate into {self.allocator!r}{' as a worker' * self.as_worker}>"
 
     def __call__(self, batch: Any) -> Any:
-        if self.as_worker:
-            return pinned_collate(batch, self.allocator, as_worker=True)
+        if self.as_worker or type(batch) is Gathered:
+            return pinned_collate(batch, self.allocator, as_worker=self.as_worker)
         if (
             isinstance(batch, Sequence)
             and batch

@@ -21,7 +21,7 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset
 
-from threadloader import _token_files
+from threadloader import _gathered, _token_files
 from threadloader._stream_args import Ints, as_indices
 
 _Window = tuple[torch.Tensor, torch.Tensor]
@@ -163,14 +163,22 @@ class TokenWindows(Dataset[_Window]):
         row = torch.from_numpy(self.windows([index])[0])
         return row[:-1], row[1:]
 
+    @_gathered.gathered_by("_inputs_targets")
     def __getitems__(self, indices: Sequence[int]) -> list[_Window]:
         """Return a batch of windows: one vectorised gather, then per-window views for collation.
 
         ``torch.utils.data`` calls this instead of ``__getitem__`` once per batch; the collate
-        function then stacks the views.
+        function then stacks the views. ThreadDataLoader, when it collates with torch's
+        ``default_collate``, takes the gathered inputs and targets instead and copies each once
+        (``_gathered``: the same batch, at half the cost).
         """
+        inputs, targets = self._inputs_targets(indices)
+        return list(zip(inputs.unbind(0), targets.unbind(0), strict=True))
+
+    def _inputs_targets(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's inputs and targets: two ``(len(indices), seq_len)`` views of one gather."""
         rows = torch.from_numpy(self.windows(indices))
-        return list(zip(rows[:, :-1].unbind(0), rows[:, 1:].unbind(0), strict=True))
+        return rows[:, :-1], rows[:, 1:]
 
     def __repr__(self) -> str:
         return (

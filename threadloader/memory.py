@@ -23,7 +23,10 @@ How the pieces behave; where the code disagrees with this, the code is wrong.
    samples' dtypes are cast to it, a layout like channels-last becomes contiguous, and samples
    that require grad raise torch's ``out=`` error. The loader's worker threads collate this way,
    so their batches are those of torch's worker processes.
-3. ``pin_batch(data, allocator)`` returns what torch's ``pin_memory(data)`` returns, with
+3. A ``_gathered.Gathered`` batch (the tensors a dataset such as ``streams.TokenWindows``
+   gathered for a batch, which the loader's fetcher passes instead of the samples cut from them)
+   collates to what ``default_collate`` of those samples returns, by one copy of each tensor.
+4. ``pin_batch(data, allocator)`` returns what torch's ``pin_memory(data)`` returns, with
    ``allocator`` providing the page-locked memory: containers rebuilt the same way, custom
    objects pinned by their own ``pin_memory()``, already-pinned tensors returned as they are.
 
@@ -43,6 +46,7 @@ import torch
 from torch.utils.data._utils import collate as _torch_collate
 
 from threadloader._buffer_pool import BufferPool, Event, PoolStats
+from threadloader._gathered import collate_gathered
 
 __all__ = [
     "Allocator",
@@ -377,6 +381,9 @@ def pinned_collate(batch: Sequence[Any], allocator: Allocator, *, as_worker: boo
             messages).
         IndexError: ``batch`` is empty, as for ``default_collate``.
     """
+    gathered = collate_gathered(batch, allocator)  # point 3
+    if gathered is not None:
+        return gathered
     return _collate(batch, allocator, as_worker)
 
 
@@ -413,5 +420,7 @@ def pinning_collate(
         A callable taking what ``collate_fn`` takes.
     """
     if collate_fn is _torch_collate.default_collate:
-        return functools.partial(pinned_collate, allocator=allocator, as_worker=as_worker)
+        collate = functools.partial(pinned_collate, allocator=allocator, as_worker=as_worker)
+        collate.takes_gathered = True  # type: ignore[attr-defined]  # _gathered point 3
+        return collate
     return _CollateThenPin(collate_fn, allocator)

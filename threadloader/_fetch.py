@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import _DatasetKind
 
-from threadloader._gathered import Gathered, parts_getter
+from threadloader._gathered import Gathered, fetch_stacked, parts_getter
 from threadloader._timing import StageRecorder
 
 
@@ -47,12 +47,14 @@ class Fetcher:
         self._iterable = kind == _DatasetKind.Iterable
         self._iter: Iterator[Any] | None = iter(dataset) if self._iterable else None
         self._ended = False
-        # A dataset that gathers whole batches, collated by our default collate (_gathered).
-        self._gather = (
-            parts_getter(dataset)
-            if auto_collation
-            and not self._iterable
-            and getattr(collate_fn, "takes_gathered", False)
+        # Batches built here for our own default collate (_gathered, point 4).
+        ours = (
+            auto_collation and not self._iterable and getattr(collate_fn, "takes_gathered", False)
+        )
+        self._gather = parts_getter(dataset) if ours else None
+        self._stack_into = (
+            getattr(collate_fn, "stack_into", None)
+            if ours and not getattr(dataset, "__getitems__", None)
             else None
         )
 
@@ -78,6 +80,8 @@ class Fetcher:
             return dataset[index]
         if self._gather is not None:
             return Gathered(self._gather(index))
+        if self._stack_into is not None:
+            return fetch_stacked(dataset, index, self._stack_into)
         getitems = getattr(dataset, "__getitems__", None)
         if getitems:
             return getitems(index)

@@ -179,7 +179,7 @@ class _IntoSlot:
         self._collate_fn = collate_fn
         self._ring = ring
         self._direct = direct
-        self.takes_gathered = direct  # _gathered point 3: pinned_collate below
+        self.takes_gathered = direct  # _gathered point 4: pinned_collate below
 
     def __call__(self, batch: Any) -> Packed:
         allocator = None

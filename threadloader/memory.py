@@ -23,9 +23,10 @@ How the pieces behave; where the code disagrees with this, the code is wrong.
    samples' dtypes are cast to it, a layout like channels-last becomes contiguous, and samples
    that require grad raise torch's ``out=`` error. The loader's worker threads collate this way,
    so their batches are those of torch's worker processes.
-3. A ``_gathered.Gathered`` batch (the tensors a dataset such as ``streams.TokenWindows``
-   gathered for a batch, which the loader's fetcher passes instead of the samples cut from them)
-   collates to what ``default_collate`` of those samples returns, by one copy of each tensor.
+3. A batch the loader's fetcher built (``_gathered``) collates to what ``default_collate`` of
+   its samples returns: a ``Gathered`` one (the tensors a dataset such as
+   ``streams.TokenWindows`` gathered, instead of the samples cut from them) by one copy of each
+   tensor, a ``Stacked`` one (samples copied into the batch as they were fetched) as it is.
 4. ``pin_batch(data, allocator)`` returns what torch's ``pin_memory(data)`` returns, with
    ``allocator`` providing the page-locked memory: containers rebuilt the same way, custom
    objects pinned by their own ``pin_memory()``, already-pinned tensors returned as they are.
@@ -421,6 +422,7 @@ def pinning_collate(
     """
     if collate_fn is _torch_collate.default_collate:
         collate = functools.partial(pinned_collate, allocator=allocator, as_worker=as_worker)
-        collate.takes_gathered = True  # type: ignore[attr-defined]  # _gathered point 3
+        collate.takes_gathered = True  # type: ignore[attr-defined]  # _gathered point 4
+        collate.stack_into = allocator if as_worker else None  # type: ignore[attr-defined]
         return collate
     return _CollateThenPin(collate_fn, allocator)

@@ -267,3 +267,13 @@ def test_any_iterable_of_indices_is_fetched_as_torch_fetches_it() -> None:
     ours = first_batches(ThreadDataLoader(ds, batch_sampler=_OddBatches(), num_workers=1))
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_empty_batch_of_windows_raises_as_torch_does(token_file: str, num_workers: int) -> None:
+    ds = TokenWindows(token_file, seq_len=7, dtype=np.uint32)
+    with pytest.raises(IndexError, match="list index out of range"):
+        list(DataLoader(ds, batch_sampler=[[0, 1], []]))
+    loader = ThreadDataLoader(ds, batch_sampler=[[0, 1], []], num_workers=num_workers)
+    with pytest.raises(IndexError, match="list index out of range"):
+        list(loader)

@@ -52,11 +52,7 @@ class Fetcher:
             auto_collation and not self._iterable and getattr(collate_fn, "takes_gathered", False)
         )
         self._gather = parts_getter(dataset) if ours else None
-        self._stack_into = (
-            getattr(collate_fn, "stack_into", None)
-            if ours and not getattr(dataset, "__getitems__", None)
-            else None
-        )
+        self._stack_into = getattr(collate_fn, "stack_into", None) if ours else None
 
     def fetch(self, index: Any, recorder: StageRecorder) -> Any:
         """The collated batch for ``index``; its fetch and collate durations go to ``recorder``.
@@ -80,11 +76,11 @@ class Fetcher:
             return dataset[index]
         if self._gather is not None:
             return Gathered(self._gather(index))
-        if self._stack_into is not None:
-            return fetch_stacked(dataset, index, self._stack_into)
         getitems = getattr(dataset, "__getitems__", None)
         if getitems:
             return getitems(index)
+        if self._stack_into is not None:
+            return fetch_stacked(dataset, index, self._stack_into)
         return [dataset[i] for i in index]
 
     def _next_items(self, index: Any) -> Any:

@@ -23,7 +23,7 @@ list of samples. Where the code disagrees with these points, the code is wrong:
    such that ``__getitems__(indices)`` is ``[tuple(p[i] for p in parts) for i ...]``.
    ``default_collate`` of that list is then ``[p.contiguous() for p in parts]`` (fresh memory,
    same dtype and values), in the calling process and in a worker: ``collate_gathered`` returns
-   that.
+   that, and for an empty batch raises ``default_collate([])``'s ``IndexError``.
 2. ``parts_getter`` only trusts the mark on the ``__getitems__`` that torch's fetcher would call:
    a subclass that overrides ``__getitems__`` without the mark (or an instance attribute) gets
    its own ``__getitems__`` called, as torch would call it.
@@ -180,6 +180,8 @@ def collate_gathered(batch: Any, allocator: _Allocator) -> Any:
         return batch.batch
     if type(batch) is not Gathered:
         return None
+    if batch.parts[0].shape[0] == 0:
+        raise IndexError("list index out of range")  # default_collate([]): no sample to stack
     fresh_below = getattr(allocator, "fresh_below", 0)
     out = []
     for part in batch.parts:

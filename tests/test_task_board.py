@@ -110,7 +110,7 @@ def test_an_epoch_restart_drops_the_abandoned_epochs_queued_tasks() -> None:
     board = TaskBoard(theirs, num_workers=2, limit=1)
     for msg in _tasks(6, workers=2):  # all queued before any runner reads
         ours.send(msg)
-    ours.send((EPOCH, 1))
+    ours.send((EPOCH, 1, 42))
     new = _tasks(4, workers=2, generation=1)
     for msg in new:
         ours.send(msg)
@@ -124,8 +124,8 @@ def test_an_epoch_restart_drops_the_abandoned_epochs_queued_tasks() -> None:
         assert msg is not None
         got.append(msg)
         done = msg[1]
-    assert got[0] == (EPOCH, 0, 1)
-    assert got[1] == (EPOCH, 1, 1)
+    assert got[0] == (EPOCH, 0, 1, 42)
+    assert got[1] == (EPOCH, 1, 1, 42)
     assert got[2:] == new
     ours.close()
     assert board.take(done) is None

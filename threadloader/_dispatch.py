@@ -35,6 +35,7 @@ from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._concurrency import ConcurrencyController
+from threadloader._datapipes import sharding_init_fn
 from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
     ProgressMixin,
@@ -116,7 +117,12 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             auto_collation=self._auto_collation,
             collate_fn=collate_fn,
             drop_last=self._drop_last,
-            worker_init_fn=thread_safe_init_fn(loader.worker_init_fn),
+            worker_init_fn=sharding_init_fn(
+                thread_safe_init_fn(loader.worker_init_fn),
+                self._dataset,
+                self._world_size,
+                self._rank,
+            ),
             num_workers=self._num_workers,
             capture_state=self._dataset_kind == _DatasetKind.Iterable
             and dataset_is_stateful(self._dataset),

@@ -9,6 +9,7 @@ from typing import Any
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
+from threadloader._datapipes import shard_here
 from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
 from threadloader._profiled_next import ProfiledNext
@@ -54,6 +55,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         _BaseDataLoaderIter.__init__(self, loader)
         if self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        shard_here(self._dataset, self._world_size, self._rank)  # as torch's, before any iter()
         self._stats = EpochStats(0, loader.log_every_s)
         self._dataset_fetcher = _RecordingFetcher(
             Fetcher(

@@ -400,7 +400,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._generation += 1
         self._link.reader.give_back(self._parked_slots())
         self._link.reader.send_released()
-        self._link.send((EPOCH, self._generation))
+        self._link.send((EPOCH, self._generation, self._shared_seed))
 
     def _parked_slots(self) -> list[Any]:
         """Slots of batches parked in the reorder table of an abandoned epoch."""

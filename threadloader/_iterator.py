@@ -143,7 +143,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._pool.close(wait=False)
 
     def _restart_workers(self) -> None:
-        self._generation = self._pool.new_epoch()
+        self._generation = self._pool.new_epoch(self._shared_seed)
 
     def _new_stats(self) -> None:
         super()._new_stats()
@@ -279,6 +279,6 @@ def _start_pending_epoch(worker: Worker) -> bool:
     """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``)."""
     head = worker.tasks.head()
     if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
-        worker.start_epoch(head.generation)
+        worker.start_epoch(head.generation, head.seed)
         return True
     return False

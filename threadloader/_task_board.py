@@ -38,7 +38,7 @@ from typing import Any
 
 # Message tags, training process -> helper, on the task pipe:
 TASK = 0  # (TASK, worker_id, idx, generation, index)
-EPOCH = 1  # (EPOCH, generation): persistent workers start over; becomes one per worker here
+EPOCH = 1  # (EPOCH, generation, seed): persistent workers start over; one per worker here
 
 
 class TaskBoard:
@@ -83,7 +83,7 @@ class TaskBoard:
             done: the worker the caller held, or None on its first call.
 
         Returns:
-            ``(TASK, worker_id, idx, generation, index)`` or ``(EPOCH, worker_id, generation)``,
+            ``(TASK, worker_id, idx, generation, index)`` or ``(EPOCH, worker_id, generation, seed)``,
             the caller now holding ``worker_id``; None once the pipe has ended.
 
         Raises:
@@ -141,10 +141,10 @@ class TaskBoard:
 
     def _add(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == EPOCH:
-            generation = msg[1]
+            generation, seed = msg[1], msg[2]
             self._generation = generation
             # Rule 3: the abandoned epoch's tasks not started yet are dropped.
             self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
-            self._queue.extend((EPOCH, w, generation) for w in range(self._num_workers))
+            self._queue.extend((EPOCH, w, generation, seed) for w in range(self._num_workers))
         elif msg[3] >= self._generation:
             self._queue.append(msg)

@@ -39,6 +39,7 @@ from torch.utils.data._utils.worker import (
 
 from threadloader import _exit_hook, _worker_info
 from threadloader._concurrency import Gate
+from threadloader._datapipes import reseed, worker_dataset
 from threadloader._fetch import Fetcher
 from threadloader._queues import BoundedQueue, QueueClosed
 from threadloader._timing import StageRecorder
@@ -74,6 +75,7 @@ class NewEpoch:
     """Control message for persistent workers: start over on a fresh dataset iterator."""
 
     generation: int
+    seed: int | None = None  # an IterDataPipe's new shared seed (_datapipes point 4)
 
 
 class _Nothing:
@@ -203,7 +205,7 @@ class Worker:
         self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
         self.spec = spec
         is_iterable = spec.dataset_kind == _DatasetKind.Iterable
-        dataset = copy.copy(spec.dataset) if is_iterable else spec.dataset
+        dataset = worker_dataset(spec.dataset, is_iterable)
         self.info = _make_worker_info(spec, worker_id, base_seed, dataset)
         self.tasks: BoundedQueue[Task | NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
         self.busy = threading.Lock()
@@ -216,11 +218,17 @@ class Worker:
     def _where(self) -> str:
         return f"in threadloader worker thread {self.id}"
 
-    def start_epoch(self, generation: int) -> None:
-        """(Re)create the dataset fetcher; errors surface with this worker's next task."""
+    def start_epoch(self, generation: int, seed: int | None = None) -> None:
+        """(Re)create the dataset fetcher; errors surface with this worker's next task.
+
+        Args:
+            generation: the epoch's generation.
+            seed: a later epoch's shared seed for an IterDataPipe graph (``_datapipes``).
+        """
         self.generation = generation
         self._ended = False
         try:
+            reseed(self.info.dataset, seed)
             self._fetcher = Fetcher(
                 self.spec.dataset_kind,
                 self.info.dataset,
@@ -371,7 +379,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
         if isinstance(msg, NewEpoch):
             with worker.busy:
                 if worker.tasks.take_head_if(msg):
-                    worker.start_epoch(msg.generation)
+                    worker.start_epoch(msg.generation, msg.seed)
             continue
         if not gate.enter():
             return
@@ -471,8 +479,11 @@ class WorkerPool:
         alive = sum(t.is_alive() for t in self._threads)
         return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
 
-    def new_epoch(self) -> int:
+    def new_epoch(self, seed: int | None = None) -> int:
         """Drop every task not started, and restart each worker's fetcher (persistent workers).
+
+        Args:
+            seed: the iterator's new shared seed, for an IterDataPipe graph (``_datapipes``).
 
         Returns:
             The new generation: results of earlier generations are stale.
@@ -480,7 +491,7 @@ class WorkerPool:
         self.generation += 1
         generation = self.generation
         for w in self.workers:
-            w.tasks.replace_all(NewEpoch(generation))
+            w.tasks.replace_all(NewEpoch(generation, seed))
         # Results the training thread never read (a break, a live weight change) would hold
         # room the new tasks need: the queue's bound counts one stale result per worker only.
         self.results.drop_where(lambda r: r.generation != generation)

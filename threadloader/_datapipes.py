@@ -1,0 +1,79 @@
+"""torch DataPipes in worker threads: each worker's own graph, sharded and seeded as torch does.
+
+torch's DataLoader shards an ``IterDataPipe``/``MapDataPipe`` graph across ranks and workers
+(``graph_settings.apply_sharding``: each ``sharding_filter`` keeps every n-th element) and seeds
+its shuffles with one seed shared by all workers, so that they shuffle alike and then each keeps
+its own shard. A worker process does that to its own unpickled (or forked) copy of the graph.
+
+Worker threads share the process, and ``apply_sharding`` changes the graph's nodes in place (an
+``IterDataPipe`` also allows one live iterator at a time), so the shallow copy every other
+IterableDataset gets per worker would make the workers overwrite each other's shard. Each worker
+thread gets a deep copy of the graph instead, made when the worker is created (after the
+iterator seeded the loader's graph, as torch's workers receive it).
+
+Where the code disagrees with these points, the code is wrong:
+
+1. ``worker_dataset`` returns a deep copy of an ``IterDataPipe``, a shallow copy of any other
+   IterableDataset, and a map-style dataset itself.
+2. With workers, ``sharding_init_fn`` wraps the ``worker_init_fn`` in torch's own
+   ``_sharding_worker_init_fn`` (shard by ``num_workers * world_size``, worker ``id * world_size
+   + rank``, then the user's function), exactly as torch's worker iterator does.
+3. Without workers, ``shard_here`` shards the loader's graph by ``world_size`` and ``rank``, as
+   torch's single-process iterator does, before the fetcher first iterates it.
+4. Persistent workers: every later epoch, each worker's graph is reseeded from the iterator's new
+   shared seed (``reseed``) before it is iterated again, as torch's ``_ResumeIteration`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
+from torch.utils.data.dataloader import _sharding_worker_init_fn
+from torch.utils.data.datapipes.datapipe import _IterDataPipeSerializationWrapper
+
+
+def worker_dataset(dataset: Any, iterable: bool) -> Any:
+    """The dataset a worker thread iterates (point 1).
+
+    Raises:
+        RuntimeError: an ``IterDataPipe`` that cannot be deep-copied (naming why).
+    """
+    if isinstance(dataset, IterDataPipe):
+        try:
+            if isinstance(dataset, _IterDataPipeSerializationWrapper):
+                # The wrapper DataLoader puts around a pipe copies it by pickling, which fails
+                # on a lambda (torch's forked workers never pickle it): copy the pipe itself.
+                return type(dataset)(copy.deepcopy(dataset._datapipe))
+            return copy.deepcopy(dataset)
+        except Exception as error:
+            raise RuntimeError(
+                "threadloader: each worker thread needs its own copy of an IterDataPipe "
+                f"(sharding changes the graph in place), and copy.deepcopy failed: {error!r}"
+            ) from error
+    return copy.copy(dataset) if iterable else dataset
+
+
+def sharding_init_fn(
+    init_fn: Callable[[int], None] | None, dataset: Any, world_size: int, rank: int
+) -> Callable[[int], None] | None:
+    """``init_fn``, preceded by torch's DataPipe sharding when ``dataset`` is one (point 2)."""
+    if not isinstance(dataset, (IterDataPipe, MapDataPipe)):
+        return init_fn
+    return functools.partial(_sharding_worker_init_fn, init_fn, world_size, rank)
+
+
+def shard_here(dataset: Any, world_size: int, rank: int) -> None:
+    """Shard a DataPipe graph across ranks, for an iterator without workers (point 3)."""
+    if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+        graph_settings.apply_sharding(dataset, world_size, rank)
+
+
+def reseed(dataset: Any, seed: int | None) -> None:
+    """Seed an ``IterDataPipe`` graph's shuffles from a new shared seed (point 4)."""
+    if seed is not None and isinstance(dataset, IterDataPipe):
+        graph_settings.apply_random_seed(dataset, torch.Generator().manual_seed(seed))

@@ -159,3 +159,32 @@ def test_a_pipe_with_a_lambda_is_copied_for_each_worker(num_workers: int) -> Non
         theirs = list(DataLoader(make(), generator=torch.Generator().manual_seed(1), **kwargs))
         ours = list(ThreadDataLoader(make(), generator=torch.Generator().manual_seed(1), **kwargs))
     assert [b.tolist() for b in ours] == [b.tolist() for b in theirs]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_walking_their_graphs_at_once_do_not_break_each_other(persistent: bool) -> None:
+    """torch's graph walk sets class-wide pickle hooks; threads switching every microsecond (as
+    free-threaded Python may) made concurrent sharding fail with "Attempt to override existing
+    reduce_ex_hook" in every trial before the walks were serialised."""
+
+    def make() -> Any:
+        pipe = IterableWrapper(range(40)).shuffle().sharding_filter()
+        for _ in range(30):
+            pipe = pipe.map(abs)
+        return pipe
+
+    kwargs: dict[str, Any] = {"num_workers": 3, "batch_size": 4, "persistent_workers": persistent}
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for trial in range(4):
+                loader = ThreadDataLoader(
+                    make(), generator=torch.Generator().manual_seed(trial), **kwargs
+                )
+                for _ in range(2):  # persistent workers reseed their graphs at once too
+                    got = sorted(x for b in loader for x in b.tolist())
+                    assert got == list(range(40))
+    finally:
+        sys.setswitchinterval(interval)

@@ -22,12 +22,20 @@ Where the code disagrees with these points, the code is wrong:
    torch's single-process iterator does, before the fetcher first iterates it.
 4. Persistent workers: every later epoch, each worker's graph is reseeded from the iterator's new
    shared seed (``reseed``) before it is iterated again, as torch's ``_ResumeIteration`` does.
+5. torch walks a graph (``traverse_dps``, under ``apply_sharding``, ``apply_random_seed`` and the
+   copy of a pipe) by installing pickle hooks on the DataPipe *classes*: two threads walking
+   graphs at once break each other ("Attempt to override existing reduce_ex_hook", or a copy
+   that holds stubs). Every walk in this process that threadloader starts, in a worker thread or
+   in torch's iterator code on the training thread (``graph_walks``), holds ``_GRAPH_LOCK``; the
+   user's ``worker_init_fn`` runs outside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +43,15 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data.dataloader import _sharding_worker_init_fn
 from torch.utils.data.datapipes.datapipe import _IterDataPipeSerializationWrapper
+
+_GRAPH_LOCK = threading.Lock()  # point 5
+
+
+def graph_walks(dataset: Any) -> contextlib.AbstractContextManager[Any]:
+    """Hold the graph-walk lock while torch's iterator code seeds a DataPipe (point 5)."""
+    if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+        return _GRAPH_LOCK
+    return contextlib.nullcontext()
 
 
 def worker_dataset(dataset: Any, iterable: bool) -> Any:
@@ -45,11 +62,12 @@ def worker_dataset(dataset: Any, iterable: bool) -> Any:
     """
     if isinstance(dataset, IterDataPipe):
         try:
-            if isinstance(dataset, _IterDataPipeSerializationWrapper):
-                # The wrapper DataLoader puts around a pipe copies it by pickling, which fails
-                # on a lambda (torch's forked workers never pickle it): copy the pipe itself.
-                return type(dataset)(copy.deepcopy(dataset._datapipe))
-            return copy.deepcopy(dataset)
+            with _GRAPH_LOCK:
+                if isinstance(dataset, _IterDataPipeSerializationWrapper):
+                    # The wrapper DataLoader puts around a pipe copies it by pickling, which
+                    # fails on a lambda (torch's forked workers never pickle): copy the pipe.
+                    return type(dataset)(copy.deepcopy(dataset._datapipe))
+                return copy.deepcopy(dataset)
         except Exception as error:
             raise RuntimeError(
                 "threadloader: each worker thread needs its own copy of an IterDataPipe "
@@ -64,16 +82,27 @@ def sharding_init_fn(
     """``init_fn``, preceded by torch's DataPipe sharding when ``dataset`` is one (point 2)."""
     if not isinstance(dataset, (IterDataPipe, MapDataPipe)):
         return init_fn
-    return functools.partial(_sharding_worker_init_fn, init_fn, world_size, rank)
+    return functools.partial(_shard_worker, init_fn, world_size, rank)
+
+
+def _shard_worker(
+    init_fn: Callable[[int], None] | None, world_size: int, rank: int, worker_id: int
+) -> None:
+    with _GRAPH_LOCK:  # point 5
+        _sharding_worker_init_fn(None, world_size, rank, worker_id)
+    if init_fn is not None:
+        init_fn(worker_id)
 
 
 def shard_here(dataset: Any, world_size: int, rank: int) -> None:
     """Shard a DataPipe graph across ranks, for an iterator without workers (point 3)."""
     if isinstance(dataset, (IterDataPipe, MapDataPipe)):
-        graph_settings.apply_sharding(dataset, world_size, rank)
+        with _GRAPH_LOCK:
+            graph_settings.apply_sharding(dataset, world_size, rank)
 
 
 def reseed(dataset: Any, seed: int | None) -> None:
     """Seed an ``IterDataPipe`` graph's shuffles from a new shared seed (point 4)."""
     if seed is not None and isinstance(dataset, IterDataPipe):
-        graph_settings.apply_random_seed(dataset, torch.Generator().manual_seed(seed))
+        with _GRAPH_LOCK:
+            graph_settings.apply_random_seed(dataset, torch.Generator().manual_seed(seed))

@@ -35,7 +35,7 @@ from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._concurrency import ConcurrencyController
-from threadloader._datapipes import sharding_init_fn
+from threadloader._datapipes import graph_walks, sharding_init_fn
 from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
     ProgressMixin,
@@ -144,7 +144,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
             # __iter__ counts its calls or draws eagerly can tell. Not when resuming: a second
             # iter() would restart a positional sampler's resumed pass.
-            super()._reset(loader, first_iter)
+            with graph_walks(loader.dataset):  # a DataPipe is reseeded (_datapipes point 5)
+                super()._reset(loader, first_iter)
         if not first_iter:
             self._restart_workers()
             self._new_stats()

@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from threadloader._datapipes import shard_here
+from threadloader._datapipes import graph_walks, shard_here
 from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
 from threadloader._profiled_next import ProfiledNext
@@ -52,7 +52,8 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         self._progress = Progress()
         # torch's _SingleProcessDataLoaderIter.__init__ would build its own fetcher, calling an
         # IterableDataset's __iter__ once more than torch does: skip to the base class.
-        _BaseDataLoaderIter.__init__(self, loader)
+        with graph_walks(loader.dataset):  # torch seeds a DataPipe here (_datapipes point 5)
+            _BaseDataLoaderIter.__init__(self, loader)
         if self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         shard_here(self._dataset, self._world_size, self._rank)  # as torch's, before any iter()

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import _DatasetKind
 
 from threadloader._concurrency import ConcurrencyController, usable_cpus
+from threadloader._datapipes import graph_walks
 from threadloader._device import host_collate
 from threadloader._dispatch import DispatchingIter, prefetch_factor
 from threadloader._queues import QueueClosed
@@ -89,7 +90,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
 
     def __init__(self, loader: ThreadDataLoader[Any], resume: Resume | None = None) -> None:
         self._progress = Progress()
-        super().__init__(loader)
+        with graph_walks(loader.dataset):  # torch seeds a DataPipe here (_datapipes point 5)
+            super().__init__(loader)
         self._resume = resume
         if resume is not None:
             self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's

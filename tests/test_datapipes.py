@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, MapDataPipe
 from torch.utils.data.datapipes.iter import IterableWrapper
 
 from threadloader import ThreadDataLoader
@@ -188,3 +188,48 @@ def test_workers_walking_their_graphs_at_once_do_not_break_each_other(persistent
                     assert got == list(range(40))
     finally:
         sys.setswitchinterval(interval)
+
+
+def test_every_graph_walk_holds_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic companion of the race test: torch's sharding and seeding, wherever they run
+    (worker threads, the training thread's iterator code), run under the graph-walk lock."""
+    from threadloader import _datapipes
+
+    held: list[tuple[str, bool]] = []
+    graph_settings = torch.utils.data.graph_settings
+    for name in ("apply_sharding", "apply_random_seed"):
+        original = getattr(graph_settings, name)
+
+        def spy(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            held.append((_name, _datapipes._GRAPH_LOCK.locked()))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(graph_settings, name, spy)
+    for options in ({"num_workers": 0}, {"num_workers": 2, "persistent_workers": True}):
+        loader = ThreadDataLoader(_pipe(shuffle=True), batch_size=4, **options)
+        for _ in range(2):
+            assert sorted(x for b in loader for x in b.tolist()) == list(range(30))
+    assert {name for name, _ in held} == {"apply_sharding", "apply_random_seed"}
+    assert all(locked for _, locked in held), held
+
+
+class _SumOfShard(MapDataPipe):  # type: ignore[misc]
+    """A map graph wrapping a sharded iterable one: each worker must shard its own copy."""
+
+    def __init__(self) -> None:
+        self.source = IterableWrapper(range(8)).sharding_filter()
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return sum(self.source) * 100 + index
+
+
+def test_a_map_graph_holding_a_sharding_node_is_copied_per_worker() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = [b.tolist() for b in DataLoader(_SumOfShard(), batch_size=2, num_workers=2)]
+        ours = [b.tolist() for b in ThreadDataLoader(_SumOfShard(), batch_size=2, num_workers=2)]
+    assert ours == theirs
+    assert {b[0] // 100 for b in ours} == {12, 16}  # worker 0's shard sums to 12, worker 1's to 16

@@ -46,6 +46,17 @@ def _assert_torch_batches(ours: list[Any], theirs: list[Any]) -> None:
         assert x.data_ptr() + x.nbytes <= y.data_ptr()
 
 
+class _Counted(TokenWindows):
+    """TokenWindows that counts calls of its (still marked) __getitems__."""
+
+    getitems_calls = 0
+
+    @_gathered.gathered_by("_inputs_targets")
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        type(self).getitems_calls += 1
+        return super().__getitems__(indices)
+
+
 @pytest.mark.parametrize(
     ("seq_len", "batch_size"),
     [(31, 8), (20_000, 9)],  # small batches; parts over 1 MiB (recycled memory)
@@ -58,14 +69,19 @@ def _assert_torch_batches(ours: list[Any], theirs: list[Any]) -> None:
 def test_batches_equal_dataloaders(
     token_file: str, seq_len: int, batch_size: int, options: dict[str, Any]
 ) -> None:
-    ds = TokenWindows(token_file, seq_len=seq_len, dtype=np.uint32)
+    ds = _Counted(token_file, seq_len=seq_len, dtype=np.uint32)
+    _Counted.getitems_calls = 0
     theirs = list(
         DataLoader(ds, batch_size=batch_size, sampler=ShuffleSampler(ds, seed=1), num_workers=0)
     )
+    assert _Counted.getitems_calls == len(theirs)  # torch cuts samples
+    _Counted.getitems_calls = 0
     ours = list(
         ThreadDataLoader(ds, batch_size=batch_size, sampler=ShuffleSampler(ds, seed=1), **options)
     )
     _assert_torch_batches(ours, theirs)
+    if "isolation" not in options:  # (the helper process has its own class attribute)
+        assert _Counted.getitems_calls == 0  # the gathered path was taken for every batch
 
 
 def test_the_fetcher_hands_gathered_tensors_only_to_a_collate_that_takes_them(

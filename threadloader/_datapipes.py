@@ -13,8 +13,9 @@ iterator seeded the loader's graph, as torch's workers receive it).
 
 Where the code disagrees with these points, the code is wrong:
 
-1. ``worker_dataset`` returns a deep copy of an ``IterDataPipe``, a shallow copy of any other
-   IterableDataset, and a map-style dataset itself.
+1. ``worker_dataset`` returns a deep copy of an ``IterDataPipe`` (and of a ``MapDataPipe`` whose
+   graph holds a sharding node), a shallow copy of any other IterableDataset, and any other
+   map-style dataset itself.
 2. With workers, ``sharding_init_fn`` wraps the ``worker_init_fn`` in torch's own
    ``_sharding_worker_init_fn`` (shard by ``num_workers * world_size``, worker ``id * world_size
    + rank``, then the user's function), exactly as torch's worker iterator does.
@@ -25,9 +26,10 @@ Where the code disagrees with these points, the code is wrong:
 5. torch walks a graph (``traverse_dps``, under ``apply_sharding``, ``apply_random_seed`` and the
    copy of a pipe) by installing pickle hooks on the DataPipe *classes*: two threads walking
    graphs at once break each other ("Attempt to override existing reduce_ex_hook", or a copy
-   that holds stubs). Every walk in this process that threadloader starts, in a worker thread or
-   in torch's iterator code on the training thread (``graph_walks``), holds ``_GRAPH_LOCK``; the
-   user's ``worker_init_fn`` runs outside it.
+   that holds stubs). Every walk that threadloader starts, in a worker thread or in torch's
+   iterator code on the training thread (``graph_walks``), holds ``_GRAPH_LOCK``; the user's
+   ``worker_init_fn`` runs outside it, and so does iterating a graph (which walks nothing). A
+   walk started elsewhere (user code pickling a DataPipe on another thread) is not covered.
 """
 
 from __future__ import annotations
@@ -43,15 +45,26 @@ import torch
 from torch.utils.data import IterDataPipe, MapDataPipe, graph_settings
 from torch.utils.data.dataloader import _sharding_worker_init_fn
 from torch.utils.data.datapipes.datapipe import _IterDataPipeSerializationWrapper
+from torch.utils.data.datapipes.iter.sharding import _ShardingIterDataPipe
+from torch.utils.data.graph import traverse_dps
 
 _GRAPH_LOCK = threading.Lock()  # point 5
 
 
+def _is_datapipe(dataset: Any) -> bool:
+    return isinstance(dataset, (IterDataPipe, MapDataPipe))
+
+
 def graph_walks(dataset: Any) -> contextlib.AbstractContextManager[Any]:
     """Hold the graph-walk lock while torch's iterator code seeds a DataPipe (point 5)."""
-    if isinstance(dataset, (IterDataPipe, MapDataPipe)):
-        return _GRAPH_LOCK
-    return contextlib.nullcontext()
+    return _GRAPH_LOCK if _is_datapipe(dataset) else contextlib.nullcontext()
+
+
+def _has_sharding(datapipe: Any) -> bool:
+    """Whether a graph holds a node that ``apply_sharding`` changes (a map graph may wrap one)."""
+    with _GRAPH_LOCK:
+        nodes = graph_settings.get_all_graph_pipes(traverse_dps(datapipe))
+    return any(isinstance(node, _ShardingIterDataPipe) for node in nodes)
 
 
 def worker_dataset(dataset: Any, iterable: bool) -> Any:
@@ -60,7 +73,9 @@ def worker_dataset(dataset: Any, iterable: bool) -> Any:
     Raises:
         RuntimeError: an ``IterDataPipe`` that cannot be deep-copied (naming why).
     """
-    if isinstance(dataset, IterDataPipe):
+    if isinstance(dataset, IterDataPipe) or (
+        isinstance(dataset, MapDataPipe) and _has_sharding(dataset)
+    ):
         try:
             with _GRAPH_LOCK:
                 if isinstance(dataset, _IterDataPipeSerializationWrapper):
@@ -70,7 +85,7 @@ def worker_dataset(dataset: Any, iterable: bool) -> Any:
                 return copy.deepcopy(dataset)
         except Exception as error:
             raise RuntimeError(
-                "threadloader: each worker thread needs its own copy of an IterDataPipe "
+                "threadloader: each worker thread needs its own copy of a DataPipe graph "
                 f"(sharding changes the graph in place), and copy.deepcopy failed: {error!r}"
             ) from error
     return copy.copy(dataset) if iterable else dataset
@@ -80,7 +95,7 @@ def sharding_init_fn(
     init_fn: Callable[[int], None] | None, dataset: Any, world_size: int, rank: int
 ) -> Callable[[int], None] | None:
     """``init_fn``, preceded by torch's DataPipe sharding when ``dataset`` is one (point 2)."""
-    if not isinstance(dataset, (IterDataPipe, MapDataPipe)):
+    if not _is_datapipe(dataset):
         return init_fn
     return functools.partial(_shard_worker, init_fn, world_size, rank)
 
@@ -96,7 +111,7 @@ def _shard_worker(
 
 def shard_here(dataset: Any, world_size: int, rank: int) -> None:
     """Shard a DataPipe graph across ranks, for an iterator without workers (point 3)."""
-    if isinstance(dataset, (IterDataPipe, MapDataPipe)):
+    if _is_datapipe(dataset):
         with _GRAPH_LOCK:
             graph_settings.apply_sharding(dataset, world_size, rank)
 

@@ -51,7 +51,7 @@ class Fetcher:
         ours = (
             auto_collation and not self._iterable and getattr(collate_fn, "takes_gathered", False)
         )
-        self._gather = parts_getter(dataset) if ours else None
+        self._ours = bool(ours)
         self._stack_into = getattr(collate_fn, "stack_into", None) if ours else None
 
     def fetch(self, index: Any, recorder: StageRecorder) -> Any:
@@ -74,8 +74,10 @@ class Fetcher:
         dataset = self._dataset
         if not self._auto:
             return dataset[index]
-        if self._gather is not None:
-            return Gathered(self._gather(index))
+        if self._ours:  # looked up per batch, as torch's fetcher looks up __getitems__
+            gather = parts_getter(dataset)
+            if gather is not None:
+                return Gathered(gather(index))
         getitems = getattr(dataset, "__getitems__", None)
         if getitems:
             return getitems(index)

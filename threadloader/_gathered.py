@@ -146,6 +146,18 @@ def fetch_stacked(dataset: Any, indices: Sequence[int], allocator: _Allocator) -
     return Stacked(out)
 
 
+def mark_default_collate(collate: Any, allocator: _Allocator, as_worker: bool) -> None:
+    """Mark a wrapper of ``default_collate`` as one that takes fetcher-built batches (point 4).
+
+    Args:
+        collate: the wrapper (``_recycle.RecyclingCollate``, ``memory.pinning_collate``'s).
+        allocator: where its batches go; samples are stacked into it only ``as_worker``.
+        as_worker: the wrapper collates as a DataLoader worker does.
+    """
+    collate.takes_gathered = True
+    collate.stack_into = allocator if as_worker else None
+
+
 def parts_getter(dataset: Any) -> Callable[[Sequence[int]], tuple[torch.Tensor, ...]] | None:
     """The dataset's gathering method, when its ``__getitems__`` is marked (point 2), else None.
 

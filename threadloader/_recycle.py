@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from threadloader._gathered import Gathered, Stacked
+from threadloader._gathered import Gathered, Stacked, mark_default_collate
 from threadloader.memory import pinned_collate
 
 #: Smallest batch tensor worth pooling (see point 2).
@@ -185,12 +185,10 @@ class RecyclingCollate:
         as_worker: collate as a DataLoader worker does (``memory.pinned_collate``).
     """
 
-    takes_gathered = True  # _gathered point 4
-
     def __init__(self, allocator: RecyclingAllocator, as_worker: bool = False) -> None:
         self.allocator = allocator
         self.as_worker = as_worker
-        self.stack_into = allocator if as_worker else None
+        mark_default_collate(self, allocator, as_worker)
 
     def __repr__(self) -> str:
         return f"<default_collate into {self.allocator!r}{' as a worker' * self.as_worker}>"

@@ -47,7 +47,7 @@ import torch
 from torch.utils.data._utils import collate as _torch_collate
 
 from threadloader._buffer_pool import BufferPool, Event, PoolStats
-from threadloader._gathered import collate_gathered
+from threadloader._gathered import collate_gathered, mark_default_collate
 
 __all__ = [
     "Allocator",
@@ -422,7 +422,6 @@ def pinning_collate(
     """
     if collate_fn is _torch_collate.default_collate:
         collate = functools.partial(pinned_collate, allocator=allocator, as_worker=as_worker)
-        collate.takes_gathered = True  # type: ignore[attr-defined]  # _gathered point 4
-        collate.stack_into = allocator if as_worker else None  # type: ignore[attr-defined]
+        mark_default_collate(collate, allocator, as_worker)
         return collate
     return _CollateThenPin(collate_fn, allocator)

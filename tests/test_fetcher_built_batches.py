@@ -24,7 +24,7 @@ from threadloader._recycle import RecyclingAllocator, RecyclingCollate
 from threadloader._timing import StageRecorder
 from threadloader.memory import pageable_allocator, pinned_collate, pinning_collate
 from threadloader.samplers import ShuffleSampler
-from threadloader.streams import TokenWindows
+from threadloader.streams import Mixture, MixtureSampler, TokenWindows
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +293,66 @@ def test_an_empty_batch_of_windows_raises_as_torch_does(token_file: str, num_wor
     loader = ThreadDataLoader(ds, batch_sampler=[[0, 1], []], num_workers=num_workers)
     with pytest.raises(IndexError, match="list index out of range"):
         list(loader)
+
+
+# --- a Mixture of TokenWindows ------------------------------------------------------------------
+
+
+class _CountedMixture(Mixture):
+    """A Mixture that counts calls of its (still marked) __getitems__."""
+
+    getitems_calls = 0
+
+    @_gathered.gathered_by("_gather_windows")
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        type(self).getitems_calls += 1
+        return super().__getitems__(indices)
+
+
+def _mixture(token_file: str, code_type: type = TokenWindows, code_seq_len: int = 9) -> Any:
+    web = TokenWindows(token_file, seq_len=9, dtype=np.uint32)
+    code = code_type(token_file, seq_len=code_seq_len, dtype=np.uint32, span_files=False)
+    return _CountedMixture({"web": web, "code": code}, {"web": 0.7, "code": 0.3}, seed=2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_mixture_of_token_windows_is_gathered_into_dataloaders_batches(
+    token_file: str, num_workers: int
+) -> None:
+    ds = _mixture(token_file)
+
+    def batches(loader_type: type, **options: Any) -> list[Any]:
+        loader = loader_type(ds, batch_size=8, sampler=MixtureSampler(ds), **options)
+        return [b for _, b in zip(range(40), loader, strict=False)]
+
+    theirs = batches(DataLoader)
+    _CountedMixture.getitems_calls = 0
+    ours = batches(ThreadDataLoader, num_workers=num_workers)
+    _assert_torch_batches(ours, theirs)
+    assert _CountedMixture.getitems_calls == 0  # gathered: one array for the batch
+
+
+@pytest.mark.parametrize(
+    ("code_type", "code_seq_len"), [(_Scaled, 9), (_Shifted, 9), (TokenWindows, 8)]
+)
+def test_a_mixture_that_cannot_be_gathered_gets_its_samples_collated(
+    token_file: str, code_type: type, code_seq_len: int
+) -> None:
+    """A source that changes how it gathers, or another seq_len: __getitems__, as torch."""
+    ds = _mixture(token_file, code_type, code_seq_len)
+
+    def batches(loader_type: type, **options: Any) -> Any:
+        loader = loader_type(ds, batch_size=8, sampler=MixtureSampler(ds), **options)
+        try:
+            return [b for _, b in zip(range(20), loader, strict=False)]
+        except RuntimeError as error:  # unequal sizes: the stack's own message in both
+            return str(error).splitlines()[-1]
+
+    theirs = batches(DataLoader)
+    _CountedMixture.getitems_calls = 0
+    ours = batches(ThreadDataLoader, num_workers=0)
+    assert _CountedMixture.getitems_calls > 0
+    if isinstance(theirs, str):
+        assert ours == theirs and "equal size" in ours
+    else:
+        _assert_torch_batches(ours, theirs)

@@ -76,8 +76,9 @@ class Fetcher:
             return dataset[index]
         if self._ours:  # looked up per batch, as torch's fetcher looks up __getitems__
             gather = parts_getter(dataset)
-            if gather is not None:
-                return Gathered(gather(index))
+            parts = gather(index) if gather is not None else None
+            if parts is not None:
+                return Gathered(parts)
         getitems = getattr(dataset, "__getitems__", None)
         if getitems:
             return getitems(index)

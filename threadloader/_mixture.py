@@ -23,14 +23,32 @@ from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
+import torch
 from torch.utils.data import Dataset, Sampler
 
-from threadloader import _mixing
+from threadloader import _gathered, _mixing
 from threadloader._stream_args import Ints, as_indices, default_world
+from threadloader._token_windows import TokenWindows
 
 STATE_VERSION: Final = 1
 MIXTURE_BLOCK: Final = 4096
 """Positions a ``MixtureSampler`` resolves per numpy block (~0.3 µs a position)."""
+
+
+def _plain_windows_width(sources: Sequence[Any]) -> int | None:
+    """``seq_len + 1`` when every source is a ``TokenWindows`` gathering as ``TokenWindows``
+    does (its marked ``__getitems__``, its own ``_inputs_targets``) with one ``seq_len``."""
+    widths = set()
+    for source in sources:
+        getter = _gathered.parts_getter(source)
+        if (
+            not isinstance(source, TokenWindows)
+            or getter is None
+            or getattr(getter, "__func__", None) is not TokenWindows._inputs_targets
+        ):
+            return None
+        widths.add(source.seq_len + 1)
+    return widths.pop() if len(widths) == 1 else None
 
 
 class Mixture(Dataset[Any]):
@@ -94,8 +112,13 @@ class Mixture(Dataset[Any]):
         name, local = self.source_of(index)
         return self.sources[name][local]
 
+    @_gathered.gathered_by("_gather_windows")
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Return a batch: one ``__getitems__`` (or item loop) per source, in the asked order."""
+        """Return a batch: one ``__getitems__`` (or item loop) per source, in the asked order.
+
+        ThreadDataLoader's default collate takes the gathered windows instead when every source
+        is a plain ``TokenWindows`` of one ``seq_len`` (``_gather_windows``).
+        """
         index = as_indices(indices, len(self))
         source = np.searchsorted(self._orders.offsets, index, side="right") - 1
         out: list[Any] = [None] * index.size
@@ -107,6 +130,25 @@ class Mixture(Dataset[Any]):
             for row, item in zip(rows.tolist(), items, strict=True):
                 out[row] = item
         return out
+
+    def _gather_windows(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...] | None:
+        """The batch's inputs and targets from one gather per source into one array, or None.
+
+        ``_gathered`` point 1 for a mixture of ``TokenWindows`` whose gathering is
+        ``TokenWindows``' own (a subclass that changes it, or any other source, gets None: the
+        fetcher then calls ``__getitems__``), all of one ``seq_len``.
+        """
+        sources = [self.sources[name] for name in self.names]
+        width = _plain_windows_width(sources)
+        if width is None:
+            return None
+        index = as_indices(indices, len(self))
+        source = np.searchsorted(self._orders.offsets, index, side="right") - 1
+        rows = np.empty((index.size, width), dtype=np.int64)
+        for s, at in _mixing.groups(source):
+            rows[at] = sources[s].windows(index[at] - self._offsets[s])
+        batch = torch.from_numpy(rows)
+        return batch[:, :-1], batch[:, 1:]
 
     def source_of(self, index: int) -> tuple[str, int]:
         """Return ``(source name, index in that source)`` of a concatenated index.

@@ -39,7 +39,7 @@ def _assert_torch_batches(ours: list[Any], theirs: list[Any]) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert type(a) is type(b) is list and len(a) == len(b) == 2
         for x, y in zip(a, b, strict=True):
-            assert x.dtype == y.dtype == torch.int64
+            assert x.dtype == y.dtype
             assert x.is_contiguous() and torch.equal(x, y)
         # inputs and targets overlap in the gather; the batch's two tensors must not
         (x, y) = sorted(a, key=lambda t: t.data_ptr())
@@ -332,8 +332,16 @@ def test_a_mixture_of_token_windows_is_gathered_into_dataloaders_batches(
     assert _CountedMixture.getitems_calls == 0  # gathered: one array for the batch
 
 
+class _FloatWindows(TokenWindows):
+    """Overrides only windows(): its dtype and values reach torch's batches."""
+
+    def windows(self, indices: Any) -> Any:
+        return super().windows(indices) / 7.0
+
+
 @pytest.mark.parametrize(
-    ("code_type", "code_seq_len"), [(_Scaled, 9), (_Shifted, 9), (TokenWindows, 8)]
+    ("code_type", "code_seq_len"),
+    [(_Scaled, 9), (_Shifted, 9), (_FloatWindows, 9), (TokenWindows, 8)],
 )
 def test_a_mixture_that_cannot_be_gathered_gets_its_samples_collated(
     token_file: str, code_type: type, code_seq_len: int
@@ -356,3 +364,17 @@ def test_a_mixture_that_cannot_be_gathered_gets_its_samples_collated(
         assert ours == theirs and "equal size" in ours
     else:
         _assert_torch_batches(ours, theirs)
+
+
+def test_a_mixture_goes_to_the_isolation_helper(token_file: str) -> None:
+    """A Mixture pickles without its lock and sampler link (it used to raise TypeError)."""
+    ds = _mixture(token_file)
+
+    def first_ten(loader: Any) -> list[Any]:
+        return [b for _, b in zip(range(10), loader, strict=False)]
+
+    theirs = first_ten(DataLoader(ds, 8, sampler=MixtureSampler(ds)))
+    ours = first_ten(
+        ThreadDataLoader(ds, 8, sampler=MixtureSampler(ds), num_workers=1, isolation="process")
+    )
+    _assert_torch_batches(ours, theirs)

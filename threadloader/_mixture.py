@@ -35,16 +35,18 @@ MIXTURE_BLOCK: Final = 4096
 """Positions a ``MixtureSampler`` resolves per numpy block (~0.3 µs a position)."""
 
 
+_GATHERING = frozenset({"__getitems__", "_inputs_targets", "windows", "token_starts"})
+
+
 def _plain_windows_width(sources: Sequence[Any]) -> int | None:
-    """``seq_len + 1`` when every source is a ``TokenWindows`` gathering as ``TokenWindows``
-    does (its marked ``__getitems__``, its own ``_inputs_targets``) with one ``seq_len``."""
+    """``seq_len + 1`` when every source is a plain ``TokenWindows`` (no subclass, no method
+    replaced on the instance) and all have one ``seq_len``; else None."""
     widths = set()
     for source in sources:
-        getter = _gathered.parts_getter(source)
         if (
-            not isinstance(source, TokenWindows)
-            or getter is None
-            or getattr(getter, "__func__", None) is not TokenWindows._inputs_targets
+            type(source) is not TokenWindows  # a subclass may change any step of its gathering
+            or _gathered.parts_getter(source) is None
+            or _GATHERING & vars(source).keys()
         ):
             return None
         widths.add(source.seq_len + 1)
@@ -102,6 +104,18 @@ class Mixture(Dataset[Any]):
         )
         self._lock = threading.Lock()  # serialises writers of _schedule; readers take a reference
         self._sampler: weakref.ref[MixtureSampler] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the lock and the sampler link (a worker or helper process's copy
+        serves ``__getitems__``; the schedule changes in the training process's sampler)."""
+        state = self.__dict__.copy()
+        del state["_lock"]
+        state["_sampler"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         """Total samples over all sources (the concatenated index space)."""

@@ -71,7 +71,7 @@ def worker_dataset(dataset: Any, iterable: bool) -> Any:
     """The dataset a worker thread iterates (point 1).
 
     Raises:
-        RuntimeError: an ``IterDataPipe`` that cannot be deep-copied (naming why).
+        RuntimeError: a DataPipe graph that cannot be deep-copied (naming why).
     """
     if isinstance(dataset, IterDataPipe) or (
         isinstance(dataset, MapDataPipe) and _has_sharding(dataset)

@@ -133,8 +133,7 @@ class Mixture(Dataset[Any]):
         ThreadDataLoader's default collate takes the gathered windows instead when every source
         is a plain ``TokenWindows`` of one ``seq_len`` (``_gather_windows``).
         """
-        index = as_indices(indices, len(self))
-        source = np.searchsorted(self._orders.offsets, index, side="right") - 1
+        index, source = self._sources_of(indices)
         out: list[Any] = [None] * index.size
         for s, rows in _mixing.groups(source):
             local = (index[rows] - self._offsets[s]).tolist()
@@ -144,6 +143,11 @@ class Mixture(Dataset[Any]):
             for row, item in zip(rows.tolist(), items, strict=True):
                 out[row] = item
         return out
+
+    def _sources_of(self, indices: Sequence[int]) -> tuple[Ints, Ints]:
+        """The indices as an array, and the source number of each (vectorised)."""
+        index = as_indices(indices, len(self))
+        return index, np.searchsorted(self._orders.offsets, index, side="right") - 1
 
     def _gather_windows(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...] | None:
         """The batch's inputs and targets from one gather per source into one array, or None.
@@ -156,8 +160,7 @@ class Mixture(Dataset[Any]):
         width = _plain_windows_width(sources)
         if width is None:
             return None
-        index = as_indices(indices, len(self))
-        source = np.searchsorted(self._orders.offsets, index, side="right") - 1
+        index, source = self._sources_of(indices)
         rows = np.empty((index.size, width), dtype=np.int64)
         for s, at in _mixing.groups(source):
             rows[at] = sources[s].windows(index[at] - self._offsets[s])

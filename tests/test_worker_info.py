@@ -449,3 +449,30 @@ def test_workers_leave_process_global_random_state_and_threads_alone(num_workers
     assert after[1] == before[1]
     assert np.array_equal(after[2], before[2])
     assert after[3:] == before[3:]
+
+
+def test_a_map_style_dataset_is_one_object_shared_by_every_worker_thread() -> None:
+    """Documented difference (README): torch's worker processes each have a copy; worker threads
+    share the dataset, so what a worker_init_fn sets on it is every worker's."""
+
+    class Tagged(torch.utils.data.Dataset[list[int]]):
+        tag = -1
+
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, index: int) -> list[int]:
+            return [index, self.tag]
+
+    dataset = Tagged()
+    seen: list[Any] = []
+
+    def init(worker_id: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        assert info is not None
+        seen.append(info.dataset)
+        info.dataset.tag = 7
+
+    batches = list(ThreadDataLoader(dataset, batch_size=None, num_workers=2, worker_init_fn=init))
+    assert len(seen) == 2 and all(d is dataset for d in seen)
+    assert dataset.tag == 7 and [b[1] for b in batches] == [7] * 8

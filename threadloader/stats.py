@@ -73,7 +73,8 @@ class LoaderStats:
         wait_fraction: ``wait_s / wall_s``: how data-bound the loop is.
         ready_fraction: share of ``next()`` calls that found their batch already made.
         stages: per-stage timings (``sampler``, ``fetch``, ``collate``, ``pin``, ``transfer``);
-            stages that did not run are absent.
+            stages that did not run are absent. Large tensor samples copied into the batch as
+            they arrive (worker threads) are timed as ``fetch``; their ``collate`` is ~0.
         worker_busy_s: seconds each worker thread spent fetching, collating and pinning.
         caller_busy_s: seconds the training thread spent running batches itself.
         batches_run_by_caller: batches the training thread ran because no worker had started them.

@@ -74,13 +74,12 @@ class Fetcher:
         dataset = self._dataset
         if not self._auto:
             return dataset[index]
-        if self._ours:  # looked up per batch, as torch's fetcher looks up __getitems__
-            gather = parts_getter(dataset)
+        getitems = getattr(dataset, "__getitems__", None)  # per batch, as torch's fetcher
+        if getitems:
+            gather = parts_getter(dataset) if self._ours else None
             parts = gather(index) if gather is not None else None
             if parts is not None:
                 return Gathered(parts)
-        getitems = getattr(dataset, "__getitems__", None)
-        if getitems:
             return getitems(index)
         if self._stack_into is not None:
             return fetch_stacked(dataset, index, self._stack_into)

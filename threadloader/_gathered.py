@@ -130,10 +130,8 @@ def fetch_stacked(dataset: Any, indices: Sequence[int], allocator: _Allocator) -
     else:
         return []  # fewer indices than len() said: torch's collate raises for the empty batch
     if (
-        type(first) is not torch.Tensor
-        or first.nbytes * n < STACK_MIN_BYTES
-        or not _stackable(first)
-    ):
+        not _stackable(first) or first.nbytes * n < STACK_MIN_BYTES
+    ):  # _stackable first: nbytes raises for sparse
         return [first] + [dataset[i] for i in it]  # a list display is faster
     shape, dtype = first.shape, first.dtype
     out = allocator((n, *shape), dtype)

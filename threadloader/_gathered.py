@@ -129,9 +129,8 @@ def fetch_stacked(dataset: Any, indices: Sequence[int], allocator: _Allocator) -
         break
     else:
         return []  # fewer indices than len() said: torch's collate raises for the empty batch
-    if (
-        not _stackable(first) or first.nbytes * n < STACK_MIN_BYTES
-    ):  # _stackable first: nbytes raises for sparse
+    # _stackable first: nbytes raises for a sparse sample, whose error is torch's collate's.
+    if not _stackable(first) or first.nbytes * n < STACK_MIN_BYTES:
         return [first] + [dataset[i] for i in it]  # a list display is faster
     shape, dtype = first.shape, first.dtype
     out = allocator((n, *shape), dtype)

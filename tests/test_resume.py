@@ -558,28 +558,34 @@ def test_a_caught_worker_error_counts_as_a_used_batch_in_the_state(
     assert sorted(seen + rest) == [i for i in range(16) if i != 5]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_workers": 0},
+        {"num_workers": 2},
+        {"num_workers": 2, "persistent_workers": True},
+        {"num_workers": 1, "persistent_workers": True, "isolation": "process"},
+    ],
+    ids=["inline", "threads", "persistent", "persistent-isolation"],
+)
 @pytest.mark.parametrize("sampler_kind", ["torch", "shuffle"])
 def test_a_state_taken_after_the_last_batch_starts_the_next_epoch(
-    num_workers: int, sampler_kind: str
+    options: dict[str, Any], sampler_kind: str
 ) -> None:
     """Lightning checkpoints at the epoch's last step, before next() raises StopIteration: the
     state must start the next epoch (it resumed the finished one, empty, and the next epoch
-    was lost), whose batches equal an uninterrupted run's second epoch."""
+    was lost), whose batches equal an uninterrupted run's second epoch. With persistent
+    workers the uninterrupted run draws no new base seed for its second epoch: the resumed
+    run's new iterator must not shift the generator by its own (it did)."""
 
     def make() -> ThreadDataLoader[Any]:
         dataset = Ids(24)
         if sampler_kind == "shuffle":
             return ThreadDataLoader(
-                dataset,
-                batch_size=4,
-                sampler=ShuffleSampler(dataset, seed=5),
-                num_workers=num_workers,
+                dataset, batch_size=4, sampler=ShuffleSampler(dataset, seed=5), **options
             )
         generator = torch.Generator().manual_seed(5)
-        return ThreadDataLoader(
-            dataset, batch_size=4, shuffle=True, generator=generator, num_workers=num_workers
-        )
+        return ThreadDataLoader(dataset, batch_size=4, shuffle=True, generator=generator, **options)
 
     def epoch(loader: Any, number: int) -> list[list[int]]:
         if sampler_kind == "shuffle":

@@ -78,6 +78,7 @@ from threadloader._shm_ring import Packed, RingReader
 from threadloader._state import (
     Progress,
     Resume,
+    continue_persistent,
 )
 from threadloader._task_board import EPOCH, TASK
 from threadloader._workers import Result
@@ -360,6 +361,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._progress = Progress()
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (_datapipes point 5)
             super().__init__(loader)
+        continue_persistent(self, loader)
         self._resume = resume
         if resume is not None:
             self._base_seed = resume.base_seed

@@ -49,6 +49,7 @@ from threadloader._queues import QueueClosed
 from threadloader._state import (
     Progress,
     Resume,
+    continue_persistent,
     without_predrawn,
 )
 from threadloader._workers import (
@@ -92,6 +93,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._progress = Progress()
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (_datapipes point 5)
             super().__init__(loader)
+        continue_persistent(self, loader)
         self._resume = resume
         if resume is not None:
             self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's

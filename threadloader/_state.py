@@ -233,6 +233,22 @@ class Predrawn(Iterator[Any]):
         return next(self.rest)
 
 
+def continue_persistent(it: Any, loader: Any) -> None:
+    """Undo a new iterator's base-seed draw where the saving loader's would have drawn none.
+
+    A state taken between epochs of a loader with persistent workers starts the next epoch,
+    which that loader would have run on its existing iterator (``_reset``: no new base seed).
+    A new iterator has just drawn one from the generator; restoring the saved generator state
+    and base seed makes the next epoch's order (and worker seeds) the uninterrupted run's.
+    """
+    saved = loader._continue_persistent
+    if saved is None:
+        return
+    loader._continue_persistent = None
+    loader.generator.set_state(saved[0])
+    it._base_seed = saved[1]
+
+
 def epoch_complete(loader: Any, progress: Progress) -> bool:
     """Every batch of this map-style epoch was delivered, though ``next()`` may not have raised
     ``StopIteration`` yet (Lightning checkpoints at the epoch's last step so).

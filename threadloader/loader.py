@@ -165,6 +165,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = 0
         self._resume: Resume | None = None
         self._pending_state: dict[str, Any] | None = None  # loaded, and no iter() since
+        # (generator state, base seed) a new persistent iterator continues from (load_state_dict)
+        self._continue_persistent: tuple[Any, int] | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         self._host_epoch: weakref.ref[Any] | None = None
         self._stats: EpochStats | None = None  # likewise
@@ -179,6 +181,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._iterator = None
         self._epochs_started += 1
         self._pending_state = None  # this epoch starts from it: its own progress says the rest
+        if self._iterator is not None:
+            self._continue_persistent = None  # reused: it draws no new base seed
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         it: Any = super().__iter__()
@@ -317,8 +321,13 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
         self._pending_state = copy.deepcopy(dict(state))
+        self._continue_persistent = None
         if not state["in_progress"] and state["rng_source"] == "generator":
             self.generator.set_state(state["rng_state"])
+            if self.persistent_workers and self.num_workers > 0 and int(state["epoch"]) >= 1:
+                # The saving loader would have reused its persistent iterator for the next
+                # epoch, drawing no base seed; a new iterator here draws one (see __iter__).
+                self._continue_persistent = (state["rng_state"], int(state["base_seed"]))
 
     def check_worker_number_rationality(self) -> None:
         """Warn when the number of worker threads is far beyond what the machine can use.

@@ -632,6 +632,35 @@ def test_leaves_sharing_memory_still_share_it_and_arrays_keep_their_shape(
         assert batch["targets"].tolist() == [10 * (first + k) for k in range(1, 4)]
 
 
+def expanded_and_empty(items: list[Any]) -> dict[str, Any]:
+    """A collate_fn returning, every other batch from the first on, only empty tensors, and an
+    expanded (stride-0) tensor in the others."""
+    first = int(items[0])
+    if first % 8 == 0:
+        return {"empty": torch.zeros(len(items), 0, 3), "none": torch.empty(0)}
+    return {"row": torch.tensor([float(first), 1.0]).expand(3, 2)}
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_expanded_tensors_and_empty_batches_arrive_as_in_process(isolation: str | None) -> None:
+    """An expanded tensor keeps its strides (its elements overlap: a dense copy would let an
+    in-place write succeed where torch refuses it); a batch of empty tensors needs no bytes
+    (isolation asserted on the missing slot)."""
+    loader = ThreadDataLoader(
+        Ids(16), batch_size=4, num_workers=2, collate_fn=expanded_and_empty, isolation=isolation
+    )
+    batches = list(loader)
+    assert len(batches) == 4
+    for k, batch in enumerate(batches):
+        if k % 2 == 0:
+            assert tuple(batch["empty"].shape) == (4, 0, 3) and batch["none"].numel() == 0
+            continue
+        assert batch["row"].stride() == (0, 1)
+        assert batch["row"].tolist() == [[4.0 * k, 1.0]] * 3
+        with pytest.raises(RuntimeError, match="single memory location"):
+            batch["row"].mul_(2)
+
+
 def test_a_delivered_batch_is_writable_and_its_own() -> None:
     """Writing into a delivered batch changes neither the next batches nor the dataset."""
     iterator = iter(IsolatedLoader(Ids(40), batch_size=4, num_workers=2))

@@ -446,7 +446,7 @@ def pack(data: Any, ring: RingWriter, allocator: SlotAllocator | None) -> Packed
     layout = _place(leaves, slot, used)
     if layout is None:  # did not fit (or no slot yet): every leaf goes to a big enough slot
         needed = _plan(leaves, None, 0, copy_all=True)[3]
-        slot = ring.acquire(needed)
+        slot = ring.acquire(max(needed, 1))  # 1: a batch of empty tensors still needs a slot
         assert slot is not None
         layout = _place(leaves, slot, 0, copy_all=True)
         assert layout is not None, "a slot acquired for its size must hold the batch"
@@ -492,7 +492,13 @@ def _plan(leaves: list[Any], slot: Slot | None, used: int, copy_all: bool) -> _P
                 continue
             key = storage.get(i)
             shared = groups.get(key) if key is not None else None
-            if key is not None and shared is not None and len(shared) > 1:
+            if (
+                key is not None
+                and shared is not None
+                and (len(shared) > 1 or _tensor_span(leaf) < _nbytes(leaf))
+            ):
+                # Views of one storage, or one whose elements overlap (``expand``): copy the
+                # bytes they span and keep their strides, so they stay views as in-process.
                 if key not in spans:
                     first = min(_byte_offset(t) for t in shared)
                     first -= first % ALIGN  # keeps every view's alignment

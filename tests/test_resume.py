@@ -289,6 +289,7 @@ def test_bad_states_raise_naming_the_mismatch() -> None:
         ("delivered_ahead", [True], "not a position and the sorted positions"),
         ("base_seed", None, "base_seed must be an int"),
         ("rng_state", torch.zeros(3, dtype=torch.uint8), "not a global RNG state"),
+        ("global_rng_state", torch.zeros(3, dtype=torch.uint8), "not a torch global RNG state"),
     ],
 )
 def test_malformed_fields_raise_before_anything_changes(key: str, value: Any, match: str) -> None:
@@ -684,3 +685,39 @@ def test_a_state_taken_after_the_last_batch_starts_the_next_epoch_with_device_to
     resumed = make()
     resumed.load_state_dict(state)
     assert sorted(x for b in resumed for x in b.tolist()) == sorted(x for b in epochs[1] for x in b)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_seeded_from_the_global_rng_resumes_under_a_loader_generator(
+    num_workers: int,
+) -> None:
+    """RandomSampler(replacement=True) without a generator seeds its epoch from the global RNG
+    even when the loader has a generator; the state replayed only the loader's generator, so
+    the resumed batches differed (found by a resume fuzzer). The user's global RNG is theirs."""
+
+    def make() -> ThreadDataLoader[Any]:
+        dataset = Ids(18)
+        return ThreadDataLoader(
+            dataset,
+            batch_size=4,
+            sampler=torch.utils.data.RandomSampler(dataset, replacement=True, num_samples=17),
+            generator=torch.Generator().manual_seed(56),
+            num_workers=num_workers,
+        )
+
+    torch.manual_seed(3)
+    reference = [b.tolist() for b in make()]
+    torch.manual_seed(3)
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    torch.manual_seed(11)  # the resumed run's global RNG is elsewhere
+    mine = torch.get_rng_state()
+    resumed = make()
+    resumed.load_state_dict(state)
+    resumed_it = iter(resumed)
+    first = next(resumed_it).tolist()
+    assert torch.equal(torch.get_rng_state(), mine)  # drawn under the saved state, given back
+    assert head + [first] + [b.tolist() for b in resumed_it] == reference

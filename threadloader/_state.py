@@ -7,7 +7,9 @@ How state works; where the code disagrees with this, the code is wrong.
 2. The index stream of an epoch is fixed by the RNG state at the moment the sampler starts
    drawing (the loader's ``generator``, or torch's global RNG when there is none) plus the
    sampler's own state. The loader snapshots it there, and on resume puts it back at the same
-   point, so the same permutation comes out.
+   point, so the same permutation comes out. With a ``generator``, the global RNG is snapshotted
+   too (a sampler without one, like ``RandomSampler(replacement=True)``, seeds its epoch from
+   the global RNG) and the first indices are drawn under it; the user's global RNG is given back.
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
    offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
    sampler is replayed: its indices for the batches already delivered are drawn and dropped.
@@ -63,6 +65,7 @@ class Resume:
     rng_states: list[Any] | None = None  # per-worker generator states (point 6)
     position: int = 0  # map-style: where the index stream resumes (point 7)
     skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
+    global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
 
 
 @dataclass
@@ -82,6 +85,8 @@ class Progress:
     base_seed: int = 0
     rng_source: str = "global"
     rng_state: torch.Tensor | None = None
+    # With a loader generator, the global RNG as well: a sampler may draw from it (point 2).
+    global_rng_state: torch.Tensor | None = None
     # IterableDatasets (point 4): per-worker states as of the last delivered batch.
     dataset_states: list[Any] | None = None
     next_worker: int = 0
@@ -182,15 +187,21 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     if resume is None:
         progress.base_seed = int(it._base_seed)
         progress.rng_source, progress.rng_state = snapshot_rng(loader)
+        progress.global_rng_state = (
+            torch.get_rng_state() if progress.rng_source == "generator" else None
+        )
         return sampler_iter
     progress.base_seed = resume.base_seed
     progress.rng_source, progress.rng_state = resume.rng_source, resume.rng_state
+    progress.global_rng_state = resume.global_rng_state
+    global_state = resume.rng_state if resume.rng_source == "global" else resume.global_rng_state
     if resume.rng_source == "generator":
         loader.generator.set_state(resume.rng_state)
-    else:
-        # Draw the first indices under the saved global RNG, then give the user theirs back.
+    if global_state is not None:
+        # Draw the first indices under the saved global RNG (a sampler seeds its epoch from it
+        # at its first draw), then give the user theirs back.
         mine = torch.get_rng_state()
-        torch.set_rng_state(resume.rng_state)
+        torch.set_rng_state(global_state)
         try:
             first = list(itertools.islice(sampler_iter, 1))
         finally:
@@ -374,6 +385,11 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
         "worker_rng_states": _rng_states(loader, progress) if live else None,
+        "global_rng_state": (
+            progress.global_rng_state.clone()  # type: ignore[union-attr]
+            if live and progress.global_rng_state is not None  # type: ignore[union-attr]
+            else None
+        ),
     }
 
 
@@ -551,6 +567,13 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 f"loader has {expected} workers: an IterableDataset resumes on the same number "
                 "of workers"
             )
+    global_rng_state = state.get("global_rng_state")  # optional, as worker_rng_states
+    if global_rng_state is not None and (
+        not isinstance(global_rng_state, torch.Tensor)
+        or global_rng_state.dtype != torch.uint8
+        or global_rng_state.shape != torch.get_rng_state().shape
+    ):
+        raise ValueError("loader state global_rng_state is not a torch global RNG state")
     rng_states = state.get("worker_rng_states")  # optional: states saved without it resume
     if replay_data:
         # The replayed batches draw again from the seeded generators, which brings them to the
@@ -584,4 +607,5 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         rng_states=list(rng_states) if rng_states is not None else None,
         position=position if kind == "map" else batches,
         skips=tuple(skips) if kind == "map" else (),
+        global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
     )

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from threadloader._gathered import Gathered, Stacked, mark_default_collate
+from threadloader._gathered import Gathered, mark_default_collate
 from threadloader.memory import pinned_collate
 
 #: Smallest batch tensor worth pooling (see point 2).
@@ -194,7 +194,8 @@ class RecyclingCollate:
         return f"<default_collate into {self.allocator!r}{' as a worker' * self.as_worker}>"
 
     def __call__(self, batch: Any) -> Any:
-        if self.as_worker or type(batch) is Gathered or type(batch) is Stacked:
+        # Stacked batches come only to a worker's collate (stack_into): the first test.
+        if self.as_worker or type(batch) is Gathered:
             return pinned_collate(batch, self.allocator, as_worker=self.as_worker)
         if (
             isinstance(batch, Sequence)

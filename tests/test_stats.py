@@ -64,6 +64,8 @@ def test_stats_count_every_delivered_batch_and_stage(num_workers: int) -> None:
     assert 0.0 <= s.wait_fraction <= 1.0 and 0.0 <= s.ready_fraction <= 1.0
     assert len(s.worker_busy_s) == num_workers
     assert 0 <= s.batches_run_by_caller <= 16
+    assert s.stages["sampler"].count >= 16  # the training thread draws indices, at any workers
+    assert s.caller_busy_s >= s.stages["sampler"].total_s
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.batches = 0  # type: ignore[misc]
 
@@ -151,3 +153,105 @@ def test_gil_releasing_dataset_is_not_reported_gil_bound() -> None:
     """A dataset whose items wait with the GIL released (I/O-like) is not flagged."""
     s = _run_for(ThreadDataLoader(Ids(10**6, delay=0.0005), batch_size=16, num_workers=2), 1.0)
     assert not s.gil_bound, str(s)
+
+
+class FailsAt(Ids):
+    """Item ``bad`` raises; the others sleep ``delay``."""
+
+    def __init__(self, n: int, delay: float, bad: int) -> None:
+        super().__init__(n, delay)
+        self.bad = bad
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = super().__getitem__(i)
+        if i == self.bad:
+            raise ValueError(f"item {i} is bad")
+        return item
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_mid_epoch_does_not_stop_the_epochs_clock(num_workers: int) -> None:
+    """A batch that raises ends nothing (the loop may go on, as in torch): wall time keeps going
+    until the epoch's StopIteration, so data wait never exceeds it."""
+    loader = ThreadDataLoader(FailsAt(20, 0.005, bad=1), batch_size=1, num_workers=num_workers)
+    start, got, errors = time.perf_counter(), 0, 0
+    it = iter(loader)
+    while True:
+        try:
+            next(it)
+            got += 1
+        except ValueError:
+            errors += 1
+        except StopIteration:
+            break
+    loop_s = time.perf_counter() - start
+    s = loader.stats()
+    assert (got, errors, s.batches) == (19, 1, 19)
+    assert s.wall_s >= 0.9 * s.wait_s and s.wall_s >= 0.5 * loop_s, str(s)
+
+
+def test_a_finished_epochs_snapshot_stays_the_same() -> None:
+    """After the epoch's end, wall time and the cores used stop: later CPU work is not the
+    epoch's, so gil_bound cannot flip by calling stats() later."""
+    loader = ThreadDataLoader(Ids(), batch_size=4, num_workers=2)
+    list(loader)
+    first = loader.stats()
+    deadline = time.perf_counter() + 0.2
+    while time.perf_counter() < deadline:  # CPU work that belongs to no epoch
+        pass
+    later = loader.stats()
+    assert later.wall_s == first.wall_s
+    assert later.cpu_cores_used == first.cpu_cores_used
+    assert later.gil_bound == first.gil_bound
+
+
+def test_device_stage_epoch_ends_when_the_loop_gets_its_last_batch() -> None:
+    """With device=, the transfer thread drains the epoch ahead of the loop; wall time runs
+    until the loop itself reaches the end, so a slow loop is not reported as a fast loader."""
+    loader = ThreadDataLoader(Ids(12), batch_size=1, num_workers=2, device="cpu", device_prefetch=4)
+    start = time.perf_counter()
+    for _ in loader:
+        time.sleep(0.02)
+    loop_s = time.perf_counter() - start
+    s = loader.stats()
+    assert s.batches == 12
+    assert s.wall_s >= 0.9 * loop_s, str(s)
+    assert s.wait_fraction < 0.5, str(s)
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_an_abandoned_epochs_work_is_not_counted_in_the_next(isolation: str | None) -> None:
+    """Persistent workers finish batches of an epoch the loop broke out of; the next epoch's
+    snapshot counts only its own (isolation too, where timings come with each result)."""
+    loader = ThreadDataLoader(
+        Ids(40, delay=0.002),
+        batch_size=4,
+        num_workers=3,
+        persistent_workers=True,
+        isolation=isolation,
+    )
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break
+    time.sleep(0.3)  # the abandoned epoch's batches in flight finish meanwhile
+    assert len(list(loader)) == 10
+    s = loader.stats()
+    assert s.batches == 10
+    assert s.stages["fetch"].count == 10 and s.stages["collate"].count == 10, str(s)
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([1.0, 2.0], 0.5, 1.0),
+        ([1.0, 2.0, 3.0, 4.0], 0.5, 2.0),
+        ([float(v) for v in range(1, 11)], 0.9, 9.0),
+        ([float(v) for v in range(1, 101)], 0.99, 99.0),
+        ([5.0], 0.99, 5.0),
+    ],
+)
+def test_percentiles_are_nearest_rank(values: list[float], q: float, expected: float) -> None:
+    """p50 of [1, 2] is 1, p90 of 1..10 is 9 (not the maximum): nearest rank."""
+    from threadloader.stats import _percentile
+
+    assert _percentile(values, q) == expected

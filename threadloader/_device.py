@@ -103,6 +103,7 @@ class DeviceEpochIterator:
     def __init__(self, loader: Any, epoch: Any, persistent: bool) -> None:
         self._progress = dataclasses.replace(epoch._progress)  # what the loop has received
         self._stats = epoch._stats
+        self._stats.attach_consumer()  # before the transfer thread starts draining the epoch
         self._epoch_ref = weakref.ref(epoch)
         self._prefetcher: DevicePrefetcher[Any] = DevicePrefetcher(
             _HostBatches(epoch),
@@ -124,18 +125,18 @@ class DeviceEpochIterator:
 
     def __next__(self) -> Any:
         start = time.perf_counter()
-        delivered = False
+        delivered = ended = False
         try:
             tagged = next(self._prefetcher)
             delivered = True
         except StopIteration:
-            self._progress.exhausted = True
+            self._progress.exhausted = ended = True
             raise
         except KeyboardInterrupt:
             self.close()
             raise
         finally:
-            self._stats.on_consumer_wait(time.perf_counter() - start, delivered)
+            self._stats.on_consumer_wait(time.perf_counter() - start, delivered, ended)
         self._progress.__dict__.update(tagged.tag.__dict__)
         issued = self._prefetcher.stats().issue_s
         self._stats.caller.add("transfer", issued - self._issued)

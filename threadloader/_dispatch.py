@@ -250,7 +250,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _next_data(self) -> Any:
         start = time.perf_counter()
         self._ready, self._ran_here = True, False  # _get_result may clear / set them
-        delivered = False
+        delivered = ended = False
         try:
             while self._discard:  # replaying an IterableDataset without state (_state point 4)
                 self._next_batch()
@@ -259,7 +259,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             delivered = True
             return data
         except StopIteration:
-            self._progress.exhausted = True
+            self._progress.exhausted = ended = True
             raise
         except KeyboardInterrupt:
             # Ctrl-C while waiting: the epoch is over and the workers must stop, but the user
@@ -268,7 +268,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             raise
         finally:
             waited = time.perf_counter() - start
-            self._stats.on_next(waited, self._ready, self._ran_here, delivered)
+            self._stats.on_next(waited, self._ready, self._ran_here, delivered, ended)
 
     def _next_batch(self) -> Any:
         while True:

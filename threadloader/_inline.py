@@ -88,13 +88,17 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         self._sampler_iter = without_predrawn(self._sampler_iter)
 
     def _next_index(self) -> Any:
-        index = super()._next_index()
+        start = time.perf_counter()
+        try:
+            index = super()._next_index()
+        finally:
+            self._stats.caller.add("sampler", time.perf_counter() - start)
         self._drawn += 1
         return index
 
     def _next_data(self) -> Any:
         start = time.perf_counter()
-        delivered = False
+        delivered = ended = False
         try:
             while self._discard:
                 super()._next_data()
@@ -102,14 +106,14 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             data = super()._next_data()
             delivered = True
         except StopIteration:
-            self._progress.exhausted = True
+            self._progress.exhausted = ended = True
             raise
         finally:
             if self._map_style and self._drawn > self._behind:
                 # Returned or raised: either way its indices are used (_state point 7).
                 self._progress.behind(self._behind)
                 self._behind += 1
-            self._stats.on_next(time.perf_counter() - start, False, delivered, delivered)
+            self._stats.on_next(time.perf_counter() - start, False, delivered, delivered, ended)
         if self._track_dataset:
             state = copy.deepcopy(self._dataset.state_dict())
             self._progress.dataset_states = [state]

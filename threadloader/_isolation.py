@@ -434,11 +434,12 @@ class IsolatedDataLoaderIter(DispatchingIter):
             _, idx, worker_id, generation, data, state, rng, timings, limit, dataset_stats = msg
             if dataset_stats is not None:
                 self._stats.dataset = dataset_stats
-            recorder = self._stats.workers[worker_id]
-            for stage, seconds in timings:
-                recorder.add(stage, seconds)
             self._concurrency.limit = limit  # the helper's, for stats()
             if generation == self._generation:
+                # Only this epoch's timings: an abandoned epoch's belong to no snapshot.
+                recorder = self._stats.workers[worker_id]
+                for stage, seconds in timings:
+                    recorder.add(stage, seconds)
                 return Result(idx, worker_id, generation, data, state, rng=rng)
             if isinstance(data, Packed):
                 link.reader.discard(data)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -68,7 +69,8 @@ class LoaderStats:
 
     Attributes:
         batches: batches delivered to the training loop this epoch.
-        wall_s: seconds since the epoch's iterator was created.
+        wall_s: seconds from the epoch's iterator's creation to the loop's ``StopIteration``
+            (to now, while the epoch runs).
         wait_s: seconds the training loop spent inside ``next()``.
         wait_fraction: ``wait_s / wall_s``: how data-bound the loop is.
         ready_fraction: share of ``next()`` calls that found their batch already made.
@@ -76,11 +78,14 @@ class LoaderStats:
             stages that did not run are absent. Large tensor samples copied into the batch as
             they arrive (worker threads) are timed as ``fetch``; their ``collate`` is ~0.
         worker_busy_s: seconds each worker thread spent fetching, collating and pinning.
-        caller_busy_s: seconds the training thread spent running batches itself.
+        caller_busy_s: seconds the training thread spent on the loader's stages: drawing
+            indices (``sampler``), running batches itself, pinning (``isolation="process"``) and
+            issuing transfers (``device=``): loader work that delays the training step.
         batches_run_by_caller: batches the training thread ran because no worker had started them.
         num_workers: the loader's worker threads.
         concurrency_limit: how many workers may currently fetch at once (adaptive).
-        cpu_cores_used: process CPU time over wall time: how many cores' worth were busy.
+        cpu_cores_used: process CPU time over wall time: how many cores' worth were busy
+            (up to the epoch's end, like ``wall_s``).
         gil_bound: the workers' throughput does not grow with threads (see module docstring).
         advice: what to do about the bottleneck, in a sentence; None when there is nothing to do.
         dataset: the dataset's own ``stats()`` snapshot, when it has that method
@@ -137,10 +142,11 @@ class LoaderStats:
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least ``q`` of the values at or below it."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 class EpochStats:
@@ -167,21 +173,33 @@ class EpochStats:
         self._log_every = log_every_s
         self._last_log = self._start
         self._end: float | None = None  # the epoch's end: wall time stops there
+        self._cpu_end = 0.0  # process CPU time at _end
         # With device=, the loop waits on the transfer stage, not on the epoch iterator (which
         # the transfer thread drains): then this, not _wait, is the loop's data wait.
         self._consumer_wait: float | None = None
         self._consumer_batches = 0
 
-    def on_next(self, waited: float, ready: bool, ran_here: bool, delivered: bool) -> None:
-        """Record one ``next()`` call of the training loop."""
+    def on_next(
+        self, waited: float, ready: bool, ran_here: bool, delivered: bool, ended: bool
+    ) -> None:
+        """Record one ``next()`` call of the epoch iterator.
+
+        Args:
+            waited: seconds the call took.
+            ready: its batch was made before the call asked for it.
+            ran_here: the calling thread made the batch itself.
+            delivered: it returned a batch (False: raised).
+            ended: it raised ``StopIteration``: the epoch's clocks stop here, unless a device
+                stage consumes the epoch (then the loop's own ``StopIteration`` stops them).
+        """
         with self._lock:
             self._wait += waited
             self._nexts += 1
             self._ready += ready
             self._batches += delivered
             self._caller_batches += ran_here
-            if not delivered and self._end is None:
-                self._end = time.perf_counter()
+            if ended and self._consumer_wait is None:
+                self._mark_end()
         if self._log_every is not None:
             now = time.perf_counter()
             if now - self._last_log >= self._log_every:
@@ -196,17 +214,31 @@ class EpochStats:
                     s.num_workers,
                 )
 
-    def on_consumer_wait(self, waited: float, delivered: bool) -> None:
+    def attach_consumer(self) -> None:
+        """A device stage consumes this epoch: the loop's waits and end are its (``device=``)."""
+        with self._lock:
+            self._consumer_wait = 0.0
+
+    def on_consumer_wait(self, waited: float, delivered: bool, ended: bool) -> None:
         """Record the training loop's wait for one batch from the device stage."""
         with self._lock:
             self._consumer_wait = (self._consumer_wait or 0.0) + waited
             self._consumer_batches += delivered
+            if ended:
+                self._mark_end()
+
+    def _mark_end(self) -> None:  # holding _lock
+        if self._end is None:
+            self._end, self._cpu_end = time.perf_counter(), time.process_time()
 
     def snapshot(self) -> LoaderStats:
         with self._lock:
-            end = self._end if self._end is not None else time.perf_counter()
+            if self._end is not None:
+                end, cpu_end = self._end, self._cpu_end
+            else:
+                end, cpu_end = time.perf_counter(), time.process_time()
         wall = max(end - self._start, 1e-9)
-        cpu = (time.process_time() - self._cpu_start) / max(time.perf_counter() - self._start, 1e-9)
+        cpu = (cpu_end - self._cpu_start) / wall
         merged: dict[str, tuple[int, float, list[float]]] = {}
         for rec in [*self.workers, self.caller]:
             for stage, (count, total, recent) in rec.read().items():

@@ -19,7 +19,7 @@ from threadloader import _compare
 from threadloader.__main__ import main
 
 # Tiny runs: these tests check the command, not the loaders' speed.
-QUICK = ["--batches", "3", "--rounds", "1", "--no-progress"]
+QUICK = ["--batches", "20", "--rounds", "1", "--no-progress"]
 CORE = ["--loaders", "thread,dataloader,dataloader0"]
 LABELS = {
     "thread": "ThreadDataLoader(num_workers=2)",
@@ -30,6 +30,7 @@ LABELS = {
 }
 
 USER_MODULE = """
+import time
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
@@ -49,8 +50,27 @@ class Broken(Dataset):
     def __getitem__(self, i):
         raise KeyError(f"no sample {i}\\nsecond line")
 
+class Sleepy(Dataset):
+    def __len__(self):
+        return 400
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.tensor([i])
+
+class Flaky(Squares):
+    def __getitem__(self, i):
+        if i % 10 == 3:
+            raise ValueError(f"sample {i} is corrupt")
+        return super().__getitem__(i)
+
 def make_squares():
     return Squares()
+
+def make_sleepy():
+    return Sleepy()
+
+def make_flaky():
+    return Flaky()
 
 def make_counting():
     return Counting()
@@ -136,7 +156,7 @@ def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) 
     data = json.loads(out)
     assert data["baseline"] == "dataloader"
     assert data["dataset"]["name"] == "tokens" and data["dataset"]["batch_size"] == 16
-    assert data["config"]["rounds"] == 2 and data["config"]["batches"] == 3
+    assert data["config"]["rounds"] == 2 and data["config"]["batches"] == 20
     assert [r["loader"] for r in data["results"]] == ["thread", "dataloader", "dataloader0"]
     for r in data["results"]:
         assert r["samples_per_s"] > 0 and r["first_batch_s"] > 0
@@ -145,7 +165,7 @@ def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) 
         assert r["ratio_vs_baseline"] > 0
         assert len(r["runs"]) == 2
         for run in r["runs"]:
-            assert run["batches"] == 3 and run["samples"] == 3 * 16
+            assert run["batches"] == 20 and run["samples"] == 20 * 16
             assert run["wait_s"] <= run["elapsed_s"]
     base = next(r for r in data["results"] if r["loader"] == "dataloader")
     assert base["ratio_vs_baseline"] == pytest.approx(1.0)
@@ -253,7 +273,7 @@ def test_user_dataset_factory_from_pythonpath(user_module: str) -> None:
     data = json.loads(proc.stdout)
     assert data["dataset"]["map_style"] is True and data["dataset"]["batch_size"] == 4
     for r in data["results"]:
-        assert r["runs"][0]["samples"] == 3 * 4  # counted from the dict batch's first tensor
+        assert r["runs"][0]["samples"] == 20 * 4  # counted from the dict batch's first tensor
 
 
 @pytest.mark.parametrize("target", ["make_counting", "squares"])
@@ -348,3 +368,98 @@ def test_missing_optional_packages_are_noted_not_fatal(
     assert "peak memory not measured: pip install psutil" in out
     row = next(line for line in out.splitlines() if line.startswith(LABELS["thread"]))
     assert " n/a " in row
+
+
+@pytest.mark.parametrize("factory", ["make_broken", "make_flaky"])
+def test_spdl_failing_on_the_dataset_is_one_line(
+    user_module: str, factory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SPDL logs and drops a failing item by default: compare makes it fail as torch does,
+    instead of hanging on tracebacks (every item fails) or timing the items that worked."""
+    pytest.importorskip("spdl.dataloader")
+    argv = ["compare", "--dataset", f"{user_module}:{factory}", "--loaders", "spdl"]
+    code, out, err = _main([*argv, "--batches", "20", "--rounds", "1", "--no-progress"], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1, err
+    assert f"{LABELS['spdl']} failed: " in err and "Error" in err, err
+
+
+def test_timed_batches_exclude_work_done_before_the_clock(
+    user_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dataset of 10 ms items cannot make more than 100 samples/s per worker: batches the
+    workers made while the loop awaited the first are warm-up, not timed (timing 1 batch
+    after the first used to report 170,000 samples/s)."""
+    argv = ["compare", "--dataset", f"{user_module}:make_sleepy", "--batch-size", "4"]
+    argv += ["--batches", "20", "--rounds", "1", "--no-progress", "--json"]
+    code, out, err = _main([*argv, "--loaders", "thread,dataloader0"], capsys)
+    assert code == 0, err
+    rates = {r["loader"]: r["samples_per_s"] for r in json.loads(out)["results"]}
+    assert 0 < rates["thread"] <= 1.1 * 2 * 100, rates  # 2 workers
+    assert 0 < rates["dataloader0"] <= 1.1 * 100, rates
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("out.xyz", "matplotlib cannot write .xyz files"), ("", "give a file name")],
+)
+def test_unwritable_plot_name_is_one_line_before_any_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    message: str,
+) -> None:
+    """A format matplotlib cannot write, or no file name at all, fails before measuring."""
+    pytest.importorskip("matplotlib")
+
+    def no_run(config: Any) -> Any:
+        raise AssertionError("measured before checking --plot")
+
+    monkeypatch.setattr(_compare, "run_compare", no_run)
+    path = str(tmp_path / name) if name else name
+    code, out, err = _main(["compare", "--plot", path, *QUICK], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_plot_name_ending_in_a_dot_names_the_file_matplotlib_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--plot out. writes out.png (matplotlib drops the dot), and the message says so."""
+    pytest.importorskip("matplotlib")
+    code, out, err = _main(
+        ["compare", "--workload", "python", "--plot", str(tmp_path / "out."), *QUICK, *CORE],
+        capsys,
+    )
+    assert code == 0, err
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {tmp_path / 'out.png'}" in out
+
+
+def test_a_plot_failing_after_the_run_keeps_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """When the plot cannot be written after measuring (disk full...), the table is still
+    printed, then the one-line error and status 2."""
+    pytest.importorskip("matplotlib")
+
+    def failing_plot(result: Any, path: str) -> str:
+        raise _compare.CompareError(f"cannot write plot {path!r}: No space left on device")
+
+    monkeypatch.setattr(_compare, "write_plot", failing_plot)
+    argv = ["compare", "--workload", "python", "--plot", str(tmp_path / "x.png"), *QUICK, *CORE]
+    code, out, err = _main(argv, capsys)
+    assert code == 2
+    assert "samples/s" in out and LABELS["thread"] in out
+    assert len(err.splitlines()) == 1 and "No space left" in err, err
+
+
+def test_too_few_timed_batches_for_the_workers_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Two workers deliver batches two at a time: fewer than 20 timed batches is refused."""
+    argv = ["compare", "--workload", "python", "--rounds", "1", "--no-progress"]
+    code, out, err = _main([*argv, "--batches", "5"], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "at least 20 with 2 workers" in err, err

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     amount.add_argument(
         "--batches",
         type=_positive_int,
-        help="batches timed per run, after the first",
+        help="batches timed per run, after the first and 2 x num-workers warm-up batches "
+        "(at least 10 x num-workers)",
     )
     amount.add_argument(
         "--seconds",
@@ -185,17 +186,22 @@ def _compare_command(args: argparse.Namespace) -> int:
             if problem:
                 return _fail(problem)
         result = _compare.run_compare(config)
-        written = _compare.write_plot(result, args.plot) if args.plot is not None else None
     except _compare.CompareError as e:
         return _fail(str(e))
     except KeyboardInterrupt:  # every loader is closed by then; a traceback would be noise
         sys.stderr.write("python -m threadloader compare: interrupted\n")
         return EXIT_INTERRUPTED
+    # The results first: a plot that cannot be written must not lose minutes of measuring.
     if args.json:
         print(json.dumps(_compare.to_json(result), indent=2))
     else:
         print(_compare.format_table(result))
-        if written is not None:
+    if args.plot is not None:
+        try:
+            written = _compare.write_plot(result, args.plot)
+        except _compare.CompareError as e:
+            return _fail(str(e))
+        if not args.json:
             print(f"plot written to {written}")
     return 0
 

@@ -11,8 +11,11 @@ reads, and in which order, is point 1 of ``_compare_input``.
    round, so drift in machine load hits every loader alike. Ratios are taken within a round;
    the table quotes medians over rounds.
 2. One run: start the loader and take the first batch (that time is "time to first batch"),
-   then time ``--batches`` more batches, or as many as ``--seconds`` allows. samples/s counts the
-   timed batches only. The loop measures the time it spends blocked in ``next()``: data wait is
+   then ``2 * num_workers`` warm-up batches untimed (what the workers made ahead while the loop
+   waited for the first: counting them would credit the timed window with work done before its
+   clock started; 1 batch of a 10 ms-an-item dataset "ran" at 100x its ceiling), then time
+   ``--batches`` more batches, or as many as ``--seconds`` allows. samples/s counts the timed
+   batches only. The loop measures the time it spends blocked in ``next()``: data wait is
    that time over the timed wall time. ``--step-ms`` sleeps after each batch, standing in for a
    training step that releases the GIL (as waiting on a GPU does); without it the loop does
    nothing but fetch, so data wait is close to 100% for every loader.
@@ -232,15 +235,53 @@ def _open(
         assert sampler is not None
         loader: Any = spdl.dataloader.DataLoader(
             sampler,
-            preprocessor=ds.__getitem__,
+            preprocessor=_Catching(ds.__getitem__),
             batch_size=bs,
-            aggregator=default_collate,
+            aggregator=_Catching(_collate_unless_failed),
             num_threads=num_workers,
             output_order="input",
         )
         gen = iter(loader)  # spdl annotates __iter__ as returning an Iterable
-        return gen, getattr(gen, "close", lambda: None)
+        return _raising(gen), getattr(gen, "close", lambda: None)
     raise ValueError(f"unknown loader {key!r}")
+
+
+class _Failed:
+    """An exception carried as a value through SPDL's pipeline (see :class:`_Catching`)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _Catching:
+    """``fn``, with an exception returned as a :class:`_Failed` instead of raised.
+
+    SPDL's DataLoader logs and drops a task that raises, with no failure limit it lets us set:
+    a dataset failing on every item would hang the run printing tracebacks, and one failing on
+    some items would be timed on the rest. torch and torchdata raise; this makes SPDL do so too.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, arg: Any) -> Any:
+        try:
+            return self.fn(arg)
+        except Exception as e:  # noqa: BLE001  (raised again by _raising)
+            return _Failed(e)
+
+
+def _collate_unless_failed(samples: list[Any]) -> Any:
+    failed = next((s for s in samples if isinstance(s, _Failed)), None)
+    return failed if failed is not None else default_collate(samples)
+
+
+def _raising(batches: Iterator[Any]) -> Iterator[Any]:
+    """SPDL's batches, raising the first item's or collate's exception where it arrives."""
+    for batch in batches:
+        if isinstance(batch, _Failed):
+            raise batch.error
+        yield batch
 
 
 def _shutdown_nodes(node: Any, depth: int = 0) -> None:
@@ -264,6 +305,8 @@ def _shutdown_nodes(node: Any, depth: int = 0) -> None:
 
 # --------------------------------------------------------------------------------------------
 # one run
+
+_END = object()
 
 
 def _batch_len(batch: Any, default: int) -> int:
@@ -300,7 +343,10 @@ def _run_once(
 ) -> RunResult:
     batches_wanted = config.batches if config.batches is not None else sys.maxsize
     duration = config.seconds if config.seconds is not None else math.inf
-    count = (config.batches + 1) * source.batch_size if config.batches is not None else None
+    warmup = 2 * config.num_workers  # point 2
+    count = (
+        (config.batches + 1 + warmup) * source.batch_size if config.batches is not None else None
+    )
     step_s = config.step_ms / 1000.0
     clock = time.perf_counter
     gc.collect()
@@ -316,6 +362,9 @@ def _run_once(
                 raise CompareError("the dataset gave no batch") from None
             first_batch_s = clock() - t0
             n = samples = 0
+            for _ in range(warmup):
+                if next(it, _END) is _END:
+                    break
             wait = 0.0
             ran_out = False
             start = now = clock()
@@ -341,7 +390,11 @@ def _run_once(
             del it, close
     gc.collect()
     if n == 0:
-        raise CompareError("the dataset gave only one batch; need at least two to time")
+        raise CompareError(
+            f"the dataset gave too few batches to time: the first {1 + warmup} start the loader "
+            f"up (the first batch, and {warmup} made ahead while it was awaited), and at least "
+            "one more is timed"
+        )
     samples *= source.samples_per_item
     return RunResult(
         round=round_no,

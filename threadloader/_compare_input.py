@@ -43,6 +43,12 @@ class CompareError(Exception):
     """A problem with the user's input or dataset; its message is one line, shown as is."""
 
 
+def min_timed_batches(num_workers: int) -> int:
+    """The fewest ``--batches`` worth timing: ten of the waves in which ``num_workers`` parallel
+    workers deliver their batches (timing one batch of a wave measures ~0 s)."""
+    return 10 * max(1, num_workers)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompareConfig:
     """What to compare and for how long.
@@ -97,6 +103,13 @@ class CompareConfig:
         for name, value in positive.items():
             if value is not None and not value > 0:
                 raise CompareError(f"{name} must be positive, got {value}")
+        least = min_timed_batches(self.num_workers)
+        if self.batches is not None and self.num_workers > 0 and self.batches < least:
+            raise CompareError(
+                f"batches must be at least {least} with {self.num_workers} workers, got "
+                f"{self.batches}: parallel workers deliver batches {self.num_workers} at a time, "
+                "so fewer timed batches make samples/s a guess (or give seconds instead)"
+            )
         if not self.step_ms >= 0:
             raise CompareError(f"step_ms must be zero or positive, got {self.step_ms}")
         unknown = [k for k in self.loaders if k not in LOADERS]

@@ -84,6 +84,10 @@ def format_table(result: CompareResult) -> str:
         lines.append(result.memory_note)
     lines.append("peak PSS: of the whole process tree, worker processes included.")
     lines.append(
+        f"vs DataLoader({cfg.num_workers}): the median of each round's ratio (loaders of a round "
+        "run back to back), not the ratio of the medians."
+    )
+    lines.append(
         "data wait: share of the loop's time spent blocked in next()"
         + ("." if cfg.step_ms else "; the loop does no other work, try --step-ms 5.")
     )
@@ -148,9 +152,20 @@ def check_plot_available() -> None:
 
 
 def plot_file(path: str) -> str:
-    """The file ``--plot path`` writes: ``path``, with ``.png`` added when it has no extension
-    (what matplotlib would write, said here so the message names the real file)."""
-    return path if os.path.splitext(path)[1] else path + ".png"
+    """The file ``--plot path`` writes: ``path``, or, when it has no extension, ``path`` without
+    trailing dots plus ``.png``, as matplotlib names it (so the message names the real file)."""
+    return path if _extension(path) else path.rstrip(".") + ".png"
+
+
+def _extension(path: str) -> str:
+    return os.path.splitext(path)[1][1:]
+
+
+def _plot_formats() -> dict[str, str]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return FigureCanvasAgg(Figure()).get_supported_filetypes()
 
 
 def write_plot(result: CompareResult, path: str) -> str:
@@ -212,7 +227,7 @@ def write_plot(result: CompareResult, path: str) -> str:
     memory.set_ylabel("peak PSS of process tree (MiB)")
     memory.set_xticks(list(xs), labels, fontsize=8)
     try:
-        fig.savefig(path)
+        fig.savefig(path, format=_extension(path))
     except (OSError, ValueError) as e:
         raise CompareError(f"cannot write plot {path!r}: {_one_line(e)}") from e
     return path
@@ -227,7 +242,15 @@ def plot_path_problem(path: str) -> str | None:
     Returns:
         A one-line reason, or None.
     """
+    if not os.path.basename(path.rstrip(".")):
+        return f"cannot write plot {path!r}: give a file name such as out.png"
     target = plot_file(path)
+    formats = _plot_formats()
+    if _extension(target).lower() not in formats:
+        return (
+            f"cannot write plot {path!r}: matplotlib cannot write .{_extension(target)} files; "
+            f"use one of {', '.join('.' + f for f in sorted(formats))}"
+        )
     if os.path.isdir(path) or os.path.isdir(target):
         return f"cannot write plot {path!r}: it is a directory; give a file name such as out.png"
     folder = os.path.dirname(os.path.abspath(target))

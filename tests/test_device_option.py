@@ -151,3 +151,39 @@ def test_bad_device_arguments_fail_at_construction() -> None:
         ThreadDataLoader(Pairs(), device="cpu", device_prefetch=0)
     with pytest.raises(ValueError, match="isolation"):
         ThreadDataLoader(Pairs(), isolation="threads")
+
+
+class SlowIds(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 400
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.002)
+        return torch.tensor(i)
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_persistent_epoch_started_while_the_last_is_held_loses_nothing(
+    isolation: str | None,
+) -> None:
+    """``it = iter(loader)`` each epoch, the last epoch's iterator still alive and part-read:
+    its transfer thread must stop pulling before the persistent epoch resets (it took the new
+    epoch's first batches, or corrupted its reorder table), and only one stays alive."""
+    loader = ThreadDataLoader(
+        SlowIds(),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        device="cpu",
+        isolation=isolation,
+    )
+    it = None
+    for _ in range(5):
+        it = iter(loader)  # the last epoch's `it` is alive until this assignment
+        got = [next(it).tolist() for _ in range(3)]
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        transfer = [t for t in _ours() if t.name.endswith("-transfer") and t.is_alive()]
+        assert len(transfer) == 1, transfer
+    assert len(list(it)) == 100 - 3
+    del it, loader
+    assert _settle() == []

@@ -101,6 +101,35 @@ def test_the_disk_cache_evicts_the_least_recently_used_to_stay_bounded(tmp_path:
     assert cache.get("huge") is None and cache.usage().entries == 3
 
 
+def test_an_eviction_never_deletes_an_object_put_again_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread A evicts "a" while thread B puts "a" anew: B's object stays readable (A's unlink
+    used to remove B's fresh file, leaving an entry that named no file)."""
+    from threadloader import _cache
+
+    cache = DiskCache(tmp_path, max_bytes=2000)
+    cache.put("a", b"a" * 1000)
+    cache.put("b", b"b" * 1000)
+    real_unlink = _cache.os.unlink
+    second_put: list[threading.Thread] = []
+
+    def unlink_with_a_put_meanwhile(path: Any) -> None:
+        if not second_put:  # A is evicting "a": B puts "a" again, as far as it can get
+            thread = threading.Thread(target=cache.put, args=("a", b"A" * 1000))
+            second_put.append(thread)
+            thread.start()
+            thread.join(0.3)
+        real_unlink(path)
+
+    monkeypatch.setattr(_cache.os, "unlink", unlink_with_a_put_meanwhile)
+    cache.put("c", b"c" * 1000)  # evicts "a", the least recently used
+    second_put[0].join()
+    monkeypatch.setattr(_cache.os, "unlink", real_unlink)
+    assert cache.get("a") == b"A" * 1000
+    assert cache.usage().stored_bytes == sum(p.stat().st_size for p in _files(tmp_path))
+
+
 def test_use_order_survives_reopening_the_directory(tmp_path: Path) -> None:
     """A reopened cache evicts by the use order the previous one left in file times."""
     cache = DiskCache(tmp_path, max_bytes=3000)

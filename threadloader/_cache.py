@@ -136,8 +136,7 @@ class DiskCache:
             self._index[name] = size
             self._stored += size
         with self._lock:
-            victims = self._victims_locked()
-        self._remove(victims)
+            self._evict_locked()
 
     def __repr__(self) -> str:
         return (
@@ -183,8 +182,7 @@ class DiskCache:
             else:  # written by another process
                 self._index[name] = len(data)
                 self._stored += len(data)
-            victims = self._victims_locked()
-        self._remove(victims)
+            self._evict_locked()
         with contextlib.suppress(OSError):
             os.utime(path)  # use order for the next process that opens this directory
         return data
@@ -211,29 +209,26 @@ class DiskCache:
                     view = view[written:]
             finally:
                 os.close(fd)
-            os.replace(tmp, path)  # the only way an object gets its final name
+            # Naming, indexing and evicting under one lock: an eviction's unlink must not
+            # remove a file another thread has just put under the same name (its entry would
+            # then name no file). Renames and unlinks are quick; the write above is not locked.
+            with self._lock:
+                os.replace(tmp, path)  # the only way an object gets its final name
+                old = self._index.pop(name, None)
+                self._stored += len(data) - (old or 0)
+                self._index[name] = len(data)
+                self._evict_locked()
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        with self._lock:
-            old = self._index.pop(name, None)
-            self._stored += len(data) - (old or 0)
-            self._index[name] = len(data)
-            victims = self._victims_locked()
-        self._remove(victims)
 
-    def _victims_locked(self) -> list[str]:
-        victims = []
+    def _evict_locked(self) -> None:
+        """Delete least recently used objects until the cache fits (holding ``_lock``)."""
         while self._stored > self.max_bytes and self._index:
             name, size = self._index.popitem(last=False)
             self._stored -= size
             self._evictions += 1
-            victims.append(name)
-        return victims
-
-    def _remove(self, names: list[str]) -> None:
-        for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(name))
 

@@ -18,6 +18,7 @@ straight into torch's pinned host allocator: one copy instead of collate-then-pi
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -90,6 +91,26 @@ def _close(prefetcher: DevicePrefetcher[Any]) -> None:
     prefetcher.close()
 
 
+def retire(last: weakref.ref[DeviceEpochIterator] | None, thread: threading.Thread | None) -> None:
+    """Stop the last epoch's transfer thread and wait for it, however long its last pull takes.
+
+    With persistent workers the next ``iter()`` resets the same host epoch iterator, which the
+    last epoch's transfer thread may still be pulling from (a batch it will drop). Two threads
+    must never drive one epoch iterator: the old thread took the new epoch's first batches and
+    corrupted its reorder table. torch's own reset likewise waits for the batches in flight.
+
+    Args:
+        last: the last epoch's facade, if the loop still holds it (closing it drops its batches).
+        thread: its transfer thread, kept apart: a dropped facade's finalizer joins it for
+            ``transfer.JOIN_TIMEOUT_S`` only.
+    """
+    epoch = last() if last is not None else None
+    if epoch is not None:
+        epoch.close()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 class DeviceEpochIterator:
     """One epoch, batches on ``loader.device``; what ``iter(loader)`` returns with ``device=``.
 
@@ -142,6 +163,11 @@ class DeviceEpochIterator:
         self._stats.caller.add("transfer", issued - self._issued)
         self._issued = issued
         return tagged.batch
+
+    @property
+    def transfer_thread(self) -> threading.Thread:
+        """The thread that drains the host epoch (``retire`` waits for it)."""
+        return self._prefetcher.thread
 
     def close(self) -> None:
         """Stop the transfer thread (and, unless persistent, the workers). Idempotent."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -16,6 +17,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from threadloader import _worker_info
 from threadloader._concurrency import usable_cpus
 from threadloader._device import DeviceEpochIterator, check_device_args, staging_pool
+from threadloader._device import retire as retire_device_epoch
 from threadloader._inline import InlineDataLoaderIter
 from threadloader._isolation import IsolatedDataLoaderIter, check_isolation
 from threadloader._iterator import ThreadedDataLoaderIter
@@ -169,6 +171,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._continue_persistent: tuple[Any, int] | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         self._host_epoch: weakref.ref[Any] | None = None
+        # device= with persistent workers: the last epoch's facade and its transfer thread
+        self._device_epoch: weakref.ref[DeviceEpochIterator] | None = None
+        self._transfer_thread: threading.Thread | None = None
         self._stats: EpochStats | None = None  # likewise
 
     def __iter__(self) -> Any:
@@ -183,6 +188,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._pending_state = None  # this epoch starts from it: its own progress says the rest
         if self._iterator is not None:
             self._continue_persistent = None  # reused: it draws no new base seed
+            # Reset below: the last epoch's transfer thread must be done pulling from it.
+            retire_device_epoch(self._device_epoch, self._transfer_thread)
+            self._device_epoch = self._transfer_thread = None
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         it: Any = super().__iter__()
@@ -190,6 +198,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.device is not None:
             persistent = self._iterator is not None
             it = DeviceEpochIterator(self, it, persistent)
+            if persistent:
+                self._device_epoch, self._transfer_thread = weakref.ref(it), it.transfer_thread
         self._progress = it._progress
         self._stats = it._stats
         return it

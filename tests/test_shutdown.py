@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -358,3 +359,88 @@ def test_a_dataset_state_that_cannot_be_saved_is_raised_not_a_dead_worker() -> N
     with pytest.raises(ValueError, match="state cannot be saved"):
         list(loader)
     assert _wait_for_no_threads() == []
+
+
+def test_a_non_daemon_thread_still_iterating_when_main_ends_gets_every_batch() -> None:
+    """The main thread returns while an ordinary thread still iterates: as with torch, the
+    loader serves it to the end (the exit hook used to close it under the thread's feet)."""
+    code = textwrap.dedent(
+        """
+        import threading, time, torch
+        from torch.utils.data import Dataset
+        from threadloader import ThreadDataLoader
+        class Slow(Dataset):
+            def __len__(self): return 100
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return torch.tensor(i)
+        started = threading.Event()
+        def consume():
+            got = 0
+            for _ in ThreadDataLoader(Slow(), batch_size=2, num_workers=2):
+                started.set()
+                got += 1
+            print("batches", got, flush=True)
+        threading.Thread(target=consume).start()
+        started.wait(30)  # the main thread ends while the loop is under way
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout.decode().split() == ["batches", "50"]
+    assert proc.stderr == b""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_ctrl_c_while_break_waits_for_the_workers_is_raised(
+    isolation: str | None, tmp_path: Path
+) -> None:
+    """``break`` joins workers still inside slow reads from a finalizer, which drops any
+    exception: a Ctrl-C pressed meanwhile must still reach the loop, not be printed and lost."""
+    (tmp_path / "slow_items.py").write_text(
+        textwrap.dedent(
+            """
+            import time, torch
+            from torch.utils.data import Dataset
+            class Slow(Dataset):
+                def __len__(self): return 64
+                def __getitem__(self, i):
+                    if i >= 4:
+                        time.sleep(3)
+                    return torch.tensor(i)
+            """
+        )
+    )
+    script = tmp_path / "loop.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, signal, threading, time
+            from slow_items import Slow
+            from threadloader import ThreadDataLoader
+            if __name__ == "__main__":
+                loader = ThreadDataLoader(Slow(), batch_size=4, num_workers=2,
+                                          isolation={isolation!r})
+                start = time.monotonic()
+                try:
+                    for batch in loader:
+                        time.sleep(0.3)  # the workers are inside their 3 s reads
+                        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+                        break
+                    time.sleep(5)
+                    print("lost", flush=True)
+                except KeyboardInterrupt:
+                    print("raised", round(time.monotonic() - start), flush=True)
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, timeout=60, check=False, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = proc.stdout.decode().split()
+    assert out[0] == "raised", (out, proc.stderr.decode())
+    assert int(out[1]) <= 2, out  # at the Ctrl-C, not after the reads or the sleep

@@ -7,13 +7,26 @@ tests/test_shutdown.py. One hook serves every owner: worker pools, transfer stag
 pools of remote datasets. It is registered on first use, after ``concurrent.futures`` (imported
 by then) registered its own, so it runs first: a read waiting to retry gives up before that
 pool is joined.
+
+Each owner remembers the thread that created it (the loop that iterates it). When the main
+thread ends while a non-daemon thread still iterates a loader, the hook first waits for that
+thread, which the interpreter would wait for next anyway: torch's loaders keep serving such a
+thread until it ends, so ours do too (closing first broke its epoch with "iterator was closed").
+
+Joins run from finalizers (``break``, ``del``, garbage collection), which print and drop any
+exception, so a Ctrl-C pressed during one would be lost: :func:`redeliver_interrupt` hands it
+back to the main thread.
 """
 
 from __future__ import annotations
 
+import _thread
+import functools
 import os
+import signal
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -23,22 +36,29 @@ class Closable(Protocol):
 
 # WeakSet's own bookkeeping is Python code: every change and every walk happens under the lock.
 _lock = threading.Lock()
-_live: weakref.WeakSet[Closable] = weakref.WeakSet()
+_live: weakref.WeakKeyDictionary[Closable, threading.Thread] = weakref.WeakKeyDictionary()
 _registered = False
 
 
 def _close_all() -> None:
     with _lock:
-        owners = list(_live)
-    for owner in owners:
-        owner.close()
+        owners = list(_live.items())
+    me = threading.current_thread()
+    try:
+        for thread in {id(t): t for _, t in owners}.values():
+            if thread is not me and not thread.daemon:
+                thread.join()  # a loop still iterating: the interpreter waits for it next anyway
+    finally:  # Ctrl-C while waiting: close everything now, then let it through
+        for owner, _ in owners:
+            owner.close()
 
 
 def track(owner: Closable) -> None:
-    """Close ``owner`` at interpreter exit unless it was closed (or collected) before."""
+    """Close ``owner`` at interpreter exit unless it was closed (or collected) before; a
+    non-daemon thread calling this (the loop creating its iterator) is waited for first."""
     global _registered
     with _lock:
-        _live.add(owner)
+        _live[owner] = threading.current_thread()
         if _registered:
             return
         try:
@@ -58,9 +78,31 @@ def untrack(owner: Closable) -> None:
     if not _lock.acquire(blocking=False):
         return
     try:
-        _live.discard(owner)
+        _live.pop(owner, None)
     finally:
         _lock.release()
+
+
+#: How long after a swallowed Ctrl-C it is sent again: the finalizer it was caught in has
+#: returned by then (microseconds), so the main thread raises it in the user's code.
+REDELIVER_DELAY_S = 0.05
+
+
+def redeliver_interrupt() -> None:
+    """Send a Ctrl-C caught while joining to the main thread again, once the finalizer is done.
+
+    Call it from an ``except KeyboardInterrupt`` around a join that may run in a finalizer.
+    Raising it again there would be dropped too (so would ``_thread.interrupt_main()``, which
+    raises at once); a timer thread sends SIGINT shortly after instead, which also interrupts a
+    ``time.sleep`` the loop is in, and goes through the user's SIGINT handler as a real Ctrl-C.
+    """
+    main = threading.main_thread()
+    if threading.current_thread() is not main or main.ident is None:
+        return  # Python raises KeyboardInterrupt only in the main thread
+    send: Callable[[], object] = _thread.interrupt_main
+    if hasattr(signal, "pthread_kill"):
+        send = functools.partial(signal.pthread_kill, main.ident, signal.SIGINT)
+    threading.Timer(REDELIVER_DELAY_S, send).start()  # ends with the send; joined at exit
 
 
 def _after_fork_in_child() -> None:

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data._utils.collate import default_collate
 
+from threadloader import _exit_hook
 from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._datapipes import graph_walks
 from threadloader._dispatch import DispatchingIter, prefetch_factor
@@ -336,7 +337,12 @@ class _Link:
         process = self.process
         if process.pid is None:
             return
-        process.join(CLOSE_WAIT_S)
+        try:
+            process.join(CLOSE_WAIT_S)
+        except KeyboardInterrupt:  # Ctrl-C while waiting: stop it now, and keep the Ctrl-C
+            process.kill()
+            _exit_hook.redeliver_interrupt()
+            return
         if process.exitcode is None:
             process.kill()
             process.join(CLOSE_WAIT_S)

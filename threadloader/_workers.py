@@ -518,7 +518,13 @@ class WorkerPool:
             return  # still tracked: the exit hook joins a thread still in user code then
         me = threading.current_thread()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for t in self._threads:
-            if t is not me:
-                t.join(max(0.0, deadline - time.monotonic()))
+        try:
+            for t in self._threads:
+                if t is not me:
+                    t.join(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            # Ctrl-C while joining: stop waiting (the rest exit on their own, and the exit
+            # hook joins them), and make sure the main thread raises it: a finalizer would not.
+            _exit_hook.redeliver_interrupt()
+            return
         _exit_hook.untrack(self)

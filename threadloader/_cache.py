@@ -179,10 +179,10 @@ class DiskCache:
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
-            else:  # written by another process
+            elif os.path.exists(path):  # written by another process (not evicted meanwhile)
                 self._index[name] = len(data)
                 self._stored += len(data)
-            self._evict_locked()
+                self._evict_locked()
         with contextlib.suppress(OSError):
             os.utime(path)  # use order for the next process that opens this directory
         return data

@@ -8,10 +8,9 @@ pools of remote datasets. It is registered on first use, after ``concurrent.futu
 by then) registered its own, so it runs first: a read waiting to retry gives up before that
 pool is joined.
 
-Each owner remembers the thread that created it (the loop that iterates it). When the main
-thread ends while a non-daemon thread still iterates a loader, the hook first waits for that
-thread, which the interpreter would wait for next anyway: torch's loaders keep serving such a
-thread until it ends, so ours do too (closing first broke its epoch with "iterator was closed").
+A non-daemon thread still iterating a loader when the main thread ends finds it closed (its
+``next()`` raises), as ``concurrent.futures`` refuses work then: waiting for such threads here
+would hang on idle executor threads, which only end after this hook (torch's loaders serve them).
 
 Joins run from finalizers (``break``, ``del``, garbage collection), which print and drop any
 exception, so a Ctrl-C pressed during one would be lost: :func:`redeliver_interrupt` hands it
@@ -36,29 +35,22 @@ class Closable(Protocol):
 
 # WeakSet's own bookkeeping is Python code: every change and every walk happens under the lock.
 _lock = threading.Lock()
-_live: weakref.WeakKeyDictionary[Closable, threading.Thread] = weakref.WeakKeyDictionary()
+_live: weakref.WeakSet[Closable] = weakref.WeakSet()
 _registered = False
 
 
 def _close_all() -> None:
     with _lock:
-        owners = list(_live.items())
-    me = threading.current_thread()
-    try:
-        for thread in {id(t): t for _, t in owners}.values():
-            if thread is not me and not thread.daemon:
-                thread.join()  # a loop still iterating: the interpreter waits for it next anyway
-    finally:  # Ctrl-C while waiting: close everything now, then let it through
-        for owner, _ in owners:
-            owner.close()
+        owners = list(_live)
+    for owner in owners:
+        owner.close()
 
 
 def track(owner: Closable) -> None:
-    """Close ``owner`` at interpreter exit unless it was closed (or collected) before; a
-    non-daemon thread calling this (the loop creating its iterator) is waited for first."""
+    """Close ``owner`` at interpreter exit unless it was closed (or collected) before."""
     global _registered
     with _lock:
-        _live[owner] = threading.current_thread()
+        _live.add(owner)
         if _registered:
             return
         try:
@@ -78,7 +70,7 @@ def untrack(owner: Closable) -> None:
     if not _lock.acquire(blocking=False):
         return
     try:
-        _live.pop(owner, None)
+        _live.discard(owner)
     finally:
         _lock.release()
 

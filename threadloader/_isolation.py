@@ -321,10 +321,17 @@ class _Link:
             f"threadloader's isolation helper process ended with exit code {code}"
         )
 
-    def close(self) -> None:
+    def close(self, redeliver: bool = False) -> None:
         """Tell the helper to exit, close the pipes, join it (kill it if it lingers).
 
         Idempotent; safe from a finalizer and from any thread.
+
+        Args:
+            redeliver: called from a finalizer, which drops exceptions: a Ctrl-C while
+                waiting is sent to the main thread again.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while waiting, unless ``redeliver`` (the helper is killed).
         """
         if self.closed:
             return
@@ -341,6 +348,8 @@ class _Link:
             process.join(CLOSE_WAIT_S)
         except KeyboardInterrupt:  # Ctrl-C while waiting: stop it now, and keep the Ctrl-C
             process.kill()
+            if not redeliver:
+                raise
             _exit_hook.redeliver_interrupt()
             return
         if process.exitcode is None:
@@ -383,7 +392,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         ctx = helper_context(loader.multiprocessing_context)
         self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
         # The finalizer holds the link, never self: break, del and GC all end the helper.
-        self._finalizer = weakref.finalize(self, self._link.close)
+        self._finalizer = weakref.finalize(self, self._link.close, redeliver=True)
         self._generation = 0
         # The helper adapts how many of its threads fetch at once and reports it with each
         # result; this controller only carries that number to stats().
@@ -403,8 +412,13 @@ class IsolatedDataLoaderIter(DispatchingIter):
         return self._link.process.pid
 
     def close(self) -> None:
-        """End the helper process now. Idempotent; later ``next()`` calls raise RuntimeError."""
-        self._finalizer()
+        """End the helper process now. Idempotent; later ``next()`` calls raise RuntimeError.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while waiting for the helper (which is killed then).
+        """
+        if self._finalizer.detach() is not None:
+            self._link.close()
 
     def _restart_workers(self) -> None:
         self._generation += 1

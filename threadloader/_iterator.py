@@ -126,7 +126,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
         )
         self._pool.gate.set_limit(self._concurrency.limit)
         # The finalizer holds the pool, never self: break, del and GC all end the threads.
-        self._finalizer = weakref.finalize(self, self._pool.close)
+        # break, del and GC: a Ctrl-C during the join is sent again (a finalizer drops it)
+        self._finalizer = weakref.finalize(self, self._pool.close, redeliver=True)
         self._generation = 0
         self._all_ready = False  # every worker ran its worker_init_fn (then stays True)
         self._reset(loader, first_iter=True)
@@ -138,8 +139,13 @@ class ThreadedDataLoaderIter(DispatchingIter):
         )
 
     def close(self) -> None:
-        """Stop and join the worker threads now. Idempotent; later ``next()`` calls raise."""
-        self._finalizer()
+        """Stop and join the worker threads now. Idempotent; later ``next()`` calls raise.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while joining (the threads left exit on their own).
+        """
+        if self._finalizer.detach() is not None:
+            self._pool.close()
 
     def _abandon(self) -> None:
         """End the epoch now, without waiting for a worker inside user code (timeout, Ctrl-C)."""

@@ -497,7 +497,7 @@ class WorkerPool:
         self.results.drop_where(lambda r: r.generation != generation)
         return generation
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, redeliver: bool = False) -> None:
         """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook.
 
         Args:
@@ -506,6 +506,11 @@ class WorkerPool:
                 left to fetch. With ``False``, join none now: the pool stays with the exit hook,
                 whose ``close()`` joins what is left at interpreter exit (a later ``close()``
                 joins too).
+            redeliver: called from a finalizer, which drops exceptions: a Ctrl-C during the
+                join is sent to the main thread again (``_exit_hook.redeliver_interrupt``).
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while joining, unless ``redeliver``.
         """
         with self._lock:
             first, self._closed = not self._closed, True
@@ -525,6 +530,8 @@ class WorkerPool:
         except KeyboardInterrupt:
             # Ctrl-C while joining: stop waiting (the rest exit on their own, and the exit
             # hook joins them), and make sure the main thread raises it: a finalizer would not.
+            if not redeliver:
+                raise
             _exit_hook.redeliver_interrupt()
             return
         _exit_hook.untrack(self)

@@ -177,6 +177,10 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
 
     def __iter__(self) -> Any:
+        # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
+        # be done pulling from it (and a timeout it hits meanwhile is seen by the check below).
+        retire_device_epoch(self._device_epoch, self._transfer_thread)
+        self._device_epoch = self._transfer_thread = None
         if self._iterator is not None and (
             self._resume is not None or getattr(self._iterator, "closed", False)
         ):
@@ -188,9 +192,6 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._pending_state = None  # this epoch starts from it: its own progress says the rest
         if self._iterator is not None:
             self._continue_persistent = None  # reused: it draws no new base seed
-            # Reset below: the last epoch's transfer thread must be done pulling from it.
-            retire_device_epoch(self._device_epoch, self._transfer_thread)
-            self._device_epoch = self._transfer_thread = None
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         it: Any = super().__iter__()

@@ -142,8 +142,9 @@ def _run_for(loader: ThreadDataLoader[torch.Tensor], seconds: float) -> LoaderSt
 
 @needs_two_cores
 def test_pure_python_dataset_is_reported_gil_bound() -> None:
-    """A dataset holding the GIL is flagged, and the advice says what to do."""
-    s = _run_for(ThreadDataLoader(PurePython(), batch_size=16, num_workers=2), 2.5)
+    """A dataset holding the GIL is flagged, and the advice says what to do. (4 s: in a loaded
+    CI run the concurrency controller had not settled on the training thread after 2.5 s.)"""
+    s = _run_for(ThreadDataLoader(PurePython(), batch_size=16, num_workers=2), 4.0)
     assert s.gil_bound, str(s)
     assert s.advice is not None and "GIL" in s.advice
 

@@ -180,12 +180,13 @@ class _Schedule(ConcurrencyController):
     schedule: tuple[int, ...] = (0,)
 
     def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
-        super().__init__(maximum, minimum, initial=self.schedule[0])
+        super().__init__(maximum, minimum, initial=max(minimum, self.schedule[0]))
         self._n = 0
+        self._minimum = minimum  # never below what the iterator allows, as the real one
 
     def on_batch(self, *args: float | None) -> int | None:
         self._n += 1
-        limit = self.schedule[self._n % len(self.schedule)]
+        limit = max(self._minimum, self.schedule[self._n % len(self.schedule)])
         if limit == self.limit:
             return None
         self.limit = limit
@@ -291,8 +292,11 @@ def test_out_of_order_delivery_loses_and_repeats_nothing_whatever_the_limit(
     monkeypatch.setattr(_iterator, "ConcurrencyController", controller)
     loader = ThreadDataLoader(WhoMadeIt(), batch_size=4, num_workers=3, in_order=False)
     for _ in range(2):
-        items = sorted(int(i) for batch in loader for i in batch[0])
+        it = iter(loader)
+        items = sorted(int(i) for batch in it for i in batch[0])
         assert items == list(range(60))
+        # Out of order, the loop takes whichever batch is done first: it never makes one itself
+        assert it._stats.snapshot().batches_run_by_caller == 0
 
 
 def _drive_with_cpu(
@@ -696,25 +700,37 @@ def test_worker_init_fn_runs_on_worker_threads_even_when_the_epoch_starts_lean(
     assert len(ran_on) == 2 and all("-worker" in name for name in ran_on), ran_on
 
 
+class _ReadCounts:
+    """Shared by every worker's copy of the dataset (a copy is shallow)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.most = 0
+
+
 class CountsConcurrentReads(Dataset[int]):
     """Each item sleeps (releasing the GIL, like a decode); records the most reads at once."""
 
     def __init__(self, n: int = 24, item_s: float = 0.05) -> None:
         self.n, self.item_s = n, item_s
-        self.lock = threading.Lock()
-        self.active = 0
-        self.most = 0
+        self.counts = _ReadCounts()
+
+    @property
+    def most(self) -> int:
+        return self.counts.most
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, index: int) -> int:
-        with self.lock:
-            self.active += 1
-            self.most = max(self.most, self.active)
+        counts = self.counts
+        with counts.lock:
+            counts.active += 1
+            counts.most = max(counts.most, counts.active)
         time.sleep(self.item_s)
-        with self.lock:
-            self.active -= 1
+        with counts.lock:
+            counts.active -= 1
         return index
 
 

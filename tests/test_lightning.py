@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import json
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
 from threadloader import ThreadDataLoader
 
@@ -21,20 +22,16 @@ try:  # Lightning as `lightning`, else as `pytorch_lightning`; skip the file wit
     import lightning.pytorch as pl
     from lightning.fabric import Fabric
     from lightning.fabric.utilities.data import _auto_add_worker_init_fn, _update_dataloader
-    from lightning.fabric.utilities.seed import pl_worker_init_function
 except ImportError:
     pl = pytest.importorskip("pytorch_lightning", reason="needs Lightning")
     from lightning_fabric import Fabric
     from lightning_fabric.utilities.data import _auto_add_worker_init_fn, _update_dataloader
-    from lightning_fabric.utilities.seed import pl_worker_init_function
 
 from threadloader import DistributedShuffleSampler
 from threadloader.lightning import (
     ThreadLoaderMonitor,
     fabric_load_state_dict,
     fabric_state_dict,
-    for_threads,
-    thread_worker_init_fn,
 )
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "lightning_fit.py"
@@ -335,36 +332,35 @@ def test_resume_on_another_world_size_trains_the_rest_of_the_epoch(
 # --- seeding -------------------------------------------------------------------------------
 
 
-class Augmented(Dataset[tuple[int, float]]):
-    """Item i is (worker id, a random draw from the worker's own generator)."""
+class Augmented(Dataset[torch.Tensor]):
+    """Item i: the worker id and draws from the global torch, ``random`` and ``numpy`` RNGs, and
+    from ``thread_safe_generator()`` (the global one in a worker process)."""
 
     def __len__(self) -> int:
         return 16
 
-    def __getitem__(self, i: int) -> tuple[int, float]:
+    def __getitem__(self, i: int) -> torch.Tensor:
         info = get_worker_info()
         generator = torch.random.thread_safe_generator()
-        return (-1 if info is None else info.id), float(torch.rand((), generator=generator))
+        return torch.tensor(
+            [
+                -1 if info is None else info.id,
+                float(torch.rand(())),
+                random.random(),
+                float(np.random.rand()),
+                float(torch.rand((), generator=generator)),
+            ],
+            dtype=torch.float64,
+        )
 
 
-def _draws(loader: ThreadDataLoader[Any]) -> dict[int, list[float]]:
-    draws: dict[int, list[float]] = {}
-    for workers, values in loader:
-        for w, v in zip(workers.tolist(), values.tolist(), strict=True):
-            draws.setdefault(w, []).append(v)
-    return draws
-
-
-def _lightning_seeded_epoch(rank: int, install: str) -> tuple[dict[int, list[float]], float]:
-    """One epoch with seed_everything(workers=True); the draws, and the training thread's next."""
+def _lightning_seeded_epoch(loader_class: Any, rank: int) -> tuple[list[torch.Tensor], float]:
+    """One epoch with seed_everything(workers=True); the batches, and the training thread's next
+    draw."""
     pl.seed_everything(11, workers=True)
-    loader = ThreadDataLoader(Augmented(), batch_size=2, num_workers=2)
-    if install == "lightning":
-        _auto_add_worker_init_fn(loader, rank)  # what Trainer and Fabric do to each loader
-    else:
-        loader.worker_init_fn = functools.partial(thread_worker_init_fn, rank=rank)
-    draws = _draws(loader)
-    return draws, float(torch.rand(()))
+    loader = loader_class(Augmented(), batch_size=2, num_workers=2)
+    _auto_add_worker_init_fn(loader, rank)  # what Trainer and Fabric do to each loader
+    return list(loader), float(torch.rand(()))
 
 
 @pytest.fixture
@@ -377,35 +373,23 @@ def clean_seed_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_rng_state(state)
 
 
-def _unseeded_next_draw() -> float:
-    """The training thread's next draw after an epoch with no worker_init_fn at all."""
-    pl.seed_everything(11, workers=False)
-    _draws(ThreadDataLoader(Augmented(), batch_size=2, num_workers=2))
-    return float(torch.rand(()))
-
-
 @pytest.mark.usefixtures("clean_seed_env")
-@pytest.mark.parametrize("install", ["explicit", "lightning"])
-def test_seeded_workers_draw_their_own_reproducible_augmentations(install: str) -> None:
-    """Under seed_everything(workers=True) each worker, and each rank, draws its own numbers; a
-    rerun draws the same; the training thread's RNG is not reseeded by the workers."""
-    draws, after = _lightning_seeded_epoch(rank=0, install=install)
-    assert sorted(draws) == [0, 1]
-    assert draws[0] != draws[1]  # two workers, two different augmentation streams
-    assert _lightning_seeded_epoch(rank=0, install=install) == (draws, after)  # reproducible
-    other_rank, _ = _lightning_seeded_epoch(rank=1, install=install)
-    assert other_rank[0] != draws[0] and other_rank[1] != draws[1]
-    assert after == _unseeded_next_draw()  # the process-global RNG was left alone
-
-
-def test_for_threads_replaces_only_lightnings_seeding() -> None:
-    """Lightning's seeding (with its rank) becomes ours; any other worker_init_fn is kept as is."""
-    swapped = for_threads(functools.partial(pl_worker_init_function, rank=3))
-    assert isinstance(swapped, functools.partial)
-    assert swapped.func is thread_worker_init_fn and swapped.keywords == {"rank": 3}
-    mine = functools.partial(print, "worker")
-    assert for_threads(mine) is mine
-    assert for_threads(None) is None
+@pytest.mark.parametrize("rank", [0, 1])
+def test_lightning_seeded_workers_draw_what_torch_worker_processes_draw(rank: int) -> None:
+    """Under seed_everything(workers=True), Lightning's own worker_init_fn reseeds each worker
+    thread's global RNGs as it reseeds a worker process's: the same augmentations as
+    DataLoader's, per worker and per rank, and the training thread's RNG is left alone."""
+    ours, after = _lightning_seeded_epoch(ThreadDataLoader, rank)
+    theirs, torch_after = _lightning_seeded_epoch(DataLoader, rank)
+    assert len(ours) == len(theirs) == 8
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    assert after == torch_after
+    workers = torch.cat(ours)
+    assert not torch.equal(workers[0::2, 1:], workers[1::2, 1:])  # two workers, two streams
+    if rank == 1:
+        other, _ = _lightning_seeded_epoch(ThreadDataLoader, 0)
+        assert not torch.equal(torch.cat(other), workers)
 
 
 # --- monitor and Fabric --------------------------------------------------------------------

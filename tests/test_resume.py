@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import warnings
 from collections import Counter
@@ -17,18 +18,40 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
 
 
+class SharedCount:
+    """A count every worker's copy of a dataset adds to (a copy is shallow); picklable."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.lock = threading.Lock()
+
+    def add(self) -> None:
+        with self.lock:
+            self.value += 1
+
+    def __getstate__(self) -> int:
+        return self.value
+
+    def __setstate__(self, value: int) -> None:
+        self.value, self.lock = value, threading.Lock()
+
+
 class Ids(Dataset[torch.Tensor]):
     """Item i is i; counts reads so a test can prove resume re-reads nothing."""
 
     def __init__(self, n: int = 100) -> None:
         self.n = n
-        self.reads = 0
+        self.read = SharedCount()
+
+    @property
+    def reads(self) -> int:
+        return self.read.value
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        self.reads += 1
+        self.read.add()
         return torch.tensor(i)
 
 

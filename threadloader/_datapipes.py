@@ -13,9 +13,9 @@ iterator seeded the loader's graph, as torch's workers receive it).
 
 Where the code disagrees with these points, the code is wrong:
 
-1. ``worker_dataset`` returns a deep copy of an ``IterDataPipe`` (and of a ``MapDataPipe`` whose
-   graph holds a sharding node), a shallow copy of any other IterableDataset, and any other
-   map-style dataset itself.
+1. ``graph_copy`` returns a deep copy of an ``IterDataPipe`` (and of a ``MapDataPipe`` whose
+   graph holds a sharding node), and None for any other dataset (``_dataset_copy`` copies
+   those).
 2. With workers, ``sharding_init_fn`` wraps the ``worker_init_fn`` in torch's own
    ``_sharding_worker_init_fn`` (shard by ``num_workers * world_size``, worker ``id * world_size
    + rank``, then the user's function), exactly as torch's worker iterator does.
@@ -67,8 +67,8 @@ def _has_sharding(datapipe: Any) -> bool:
     return any(isinstance(node, _ShardingIterDataPipe) for node in nodes)
 
 
-def worker_dataset(dataset: Any, iterable: bool) -> Any:
-    """The dataset a worker thread iterates (point 1).
+def graph_copy(dataset: Any) -> Any:
+    """A worker thread's own deep copy of a DataPipe graph that needs one, else None (point 1).
 
     Raises:
         RuntimeError: a DataPipe graph that cannot be deep-copied (naming why).
@@ -88,7 +88,7 @@ def worker_dataset(dataset: Any, iterable: bool) -> Any:
                 "threadloader: each worker thread needs its own copy of a DataPipe graph "
                 f"(sharding changes the graph in place), and copy.deepcopy failed: {error!r}"
             ) from error
-    return copy.copy(dataset) if iterable else dataset
+    return None
 
 
 def sharding_init_fn(

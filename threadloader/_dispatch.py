@@ -44,7 +44,7 @@ from threadloader._state import (
     dataset_is_stateful,
     warn_replay,
 )
-from threadloader._workers import Result, WorkerSpec, thread_safe_init_fn
+from threadloader._workers import Result, WorkerSpec
 from threadloader.stats import EpochStats
 
 
@@ -118,7 +118,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             collate_fn=collate_fn,
             drop_last=self._drop_last,
             worker_init_fn=sharding_init_fn(
-                thread_safe_init_fn(loader.worker_init_fn),
+                loader.worker_init_fn,
                 self._dataset,
                 self._world_size,
                 self._rank,

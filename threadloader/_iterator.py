@@ -10,7 +10,8 @@ where the code disagrees with this, the code is wrong.
    worker's ``busy`` lock held, so the worker's tasks still run one at a time and in order.
    Waiting instead would cost a thread hand-off per batch, which for cheap GIL-holding items
    costs more than the item. Map-style datasets only (an IterableDataset's iterator lives in its
-   worker), and never under a ``timeout``.
+   worker), with ``in_order=True`` only (out of order, the loop takes whichever batch a worker
+   finishes first), and never under a ``timeout``.
 2. Drained: the last batch is delivered, the workers are joined (unless persistent), and
    ``StopIteration`` is raised.
 3. Worker error: raised by ``__next__`` at that batch's turn, with the worker id, the batch's
@@ -100,8 +101,12 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._prefetch_factor = prefetch_factor(loader)
         self._in_order: bool = loader.in_order
         # The training thread may run a map-style batch itself (point 1 above), except under a
-        # timeout: a batch that takes too long must raise, as torch's does, not block here.
-        self._run_here = loader._dataset_kind == _DatasetKind.Map and not loader.timeout
+        # timeout: a batch that takes too long must raise, as torch's does, not block here; and
+        # except with in_order=False, whose batches come as the workers finish them: running one
+        # here would wait for it, however slow, as torch's workers never make the loop do.
+        self._run_here = (
+            loader._dataset_kind == _DatasetKind.Map and not loader.timeout and loader.in_order
+        )
         spec = self._worker_spec(
             loader, resume, host_collate(loader, self._collate_fn, self._pin_memory)
         )

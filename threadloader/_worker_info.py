@@ -73,8 +73,3 @@ def swap(info: WorkerInfo | None) -> WorkerInfo | None:
     previous = getattr(_local, "info", None)
     _local.info = info
     return previous
-
-
-def set_for_thread(info: WorkerInfo | None) -> None:
-    """Install ``info`` for the rest of the calling thread's life (a worker thread's start)."""
-    _local.info = info

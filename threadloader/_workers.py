@@ -4,11 +4,12 @@ A worker is torch's worker process turned into a thread of the training process:
 
 - it gets a ``WorkerInfo`` of its own (``worker_method="thread"``, ``rng`` set), installed in a
   thread-local that torch's ``get_worker_info()`` consults (see ``_worker_info``);
-- its seed is ``base_seed + worker_id`` as in torch, but it seeds *its own* generators
-  (``random.Random``, ``torch.Generator``, numpy ``Generator``) instead of the process-global
-  ones, which all threads share; it never calls ``torch.set_num_threads`` either;
-- map-style datasets are shared by every worker (that is the memory win); an IterableDataset is
-  shallow-copied per worker, so a ``worker_init_fn`` can configure each copy as torch's docs show.
+- its seed is ``base_seed + worker_id`` as in torch, which seeds *its own* generators
+  (``random.Random``, ``torch.Generator``, numpy ``Generator`` and legacy ``RandomState``); it
+  never calls ``torch.set_num_threads`` (that would change the whole process);
+- each worker sees its own copy of the dataset object (``_dataset_copy``: shallow, so the data
+  it references is in memory once), and its thread's global RNG functions reach its own
+  generators (``_worker_globals``), as a worker process has its own of both.
 
 The pool owns every thread it starts and joins them in ``close()``, which is idempotent and safe
 from a finalizer, from an interpreter-exit hook and from one of its own threads.
@@ -17,7 +18,6 @@ from a finalizer, from an interpreter-exit hook and from one of its own threads.
 from __future__ import annotations
 
 import copy
-import functools
 import random
 import threading
 import time
@@ -37,12 +37,14 @@ from torch.utils.data._utils.worker import (
     _IterableDatasetStopIteration,
 )
 
-from threadloader import _exit_hook, _worker_info
+from threadloader import _exit_hook, _worker_globals, _worker_info
 from threadloader._concurrency import Gate
-from threadloader._datapipes import reseed, worker_dataset
+from threadloader._datapipes import reseed
+from threadloader._dataset_copy import worker_copy
 from threadloader._fetch import Fetcher
 from threadloader._queues import BoundedQueue, QueueClosed
 from threadloader._timing import StageRecorder
+from threadloader._worker_globals import WorkerRNGs
 from threadloader._worker_rng import load_rng_state, rng_state
 
 #: Seconds ``close()`` waits in all for threads to finish their current task. A thread still
@@ -145,14 +147,23 @@ class WorkerSpec:
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from
 
 
-def _make_worker_info(spec: WorkerSpec, worker_id: int, base_seed: int, dataset: Any) -> WorkerInfo:
+def _make_worker_info(
+    spec: WorkerSpec, worker_id: int, base_seed: int, dataset: Any
+) -> tuple[WorkerInfo, WorkerRNGs]:
+    """The worker's ``WorkerInfo`` and its process-global RNGs, seeded as torch seeds a process.
+
+    torch's worker process runs ``random.seed(seed)``, ``torch.manual_seed(seed)`` and
+    ``np.random.seed(_generate_state(base_seed, worker_id))``: the same seeds, here for the
+    worker's own generators, which its thread's global RNG functions reach (``_worker_globals``).
+    """
     seed = base_seed + worker_id
+    numpy_seed = _generate_state(base_seed, worker_id)
     rng = _RNG(
         random_generator=random.Random(seed),
         torch_generator=torch.Generator().manual_seed(seed),
-        numpy_generator=np.random.default_rng(_generate_state(base_seed, worker_id)),
+        numpy_generator=np.random.default_rng(numpy_seed),
     )
-    return WorkerInfo(
+    info = WorkerInfo(
         id=worker_id,
         num_workers=spec.num_workers,
         seed=seed,
@@ -160,28 +171,7 @@ def _make_worker_info(spec: WorkerSpec, worker_id: int, base_seed: int, dataset:
         rng=rng,
         worker_method="thread",
     )
-
-
-_LIGHTNING_MODULES = ("lightning", "lightning_fabric", "pytorch_lightning")
-
-
-def thread_safe_init_fn(fn: Callable[[int], None] | None) -> Callable[[int], None] | None:
-    """``fn``, or a thread-safe stand-in for Lightning's ``pl_worker_init_function``.
-
-    ``seed_everything(workers=True)`` makes Lightning install a worker_init_fn that reseeds the
-    process-global ``random``, ``numpy`` and ``torch`` RNGs: right in a worker process, wrong in
-    a worker thread (every thread would reseed everyone's RNG). ``threadloader.lightning`` seeds
-    the worker's own generators instead, from the same rank and seed. Recognised by name, so
-    that Lightning is imported only when it is in use.
-    """
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    name = getattr(target, "__name__", "")
-    module = (getattr(target, "__module__", "") or "").split(".")[0]
-    if name != "pl_worker_init_function" or module not in _LIGHTNING_MODULES:
-        return fn
-    from threadloader.lightning import for_threads
-
-    return for_threads(fn)
+    return info, WorkerRNGs(rng, np.random.RandomState(numpy_seed))
 
 
 class Worker:
@@ -204,9 +194,9 @@ class Worker:
         self.id = worker_id
         self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
         self.spec = spec
-        is_iterable = spec.dataset_kind == _DatasetKind.Iterable
-        dataset = worker_dataset(spec.dataset, is_iterable)
-        self.info = _make_worker_info(spec, worker_id, base_seed, dataset)
+        dataset = worker_copy(spec.dataset)
+        _worker_globals.install()
+        self.info, self.rngs = _make_worker_info(spec, worker_id, base_seed, dataset)
         self.tasks: BoundedQueue[Task | NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
         self.busy = threading.Lock()
         self.ready = False  # worker_init_fn ran and the fetcher exists (set under `busy`)
@@ -251,7 +241,7 @@ class Worker:
             # After worker_init_fn: the saved state already includes what it drew.
             rng = self.spec.resume_rng
             if rng is not None and rng[self.id] is not None:
-                load_rng_state(self.info, rng[self.id])
+                load_rng_state(self.rngs, rng[self.id])
         except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
             self._pending_error = ExceptionWrapper(where=self._where())
         else:
@@ -267,11 +257,19 @@ class Worker:
         """
         if self.ready:
             return
-        previous = _worker_info.swap(self.info)
+        previous = self.enter()
         try:
             self.initialize()
         finally:
-            _worker_info.swap(previous)
+            leave(previous)
+
+    def enter(self) -> tuple[WorkerInfo | None, WorkerRNGs | None]:
+        """Make the calling thread act as this worker: its WorkerInfo and global RNGs.
+
+        Returns:
+            What to hand ``leave`` to make the thread what it was before.
+        """
+        return _worker_info.swap(self.info), _worker_globals.swap(self.rngs)
 
     def snapshot(self) -> Any:
         """This worker's IterableDataset state now, if the loader tracks it; else None."""
@@ -288,13 +286,13 @@ class Worker:
         thread CPU time and the wall time it took: what the concurrency controller judges a
         limit by.
         """
-        previous = _worker_info.swap(self.info)
+        previous = self.enter()
         started = time.perf_counter()
         cpu = time.thread_time() if cpu_time else None
         try:
             data = self.run(task, recorder)
         finally:
-            _worker_info.swap(previous)
+            leave(previous)
         wall = None
         if cpu is not None:
             cpu = time.thread_time() - cpu
@@ -304,7 +302,7 @@ class Worker:
             try:  # user code (the dataset's state_dict()): its error is the batch's, not a crash
                 state = self.snapshot()
                 if self.spec.capture_rng:
-                    rng = rng_state(self.info)
+                    rng = rng_state(self.rngs)
             except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
                 data = ExceptionWrapper(
                     where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
@@ -352,6 +350,12 @@ class Worker:
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
 
 
+def leave(previous: tuple[WorkerInfo | None, WorkerRNGs | None]) -> None:
+    """Undo ``Worker.enter`` on the calling thread."""
+    _worker_globals.swap(previous[1])
+    _worker_info.swap(previous[0])
+
+
 def _indices(task: Task) -> str:
     if task.index is None:
         return ""
@@ -365,7 +369,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
     The task stays at the head of the worker's queue until the worker holds a gate slot and its
     ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
     """
-    _worker_info.set_for_thread(worker.info)
+    worker.enter()  # for the thread's whole life
     with worker.busy:
         if not worker.ready:  # else the training thread did (``WorkerPool(start=False)``)
             worker.initialize()

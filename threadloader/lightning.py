@@ -37,8 +37,9 @@ Where Lightning and a stateful loader meet, and what follows:
   at the epoch's last step (``every_n_train_steps``), when every batch was delivered but
   ``next()`` has not raised ``StopIteration`` yet, holds a state that starts the next epoch.
 - ``seed_everything(workers=True)`` makes Lightning set every loader's ``worker_init_fn`` to one
-  that reseeds the process-global RNGs; a ThreadDataLoader runs ``for_threads`` of it instead
-  (``thread_worker_init_fn``), when an epoch's workers start.
+  that reseeds the process-global ``torch``, ``random`` and ``numpy`` RNGs. In a worker thread
+  those are the worker's own, as in a worker process, so each worker and each rank draws what
+  it would draw with torch's DataLoader, and the training thread's RNG is left alone.
 - A resume on *more* ranks than saved the checkpoint loses the tail of the epoch: Lightning reads
   ``len(loader)`` before ``load_state_dict()`` and ends the epoch when its own batch count,
   restored from the checkpoint, reaches it. Fewer ranks, or the same number, are exact.
@@ -46,14 +47,9 @@ Where Lightning and a stateful loader meet, and what follows:
 
 from __future__ import annotations
 
-import functools
 import importlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-
-import numpy as np
-import torch.distributed as dist
-from torch.utils.data import get_worker_info
 
 from threadloader.loader import ThreadDataLoader
 
@@ -75,92 +71,13 @@ def _import_lightning() -> tuple[Any, Any]:
 
 
 pl, _fabric = _import_lightning()
-_seed = importlib.import_module(_fabric.__name__ + ".utilities.seed")
-pl_worker_init_function = _seed.pl_worker_init_function
-rank_zero_only = importlib.import_module(_fabric.__name__ + ".utilities.rank_zero").rank_zero_only
 _Callback: Any = pl.Callback
 
 __all__ = [
     "ThreadLoaderMonitor",
     "fabric_load_state_dict",
     "fabric_state_dict",
-    "for_threads",
-    "is_lightning_worker_init_fn",
-    "thread_worker_init_fn",
 ]
-
-#: Where Lightning's process-worker seeding lives, in either distribution of Lightning.
-_LIGHTNING_SEEDING = frozenset(
-    {
-        ("lightning_fabric.utilities.seed", "pl_worker_init_function"),
-        ("lightning.fabric.utilities.seed", "pl_worker_init_function"),
-    }
-)
-
-
-def is_lightning_worker_init_fn(fn: object) -> bool:
-    """Whether ``fn`` is Lightning's ``pl_worker_init_function``, bare or in a ``partial``."""
-    target = fn.func if isinstance(fn, functools.partial) else fn
-    key = (getattr(target, "__module__", None), getattr(target, "__qualname__", None))
-    return key in _LIGHTNING_SEEDING
-
-
-def thread_worker_init_fn(worker_id: int, rank: int | None = None) -> None:
-    """Lightning's worker seeding, for a worker thread: seed its own generators, not the process's.
-
-    ``seed_everything(workers=True)`` makes Lightning set every loader's ``worker_init_fn`` to
-    ``pl_worker_init_function``, which reseeds the process-global ``torch``, ``random`` and
-    ``numpy`` RNGs from the worker's base seed, its id and the global rank. In a worker process
-    those RNGs are the worker's own. In a worker thread they are the training thread's and every
-    other worker's: each worker's start would reseed the training loop's RNG (dropout, sampling)
-    at a moment that depends on thread scheduling, and the workers would draw from one shared,
-    racing stream.
-
-    This function mixes the same three numbers (``np.random.SeedSequence``) into the generators
-    of the calling worker only: ``get_worker_info().rng``, which
-    ``torch.random.thread_safe_generator()`` returns. So each worker, and each rank, draws its
-    own augmentations, a rerun draws the same ones, and the process-global RNGs are left alone.
-    In a worker process (no thread ``rng``) it is Lightning's own function.
-
-    Args:
-        worker_id: the worker's id, as torch passes it.
-        rank: the global rank (Lightning binds it); by default torch.distributed's, else the
-            one Lightning read from the environment.
-    """
-    info = get_worker_info()
-    if info is None or info.worker_method != "thread" or info.rng is None:
-        pl_worker_init_function(worker_id, rank)
-        return
-    global_rank = rank if rank is not None else _global_rank()
-    base_seed = info.seed - worker_id  # the epoch's base seed, as Lightning backs it out
-    seeds = np.random.SeedSequence([base_seed, worker_id, global_rank])
-    torch_seed, python_seed = (int(s) for s in seeds.generate_state(2, dtype=np.uint64))
-    rng = info.rng
-    rng.torch_generator.manual_seed(torch_seed)
-    rng.random_generator.seed(python_seed)
-    if isinstance(rng.numpy_generator, np.random.Generator):
-        bits = rng.numpy_generator.bit_generator  # the Generator is shared: reseed it in place
-        bits.state = type(bits)(seeds.spawn(1)[0]).state
-
-
-def _global_rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(getattr(rank_zero_only, "rank", 0) or 0)  # what Lightning read from the env
-
-
-def for_threads(worker_init_fn: Callable[[int], None] | None) -> Callable[[int], None] | None:
-    """Return ``worker_init_fn``, or ``thread_worker_init_fn`` in place of Lightning's seeding.
-
-    The rank Lightning bound into its ``partial`` is kept.
-    """
-    if not is_lightning_worker_init_fn(worker_init_fn):
-        return worker_init_fn
-    if isinstance(worker_init_fn, functools.partial):
-        return functools.partial(
-            thread_worker_init_fn, *worker_init_fn.args, **worker_init_fn.keywords
-        )
-    return thread_worker_init_fn
 
 
 def _unwrap(dataloader: Any) -> ThreadDataLoader[Any]:

@@ -237,6 +237,16 @@ class RemoteFiles(Dataset[Any]):
         self._finalizer = weakref.finalize(self, self._state.close)
         self._finalizer.atexit = False  # the exit hook closes runtimes earlier than atexit would
 
+    def __copy__(self) -> RemoteFiles:
+        """A copy sharing this one's read pool, caches and counters (a worker thread's copy).
+
+        Copying by ``__getstate__`` would start a read pool per copy and split the counters
+        that ``stats()`` adds up; a copy in another process starts its own, as pickling does.
+        """
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_state"], state["_finalizer"]

@@ -1,0 +1,88 @@
+"""What a worker's own global RNGs and dataset copy cost a batch: ThreadDataLoader A/B in one run.
+
+``on`` is ThreadDataLoader as it is. ``off`` makes the calling thread a worker without pushing
+the torch function mode that gives random ops the worker's generator, and hands workers the
+loader's dataset object instead of a copy: what a worker cost before it behaved like a process.
+Rounds alternate the two (the order flips every round); the ratio is the median over rounds of
+on/off samples/s in the same round.
+
+    python bench/bench_worker_globals.py [--workloads tokens,images] [--rounds 5] [--batches 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from threadloader import ThreadDataLoader, _worker_globals, _workers
+from threadloader.workloads import make_workload
+
+
+@contextlib.contextmanager
+def _off() -> Iterator[None]:
+    real_swap, real_copy = _worker_globals.swap, _workers.worker_copy
+
+    def swap_without_mode(rngs: Any) -> Any:
+        previous = _worker_globals._local.current
+        _worker_globals._local.current = rngs
+        return previous
+
+    _worker_globals.swap = swap_without_mode  # type: ignore[assignment]
+    _workers.worker_copy = lambda dataset: dataset  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _worker_globals.swap = real_swap  # type: ignore[assignment]
+        _workers.worker_copy = real_copy  # type: ignore[assignment]
+
+
+def _samples_per_s(spec: Any, batches: int, num_workers: int) -> float:
+    loader = ThreadDataLoader(
+        spec.dataset, batch_size=spec.batch_size, shuffle=True, num_workers=num_workers
+    )
+    it = iter(loader)
+    for _ in range(2 * num_workers):  # start-up, untimed
+        next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    elapsed = time.perf_counter() - start
+    del it
+    return batches * spec.batch_size / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="tokens,images")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--size", default="bench", choices=["small", "bench"])
+    args = parser.parse_args()
+    print(f"| workload | on samples/s | off samples/s | on/off (median of {args.rounds}) |")
+    print("| --- | --: | --: | --: |")
+    for name in args.workloads.split(","):
+        spec = make_workload(name, size=args.size)
+        batches = args.batches if name != "images" else max(args.batches // 10, 20)
+        on: list[float] = []
+        off: list[float] = []
+        for r in range(args.rounds):
+            for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                if mode == "on":
+                    on.append(_samples_per_s(spec, batches, args.num_workers))
+                else:
+                    with _off():
+                        off.append(_samples_per_s(spec, batches, args.num_workers))
+        ratio = statistics.median(a / b for a, b in zip(on, off, strict=True))
+        print(
+            f"| {name} | {statistics.median(on):,.0f} | {statistics.median(off):,.0f} "
+            f"| {ratio:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

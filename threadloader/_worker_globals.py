@@ -1,0 +1,346 @@
+"""A worker thread's own process-global RNGs: torch's default generator, ``random``, ``numpy.random``.
+
+A torch worker *process* has process-global RNGs of its own, which torch reseeds from the
+worker's seed (``random.seed(seed)``, ``torch.manual_seed(seed)``,
+``np.random.seed(_generate_state(base_seed, worker_id))``). Datasets and transforms rely on it:
+torchvision's transforms call ``torch.rand`` without a generator, ``FakeData`` seeds torch's
+global generator per item and restores it, albumentations and timm draw from ``random`` and
+``numpy.random``. Worker threads share the process, so this module makes those globals
+dispatch on the calling thread:
+
+1. While a thread runs as a worker (``swap(rngs)``; a worker thread for its whole life, the
+   training thread or an isolation runner for one task at a time), the module-level functions of
+   ``random`` and ``numpy.random``'s legacy ``RandomState``, and torch's ``manual_seed``,
+   ``seed``, ``initial_seed``, ``get_rng_state`` and ``set_rng_state``, act on that worker's
+   ``WorkerRNGs``. On any other thread they are the original functions' behaviour, unchanged.
+2. Random torch ops called without a generator (``torch.rand``, ``Tensor.uniform_``,
+   ``torch.randperm``, ...) get the worker's ``torch.Generator``, through a
+   ``TorchFunctionMode`` pushed on the running thread's mode stack (torch keeps that stack per
+   thread) for as long as it runs as a worker. Only CPU draws are redirected.
+3. The worker's torch generator and ``random.Random`` are the very objects of its
+   ``WorkerInfo.rng``: a draw through ``torch.random.thread_safe_generator()`` and one through the
+   global functions come from one stream, as both come from the one global in a worker process.
+   numpy's legacy global gets a ``RandomState`` of its own, seeded as torch seeds a process's.
+4. Where a draw cannot be redirected it goes to the process-global generator, with a
+   ``RuntimeWarning`` the first time each kind happens: random ops that take no generator
+   (the dropout family), random ops on a non-CPU device, and ``torch.default_generator`` used
+   directly.
+5. The patches go in once, when the first worker is made (``install``), and stay: removing them
+   while another loader's workers run would race. torch's seeding functions get a new body, so
+   every reference to them dispatches. ``random``'s and ``numpy.random``'s module functions are
+   replaced by name: one bound before that (``from random import random``) keeps the original.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.random
+import numpy.random.mtrand
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.data._utils.worker import _RNG
+
+
+class WorkerRNGs:
+    """One worker's process-global RNGs, as the patched functions see them on its threads.
+
+    Args:
+        rng: the worker's ``WorkerInfo.rng``; its ``random.Random`` and ``torch.Generator``
+            are the worker's ``random`` and torch globals.
+        numpy_legacy: the worker's ``numpy.random`` global (legacy ``RandomState``).
+    """
+
+    __slots__ = ("numpy_legacy", "random", "rng", "torch")
+
+    def __init__(self, rng: _RNG, numpy_legacy: np.random.RandomState) -> None:
+        self.rng = rng
+        self.random = rng.random_generator
+        self.torch = rng.torch_generator
+        self.numpy_legacy = numpy_legacy
+
+
+class _Local(threading.local):
+    current: WorkerRNGs | None = None
+
+
+_local = _Local()
+_install_lock = threading.Lock()
+_installed = False
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def current() -> WorkerRNGs | None:
+    """The RNGs the calling thread's global RNG functions act on now; None outside a worker."""
+    return _local.current
+
+
+def swap(rngs: WorkerRNGs | None) -> WorkerRNGs | None:
+    """Make ``rngs`` the calling thread's global RNGs; return what they were (for ``swap`` back).
+
+    Pushes the torch mode when the thread starts acting as a worker and removes it when it
+    stops, so a thread outside any worker pays nothing per torch op.
+    """
+    previous = _local.current
+    if rngs is previous:
+        return previous
+    _local.current = rngs
+    if previous is None:
+        torch.overrides._push_mode(_MODE)
+    elif rngs is None:
+        _remove_mode()
+    return previous
+
+
+def _remove_mode() -> None:
+    """Take ``_MODE`` off this thread's mode stack, keeping any mode user code left above it."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        mode = torch.overrides._pop_mode()
+        if mode is _MODE:
+            break
+        above.append(mode)
+    for mode in reversed(above):
+        torch.overrides._push_mode(mode)
+
+
+def _warn_once(kind: str, message: str) -> None:
+    with _warned_lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    warnings.warn(f"threadloader: {message}", RuntimeWarning, stacklevel=3)
+
+
+# --- torch ops (point 2) ---------------------------------------------------------------------
+
+
+def _torch_random_ops() -> frozenset[Any]:
+    ops: list[Any] = [
+        torch.rand, torch.randn, torch.randint, torch.randperm,
+        torch.rand_like, torch.randn_like, torch.randint_like,
+        torch.normal, torch.bernoulli, torch.multinomial, torch.poisson, torch.binomial,
+        torch._standard_gamma, torch._sample_dirichlet, torch.rrelu, torch.rrelu_,
+        torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.random_,
+        torch.Tensor.exponential_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+        torch.Tensor.geometric_, torch.Tensor.bernoulli_, torch.Tensor.bernoulli,
+        torch.Tensor.multinomial,
+    ]  # fmt: skip
+    for name in ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_"):  # fmt: skip
+        fn = getattr(torch.nn.init, name, None)
+        code = getattr(fn, "__code__", None)
+        if code is not None and "generator" in code.co_varnames:
+            ops.append(fn)
+    return frozenset(ops)
+
+
+def _torch_ops_without_generator() -> frozenset[Any]:
+    f = torch.nn.functional
+    names: tuple[str, ...] = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+             "feature_alpha_dropout", "rrelu")  # fmt: skip
+    ops: list[Any] = [getattr(f, n) for n in names if hasattr(f, n)]
+    names = ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+             "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
+             "native_dropout")  # fmt: skip
+    ops += [getattr(torch, n) for n in names if hasattr(torch, n)]
+    return frozenset(ops)
+
+
+_RANDOM_OPS = _torch_random_ops()
+_UNREDIRECTED_OPS = _torch_ops_without_generator()
+
+
+def _op_name(func: Any) -> str:
+    return str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+
+
+def _draws_on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type == "cpu"
+    device = kwargs.get("device")
+    if device is None:
+        tensor = kwargs.get("input", kwargs.get("tensor"))
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device.type == "cpu"
+        return torch.get_default_device().type == "cpu"
+    return torch.device(device).type == "cpu"
+
+
+class _WorkerGeneratorMode(TorchFunctionMode):
+    """Gives random torch ops called without a generator the running worker's generator."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if func in _RANDOM_OPS:
+            rngs = _local.current
+            if (
+                rngs is not None
+                and kwargs.get("generator") is None
+                and not any(isinstance(a, torch.Generator) for a in args)
+            ):
+                if _draws_on_cpu(args, kwargs):
+                    kwargs = {**kwargs, "generator": rngs.torch}
+                else:
+                    _warn_once(
+                        "device",
+                        f"{_op_name(func)} on a non-CPU device in a worker thread draws from "
+                        "that device's process-global generator, shared with the training "
+                        "thread and the other workers",
+                    )
+        elif func in _UNREDIRECTED_OPS and _local.current is not None:
+            _warn_once(
+                _op_name(func),
+                f"{_op_name(func)} in a worker thread draws from torch's process-global "
+                "generator (it takes no generator argument), shared with the training thread "
+                "and the other workers: its draws are not the worker's own",
+            )
+        return func(*args, **kwargs)
+
+
+_MODE = _WorkerGeneratorMode()
+
+
+# --- the patched module functions (point 1) --------------------------------------------------
+
+
+def _dispatcher(
+    default: Callable[..., Any], pick: Callable[[WorkerRNGs], Any], name: str | None = None
+) -> Any:
+    """A stand-in for ``default`` that calls method ``name`` (by default, ``default``'s name) of
+    the running worker's generator that ``pick`` chooses, and ``default`` outside a worker."""
+    name = name or default.__name__
+
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        rngs = _local.current
+        if rngs is None:
+            return default(*args, **kwargs)
+        return getattr(pick(rngs), name)(*args, **kwargs)
+
+    functools.update_wrapper(dispatch, default)
+    dispatch.__threadloader_dispatch__ = True  # type: ignore[attr-defined]
+    return dispatch
+
+
+def _worker_generator() -> torch.Generator | None:
+    rngs = _local.current
+    return None if rngs is None else rngs.torch
+
+
+# torch's seeding functions get these bodies (``install``), run with ``torch.random``'s globals,
+# where the names below are injected: every reference to the functions dispatches, including
+# ``from torch import manual_seed`` done earlier and the wrapper ``torch._dynamo`` puts around
+# ``torch.manual_seed``. Each keeps its original's signature.
+# ruff: noqa: F821
+def _manual_seed(seed: Any) -> torch.Generator:
+    generator = _threadloader_worker_generator()  # type: ignore[name-defined]
+    if generator is None:
+        return _threadloader_original_manual_seed(seed)  # type: ignore[name-defined]
+    return generator.manual_seed(int(seed))
+
+
+def _seed() -> int:
+    generator = _threadloader_worker_generator()  # type: ignore[name-defined]
+    if generator is None:
+        return _threadloader_original_seed()  # type: ignore[name-defined]
+    return generator.seed()
+
+
+def _initial_seed() -> int:
+    generator = _threadloader_worker_generator()  # type: ignore[name-defined]
+    if generator is None:
+        return _threadloader_original_initial_seed()  # type: ignore[name-defined]
+    return generator.initial_seed()
+
+
+def _get_rng_state() -> torch.Tensor:
+    generator = _threadloader_worker_generator()  # type: ignore[name-defined]
+    if generator is None:
+        return _threadloader_original_get_rng_state()  # type: ignore[name-defined]
+    return generator.get_state()
+
+
+def _set_rng_state(new_state: torch.Tensor) -> None:
+    generator = _threadloader_worker_generator()  # type: ignore[name-defined]
+    if generator is None:
+        _threadloader_original_set_rng_state(new_state)  # type: ignore[name-defined]
+    else:
+        generator.set_state(new_state)
+
+
+_TORCH_SEEDING = {
+    "manual_seed": _manual_seed,
+    "seed": _seed,
+    "initial_seed": _initial_seed,
+    "get_rng_state": _get_rng_state,
+    "set_rng_state": _set_rng_state,
+}
+
+
+def _patch_torch_seeding() -> None:
+    """Give torch's seeding functions the bodies above (their original code kept aside)."""
+    module_globals = vars(torch.random)
+    module_globals["_threadloader_worker_generator"] = _worker_generator
+    for name, replacement in _TORCH_SEEDING.items():
+        fn = module_globals[name]
+        code = fn.__code__
+        if code.co_freevars or code.co_argcount != replacement.__code__.co_argcount:
+            raise RuntimeError(
+                f"threadloader cannot give worker threads their own torch.{name}: its "
+                "implementation changed in this torch version"
+            )
+        original = types.FunctionType(code, fn.__globals__, name, fn.__defaults__)
+        module_globals[f"_threadloader_original_{name}"] = original
+        fn.__code__ = replacement.__code__
+
+
+#: ``numpy.random`` functions that are plain functions calling the legacy global, and the
+#: ``RandomState`` method each stands for.
+_NUMPY_FUNCTIONS = {"seed": "seed", "ranf": "random_sample", "sample": "random_sample"}
+
+
+def _bound_to(module: Any, instance: object) -> dict[str, Any]:
+    """The names in ``module`` that are methods bound to ``instance`` (its module functions)."""
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if not name.startswith("_") and getattr(value, "__self__", None) is instance
+    }
+
+
+def install() -> None:
+    """Patch the global RNG functions to dispatch on the calling thread (point 5). Idempotent."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        for name, fn in _bound_to(random, random._inst).items():
+            setattr(random, name, _dispatcher(fn, lambda r: r.random))
+        mtrand: Any = numpy.random.mtrand
+        functions = {name: (fn, name) for name, fn in _bound_to(mtrand, mtrand._rand).items()}
+        for name, method in _NUMPY_FUNCTIONS.items():  # module functions, not bound methods
+            if hasattr(mtrand, name) and hasattr(np.random.RandomState, method):
+                functions[name] = (getattr(mtrand, name), method)
+        for name, (fn, method) in functions.items():
+            patched = _dispatcher(fn, lambda r: r.numpy_legacy, method)
+            setattr(mtrand, name, patched)
+            if getattr(numpy.random, name, None) is fn:
+                setattr(numpy.random, name, patched)
+        _patch_torch_seeding()
+        _installed = True

@@ -3,8 +3,9 @@
 ``on`` is ThreadDataLoader as it is. ``off`` makes the calling thread a worker without pushing
 the torch function mode that gives random ops the worker's generator, and hands workers the
 loader's dataset object instead of a copy: what a worker cost before it behaved like a process.
-Rounds alternate the two (the order flips every round); the ratio is the median over rounds of
-on/off samples/s in the same round.
+Rounds alternate the two (the order flips every round); each ratio is the median over rounds of
+on/off in the same round: of samples/s, and of the process's CPU time per batch (all threads),
+which a busy neighbour on a shared machine moves less than wall time.
 
     python bench/bench_worker_globals.py [--workloads tokens,images] [--rounds 5] [--batches 200]
 """
@@ -40,19 +41,20 @@ def _off() -> Iterator[None]:
         _workers.worker_copy = real_copy  # type: ignore[assignment]
 
 
-def _samples_per_s(spec: Any, batches: int, num_workers: int) -> float:
+def _measure(spec: Any, batches: int, num_workers: int) -> tuple[float, float]:
+    """Samples/s and CPU microseconds per batch of one timed run."""
     loader = ThreadDataLoader(
         spec.dataset, batch_size=spec.batch_size, shuffle=True, num_workers=num_workers
     )
     it = iter(loader)
     for _ in range(2 * num_workers):  # start-up, untimed
         next(it)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(batches):
         next(it)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     del it
-    return batches * spec.batch_size / elapsed
+    return batches * spec.batch_size / elapsed, cpu / batches * 1e6
 
 
 def main() -> None:
@@ -63,24 +65,30 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--size", default="bench", choices=["small", "bench"])
     args = parser.parse_args()
-    print(f"| workload | on samples/s | off samples/s | on/off (median of {args.rounds}) |")
-    print("| --- | --: | --: | --: |")
+    print(
+        f"| workload | on samples/s | off samples/s | on/off samples/s | on CPU us/batch "
+        f"| off CPU us/batch | on/off CPU (medians of {args.rounds}) |"
+    )
+    print("| --- | --: | --: | --: | --: | --: | --: |")
     for name in args.workloads.split(","):
         spec = make_workload(name, size=args.size)
         batches = args.batches if name != "images" else max(args.batches // 10, 20)
-        on: list[float] = []
-        off: list[float] = []
+        on: list[tuple[float, float]] = []
+        off: list[tuple[float, float]] = []
         for r in range(args.rounds):
             for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
                 if mode == "on":
-                    on.append(_samples_per_s(spec, batches, args.num_workers))
+                    on.append(_measure(spec, batches, args.num_workers))
                 else:
                     with _off():
-                        off.append(_samples_per_s(spec, batches, args.num_workers))
-        ratio = statistics.median(a / b for a, b in zip(on, off, strict=True))
+                        off.append(_measure(spec, batches, args.num_workers))
+        rate = statistics.median(a[0] / b[0] for a, b in zip(on, off, strict=True))
+        cpu = statistics.median(a[1] / b[1] for a, b in zip(on, off, strict=True))
+        on_rate, off_rate = (statistics.median(r[0] for r in x) for x in (on, off))
+        on_cpu, off_cpu = (statistics.median(r[1] for r in x) for x in (on, off))
         print(
-            f"| {name} | {statistics.median(on):,.0f} | {statistics.median(off):,.0f} "
-            f"| {ratio:.3f} |"
+            f"| {name} | {on_rate:,.0f} | {off_rate:,.0f} | {rate:.3f} | {on_cpu:,.0f} "
+            f"| {off_cpu:,.0f} | {cpu:.3f} |"
         )
 
 

@@ -17,9 +17,8 @@ checkpoint; ``--stop-at 20`` stops right after step 20's, as a crash would. ``--
 the loader starts at batch 20 of epoch 0, without reading the 20 batches already trained on.
 ``ThreadLoaderMonitor(every_n_steps=10)`` logs the loader's data-wait fraction and throughput to
 the CSV logger. ``seed_everything(0, workers=True)`` makes Lightning give the loader its
-process-worker seeding, which the loader swaps for ``threadloader.lightning``'s: each worker
-thread's own generators are seeded from (seed, worker, rank), and the process-global RNGs stay
-the training loop's.
+process-worker seeding, which seeds each worker thread's own global RNGs from (seed, worker,
+rank), as it would a worker process's; the training loop's RNGs are left alone.
 
 Result (2-core CPU; each command about 15 s, mostly 2 processes importing Lightning)::
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -189,10 +188,11 @@ os.write = write_half_then_die
 
 def test_a_writer_killed_midway_leaves_nothing_servable(tmp_path: Path) -> None:
     """A process killed halfway through put() leaves only a temp file, never read, later removed."""
-    code = _DIE_MIDWAY + textwrap.dedent(f"""
-        from threadloader._cache import DiskCache
-        DiskCache({str(tmp_path)!r}, 2**30).put("key", b"0123456789abcdef" * 2**16)
-    """)
+    code = (
+        "from threadloader._cache import DiskCache\n"  # imports may write (tempfile's probe)
+        + _DIE_MIDWAY
+        + f"DiskCache({str(tmp_path)!r}, 2**30).put('key', b'0123456789abcdef' * 2**16)\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code], check=False, capture_output=True, timeout=60
     )
@@ -208,10 +208,11 @@ def test_remote_files_refetch_an_object_whose_cache_write_was_killed(
 ) -> None:
     """After a reader process dies while caching an object, the next read fetches it whole."""
     url = server.url("big")
-    code = _DIE_MIDWAY + textwrap.dedent(f"""
-        from threadloader.remote import RemoteFiles
-        RemoteFiles([{url!r}], cache_dir={str(tmp_path)!r})[0]
-    """)
+    code = (
+        "from threadloader.remote import RemoteFiles\n"  # imports may write (tempfile's probe)
+        + _DIE_MIDWAY
+        + f"RemoteFiles([{url!r}], cache_dir={str(tmp_path)!r})[0]\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code], check=False, capture_output=True, timeout=60
     )

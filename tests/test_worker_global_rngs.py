@@ -277,3 +277,23 @@ def test_save_worker_rng_resumes_the_global_rngs_too(cut: int, isolation: str | 
     del iterator
     buffer.seek(0)
     torch.load(buffer, weights_only=True)  # plain data, numpy's state included
+
+
+def test_worker_threads_end_with_nothing_on_their_torch_mode_stack(monkeypatch) -> None:
+    """A mode left on a thread's stack is released by a C++ thread-local destructor after the
+    thread ends, which aborted the interpreter at exit ('terminate called without an active
+    exception'): each worker thread takes the worker's mode off before it ends."""
+    from threadloader import _workers
+
+    seen: dict[str, int] = {}
+    real_leave = _workers.leave
+
+    def recording_leave(previous: Any) -> None:
+        real_leave(previous)
+        name = threading.current_thread().name
+        if "-worker" in name:
+            seen[name] = torch._C._len_torch_function_stack()
+
+    monkeypatch.setattr(_workers, "leave", recording_leave)
+    collect(ThreadDataLoader(Augmented(), batch_size=4, num_workers=3))
+    assert len(seen) == 3 and set(seen.values()) == {0}

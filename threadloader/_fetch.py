@@ -16,6 +16,7 @@ from torch.utils.data import _DatasetKind
 
 from threadloader._gathered import Gathered, fetch_stacked, parts_getter
 from threadloader._timing import StageRecorder
+from threadloader._worker_globals import library_code
 
 
 class Fetcher:
@@ -63,7 +64,11 @@ class Fetcher:
         start = time.perf_counter()
         data = self._items(index)
         fetched = time.perf_counter()
-        out = self._collate(data)
+        if self._ours:
+            with library_code():
+                out = self._collate(data)
+        else:
+            out = self._collate(data)  # the user's: its random draws are the worker's
         done = time.perf_counter()
         recorder.add_pair("fetch", fetched - start, "collate", done - fetched)
         return out
@@ -77,9 +82,11 @@ class Fetcher:
         getitems = getattr(dataset, "__getitems__", None)  # per batch, as torch's fetcher
         if getitems:
             gather = parts_getter(dataset) if self._ours else None
-            parts = gather(index) if gather is not None else None
-            if parts is not None:
-                return Gathered(parts)
+            if gather is not None:
+                with library_code():  # threadloader's own datasets' gathering
+                    parts = gather(index)
+                if parts is not None:
+                    return Gathered(parts)
             return getitems(index)
         if self._stack_into is not None:
             return fetch_stacked(dataset, index, self._stack_into)

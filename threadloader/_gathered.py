@@ -47,6 +47,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from threadloader._worker_globals import library_code
+
 _Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 _F = TypeVar("_F", bound=Callable[..., Any])
 _MARK = "__gathered_by__"
@@ -129,8 +131,10 @@ def fetch_stacked(dataset: Any, indices: Sequence[int], allocator: _Allocator) -
         break
     else:
         return []  # fewer indices than len() said: torch's collate raises for the empty batch
-    # _stackable first: nbytes raises for a sparse sample, whose error is torch's collate's.
-    if not _stackable(first) or first.nbytes * n < STACK_MIN_BYTES:
+    with library_code():
+        # _stackable first: nbytes raises for a sparse sample, whose error is torch's collate's.
+        small = not _stackable(first) or first.nbytes * n < STACK_MIN_BYTES
+    if small:
         return [first] + [dataset[i] for i in it]  # a list display is faster
     shape, dtype = first.shape, first.dtype
     out = allocator((n, *shape), dtype)

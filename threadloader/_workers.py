@@ -369,7 +369,16 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
     The task stays at the head of the worker's queue until the worker holds a gate slot and its
     ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
     """
-    worker.enter()  # for the thread's whole life
+    previous = worker.enter()  # for the thread's whole life
+    try:
+        _serve(worker, gate, results)
+    finally:
+        # Off this thread's torch mode stack before it ends: an object left there is released
+        # by a C++ thread-local destructor, which aborts the process if Python is finalizing.
+        leave(previous)
+
+
+def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
     with worker.busy:
         if not worker.ready:  # else the training thread did (``WorkerPool(start=False)``)
             worker.initialize()

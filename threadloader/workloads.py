@@ -92,6 +92,34 @@ def _check_index(index: int, length: int, what: str) -> None:
 # tokens
 
 
+class _SharedMap:
+    """A file's read-only memmap, opened on first use in each process and never pickled.
+
+    Held by a dataset, it is shared by the dataset's shallow copies (each worker thread's), so
+    the file is mapped once per process, not once per worker: every extra mapping of the same
+    file would fault its pages in again.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._tokens: np.memmap[Any, np.dtype[np.uint16]] | None = None
+        self._pid = -1
+
+    def get(self) -> np.memmap[Any, np.dtype[np.uint16]]:
+        tokens, pid = self._tokens, os.getpid()
+        if tokens is None or self._pid != pid:
+            # Two threads may both get here; each maps the same read-only file, either is fine.
+            tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+            self._tokens, self._pid = tokens, pid
+        return tokens
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])  # type: ignore[misc]
+
+
 class TokenWindows(Dataset[torch.Tensor]):
     """Windows of ``seq_len`` tokens sliced from a memory-mapped uint16 token file.
 
@@ -99,8 +127,8 @@ class TokenWindows(Dataset[torch.Tensor]):
     per-index generator costs ~10 µs with the GIL held, which puts the item at ~15 µs, the
     cost of a real pretraining sampler (offset lookup, slice, widen to int64).
 
-    The memmap is opened lazily, once per process (the pid is checked on each access), and is
-    never pickled: a forked or spawned worker opens its own mapping of the same file.
+    The memmap is opened lazily, once per process (``_SharedMap``): worker threads' copies of
+    the dataset share it, and a forked or spawned worker process opens its own.
 
     Args:
         path: A file of native-endian uint16 token ids.
@@ -120,21 +148,10 @@ class TokenWindows(Dataset[torch.Tensor]):
         if self.num_tokens <= seq_len:
             raise ValueError(f"{path} holds {self.num_tokens} tokens, need more than {seq_len}")
         self.length = self.num_tokens // seq_len if length is None else length
-        self._tokens: np.memmap[Any, np.dtype[np.uint16]] | None = None
-        self._pid = -1
+        self._map = _SharedMap(path)  # one mapping for every worker thread's copy
 
     def _open(self) -> np.memmap[Any, np.dtype[np.uint16]]:
-        tokens, pid = self._tokens, os.getpid()
-        if tokens is None or self._pid != pid:
-            # Two threads may both get here; each maps the same read-only file, either is fine.
-            tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
-            self._tokens, self._pid = tokens, pid
-        return tokens
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_tokens"], state["_pid"] = None, -1
-        return state
+        return self._map.get()
 
     def __len__(self) -> int:
         return self.length

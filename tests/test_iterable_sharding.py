@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_epochs_equal, collect, collect_epochs, torch_epochs
@@ -118,33 +119,40 @@ def test_sharded_iterable_epochs_match_process_dataloader(
 class CopyRecorder(IterableDataset[Any]):
     """Records which dataset object each worker iterates, and the WorkerInfo's dataset."""
 
+    seen: list[tuple[int, Any, Any, int]] = []  # on the class: every copy records here
+    lock = threading.Lock()
+
     def __init__(self) -> None:
         self.payload = list(range(1000))
-        self.seen: list[tuple[int, Any, Any, int]] = []  # shared by shallow copies on purpose
-        self.lock = threading.Lock()
+        self.array = np.arange(100_000)
+        CopyRecorder.seen = []
 
     def __iter__(self) -> Iterator[int]:
         info = torch.utils.data.get_worker_info()
-        with self.lock:
+        with CopyRecorder.lock:
             self.seen.append((-1 if info is None else info.id, self, info, threading.get_ident()))
         worker, workers = _worker()
         return iter(range(worker, 9, workers))
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 3])
-def test_each_worker_iterates_its_own_shallow_copy(num_workers: int) -> None:
-    """Each worker's __iter__ runs on a distinct shallow copy that is its WorkerInfo.dataset."""
+def test_each_worker_iterates_its_own_independent_copy(num_workers: int) -> None:
+    """Each worker's __iter__ runs on its own copy, its WorkerInfo.dataset, sharing no mutable
+    member with the others or the user's dataset (as a spawned worker process's unpickled
+    copy); large arrays are not duplicated."""
     dataset = CopyRecorder()
     batches = collect(ThreadDataLoader(dataset, batch_size=2, num_workers=num_workers))
     assert sorted(torch.cat(batches).tolist()) == list(range(9))
     assert sorted(worker for worker, *_ in dataset.seen) == list(range(num_workers))
     copies = [copy for _, copy, _, _ in dataset.seen]
     assert len({id(copy) for copy in copies}) == num_workers
+    assert len({id(copy.payload) for copy in copies} | {id(dataset.payload)}) == num_workers + 1
     for _, copy, info, ident in dataset.seen:
         assert copy is not dataset
         assert type(copy) is CopyRecorder
         assert info.dataset is copy
-        assert copy.payload is dataset.payload  # shallow: the data itself is not duplicated
+        assert copy.payload == dataset.payload
+        assert copy.array is dataset.array  # large read-only data is shared
         assert ident != threading.get_ident()
 
 

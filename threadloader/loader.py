@@ -54,17 +54,20 @@ class ThreadDataLoader(DataLoader[T_co]):
     DataLoader gives for the same inputs. What changes is where workers run:
 
     - ``num_workers=0`` is torch's single-process loading, unchanged.
-    - ``num_workers=N`` starts N threads, not N processes. Map-style datasets are shared by all
-      of them, not copied into each: no copy-on-read growth, no pickling of batches, no
-      shared-memory files. Each worker fetches and collates whole batches, as torch's do.
+    - ``num_workers=N`` starts N threads, not N processes. Each worker fetches from its own
+      shallow copy of the dataset object (``copy.copy``: the data it references is in memory
+      once, with no copy-on-read growth), and fetches and collates whole batches, as torch's
+      do: no pickling of batches, no shared-memory files.
     - ``multiprocessing_context`` is validated as torch does, then unused: there are no
       worker processes to start.
-    - A worker seeds its own generators (``get_worker_info().rng``, and
-      ``torch.random.thread_safe_generator()`` returns its ``torch.Generator``) rather than the
-      process-global ``random``/``numpy``/``torch`` RNGs, which threads share.
+    - Inside a worker thread, torch's default generator (every random op called without a
+      generator, ``torch.manual_seed`` and friends), ``random`` and ``numpy.random`` are the
+      worker's own, seeded as torch seeds a worker process (``get_worker_info().rng`` holds the
+      torch and ``random`` ones; ``torch.random.thread_safe_generator()`` returns the torch
+      one); the training thread's RNGs are never moved by a worker.
 
     Args:
-        dataset: as DataLoader. An IterableDataset is shallow-copied once per worker.
+        dataset: as DataLoader. Each worker thread sees its own shallow copy.
         batch_size: as DataLoader.
         shuffle: as DataLoader.
         sampler: as DataLoader.

@@ -34,6 +34,7 @@ from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.worker import _IterableDatasetStopIteration
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from threadloader import _dataset_state
 from threadloader._concurrency import ConcurrencyController
 from threadloader._datapipes import graph_walks, sharding_init_fn
 from threadloader._profiled_next import ProfiledNext
@@ -41,7 +42,6 @@ from threadloader._state import (
     ProgressMixin,
     Resume,
     begin_pass,
-    dataset_is_stateful,
     warn_replay,
 )
 from threadloader._workers import Result, WorkerSpec
@@ -124,9 +124,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                 self._rank,
             ),
             num_workers=self._num_workers,
+            # An IterableDataset's iterator may be stateful: known once the worker calls iter().
             capture_state=self._dataset_kind == _DatasetKind.Iterable
-            and dataset_is_stateful(self._dataset),
+            or _dataset_state.is_stateful(self._dataset),
             resume_states=resume.worker_states if resume is not None else None,
+            resume_state_form=resume.worker_state_form if resume is not None else 1,
             capture_rng=bool(loader.save_worker_rng),
             resume_rng=resume.rng_states if resume is not None else None,
         )
@@ -173,7 +175,13 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         progress = self._progress
-        progress.dataset_states = [None] * self._num_workers
+        if (
+            progress.dataset_states is None
+            or not self._persistent_workers
+            or self._dataset_kind == _DatasetKind.Iterable  # a new epoch restarts its iterators
+        ):
+            # Persistent workers keep their map-style dataset copies: so do their states.
+            progress.dataset_states = [None] * self._num_workers
         progress.next_worker = 0
         if resume is not None and resume.worker_states is not None:
             progress.dataset_states = list(resume.worker_states)

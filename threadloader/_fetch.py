@@ -55,6 +55,11 @@ class Fetcher:
         self._ours = bool(ours)
         self._stack_into = getattr(collate_fn, "stack_into", None) if ours else None
 
+    @property
+    def iterator(self) -> Iterator[Any] | None:
+        """The epoch's ``iter(dataset)`` of an IterableDataset; None for a map-style one."""
+        return self._iter
+
     def fetch(self, index: Any, recorder: StageRecorder) -> Any:
         """The collated batch for ``index``; its fetch and collate durations go to ``recorder``.
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
+from threadloader import _dataset_state
 from threadloader._datapipes import graph_walks, shard_here
 from threadloader._device import host_collate
 from threadloader._fetch import Fetcher
@@ -18,7 +18,6 @@ from threadloader._state import (
     ProgressMixin,
     Resume,
     begin_pass,
-    dataset_is_stateful,
     warn_replay,
     without_predrawn,
 )
@@ -30,10 +29,10 @@ class _RecordingFetcher:
     """torch's fetcher interface (``fetch(index)``) over ours, recording into one recorder."""
 
     def __init__(self, fetcher: Fetcher, recorder: StageRecorder) -> None:
-        self._fetcher, self._recorder = fetcher, recorder
+        self.fetcher, self._recorder = fetcher, recorder
 
     def fetch(self, index: Any) -> Any:
-        return self._fetcher.fetch(index, self._recorder)
+        return self.fetcher.fetch(index, self._recorder)
 
 
 class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoaderIter):
@@ -44,11 +43,13 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
 
     def __init__(self, loader: Any, resume: Resume | None = None) -> None:
         dataset: Any = loader.dataset
-        self._track_dataset = loader._dataset_kind == _DatasetKind.Iterable and (
-            dataset_is_stateful(dataset)
+        # An IterableDataset's iterator may be stateful: known once the fetcher calls iter().
+        self._track_dataset = loader._dataset_kind == _DatasetKind.Iterable or (
+            _dataset_state.is_stateful(dataset)
         )
-        if resume is not None and resume.worker_states and resume.worker_states[0] is not None:
-            dataset.load_state_dict(resume.worker_states[0])  # before torch's fetcher calls iter()
+        state = resume.worker_states[0] if resume is not None and resume.worker_states else None
+        form = resume.worker_state_form if resume is not None else 1
+        _dataset_state.restore_dataset(dataset, state, form)  # before iter(), as StatefulDataLoader
         self._progress = Progress()
         # torch's _SingleProcessDataLoaderIter.__init__ would build its own fetcher, calling an
         # IterableDataset's __iter__ once more than torch does: skip to the base class.
@@ -68,6 +69,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             ),
             self._stats.caller,
         )
+        _dataset_state.restore_iterator(self._dataset_fetcher.fetcher.iterator, state, form)
         self._pin_memory = False  # pinned by the collate above, not again after it
         self._sampler_iter = begin_pass(self, loader, resume)
         self._map_style = self._dataset_kind == _DatasetKind.Map
@@ -115,6 +117,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
                 self._behind += 1
             self._stats.on_next(time.perf_counter() - start, False, delivered, delivered, ended)
         if self._track_dataset:
-            state = copy.deepcopy(self._dataset.state_dict())
-            self._progress.dataset_states = [state]
+            state = _dataset_state.snapshot(self._dataset, self._dataset_fetcher.fetcher.iterator)
+            if state is not None:
+                self._progress.dataset_states = [state]
         return data

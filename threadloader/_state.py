@@ -13,10 +13,13 @@ How state works; where the code disagrees with this, the code is wrong.
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
    offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
    sampler is replayed: its indices for the batches already delivered are drawn and dropped.
-4. An IterableDataset with ``state_dict``/``load_state_dict`` resumes each worker's copy from
-   the state it had when its last delivered batch was made; round-robin order continues with
-   the worker after the one that made the last batch. Any other IterableDataset is replayed:
-   its first batches are fetched again and dropped, with a warning.
+4. A dataset with ``state_dict``/``load_state_dict`` (map-style or iterable), and an
+   IterableDataset's stateful iterator, resume each worker's copy from the state it had when
+   its last delivered batch was made, in StatefulDataLoader's order (``_dataset_state``); for
+   an IterableDataset, round-robin order continues with the worker after the one that made the
+   last batch. Any other IterableDataset is replayed: its first batches are fetched again and
+   dropped, with a warning. A map-style dataset's states resume on the same number of
+   workers; on another number each copy keeps its own state, with a warning.
 5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
    number of workers raises ``ValueError`` naming the mismatch.
 6. With ``save_worker_rng=True`` each worker's own generators (``WorkerInfo.rng``) are saved as
@@ -43,6 +46,7 @@ import torch
 from torch.utils.data import BatchSampler, _DatasetKind
 from torch.utils.data.dataloader import _get_distributed_settings
 
+from threadloader import _dataset_state
 from threadloader._worker_rng import as_plain
 
 STATE_VERSION = 1
@@ -59,7 +63,8 @@ class Resume:
     rng_state: torch.Tensor
     replay_indices: bool  # map-style with a non-positional sampler: draw and drop indices
     replay_data: bool  # IterableDataset without state_dict: fetch and drop batches
-    worker_states: list[Any] | None = None
+    worker_states: list[Any] | None = None  # per-worker dataset states (point 4)
+    worker_state_form: int = _dataset_state.FORM  # how they are written (_dataset_state)
     next_worker: int = 0
     workers_status: list[bool] | None = None
     rng_states: list[Any] | None = None  # per-worker generator states (point 6)
@@ -87,7 +92,7 @@ class Progress:
     rng_state: torch.Tensor | None = None
     # With a loader generator, the global RNG as well: a sampler may draw from it (point 2).
     global_rng_state: torch.Tensor | None = None
-    # IterableDatasets (point 4): per-worker states as of the last delivered batch.
+    # Per-worker dataset states as of each one's last delivered batch (point 4).
     dataset_states: list[Any] | None = None
     next_worker: int = 0
     workers_alive: list[bool] = field(default_factory=list)
@@ -164,12 +169,6 @@ def snapshot_rng(loader: Any) -> tuple[str, torch.Tensor]:
     if source == "generator":
         return source, loader.generator.get_state()
     return source, torch.get_rng_state()
-
-
-def dataset_is_stateful(dataset: Any) -> bool:
-    return callable(getattr(dataset, "state_dict", None)) and callable(
-        getattr(dataset, "load_state_dict", None)
-    )
 
 
 def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
@@ -360,8 +359,9 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
             sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
     live = not fresh and progress is not None
     worker_states = None
-    if live and kind == "iterable" and dataset_is_stateful(loader.dataset):
-        worker_states = list(progress.dataset_states or [])  # type: ignore[union-attr]
+    saved = progress.dataset_states if live else None  # type: ignore[union-attr]
+    if saved is not None and any(state is not None for state in saved):
+        worker_states = list(saved)
     return {
         "version": STATE_VERSION,
         "epoch": loader._epochs_started,
@@ -382,6 +382,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "world_size": world_size,
         "rank": rank,
         "worker_states": worker_states,
+        "worker_state_form": _dataset_state.FORM,
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
         "worker_rng_states": _rng_states(loader, progress) if live else None,
@@ -557,16 +558,25 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     if positional is not None and state["sampler"] is None:
         raise ValueError("loader state has no sampler state, but this loader's sampler needs one")
     worker_states = state["worker_states"]
-    stateful_iterable = kind == "iterable" and dataset_is_stateful(loader.dataset)
+    form = state.get("worker_state_form", 1)  # optional: older states held raw dataset states
+    if form == 1 and not (kind == "iterable" and _dataset_state.is_stateful(loader.dataset)):
+        worker_states = None
+    stateful_iterable = kind == "iterable" and worker_states is not None
     replay_data = kind == "iterable" and not stateful_iterable and batches > 0
-    if stateful_iterable and worker_states is not None:
-        expected = max(loader.num_workers, 1)
-        if len(worker_states) != expected:
+    expected = max(loader.num_workers, 1)
+    if worker_states is not None and len(worker_states) != expected:
+        if stateful_iterable:
             raise ValueError(
                 f"loader state holds {len(worker_states)} IterableDataset worker states, this "
                 f"loader has {expected} workers: an IterableDataset resumes on the same number "
                 "of workers"
             )
+        warnings.warn(
+            f"loader state holds the dataset states of {len(worker_states)} workers, this "
+            f"loader has {expected}: each worker's copy of the dataset keeps its own state",
+            stacklevel=3,
+        )
+        worker_states = None
     global_rng_state = state.get("global_rng_state")  # optional, as worker_rng_states
     if global_rng_state is not None and (
         not isinstance(global_rng_state, torch.Tensor)
@@ -601,7 +611,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         rng_state=state["rng_state"],
         replay_indices=replay_indices,
         replay_data=replay_data,
-        worker_states=worker_states if stateful_iterable else None,
+        worker_states=worker_states,
+        worker_state_form=form,
         next_worker=int(state["next_worker"]),
         workers_status=state["workers_status"] if stateful_iterable else None,
         rng_states=list(rng_states) if rng_states is not None else None,

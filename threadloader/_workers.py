@@ -17,7 +17,6 @@ from a finalizer, from an interpreter-exit hook and from one of its own threads.
 
 from __future__ import annotations
 
-import copy
 import random
 import threading
 import time
@@ -37,7 +36,7 @@ from torch.utils.data._utils.worker import (
     _IterableDatasetStopIteration,
 )
 
-from threadloader import _exit_hook, _worker_globals, _worker_info
+from threadloader import _dataset_state, _exit_hook, _worker_globals, _worker_info
 from threadloader._concurrency import Gate
 from threadloader._datapipes import reseed
 from threadloader._dataset_copy import worker_copy
@@ -141,8 +140,9 @@ class WorkerSpec:
     drop_last: bool
     worker_init_fn: Callable[[int], None] | None
     num_workers: int
-    capture_state: bool = False  # IterableDataset with state_dict(): snapshot after each batch
-    resume_states: list[Any] | None = None  # per-worker IterableDataset states to resume from
+    capture_state: bool = False  # snapshot the dataset's state after each batch (_dataset_state)
+    resume_states: list[Any] | None = None  # per-worker dataset states to resume from
+    resume_state_form: int = 1  # how ``resume_states`` are written (_dataset_state point 3)
     capture_rng: bool = False  # snapshot the worker's generators after each batch
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from
 
@@ -235,9 +235,9 @@ class Worker:
             if self.spec.worker_init_fn is not None:
                 self.spec.worker_init_fn(self.id)
             resume = self.spec.resume_states
-            if resume is not None and resume[self.id] is not None:
-                dataset: Any = self.info.dataset
-                dataset.load_state_dict(resume[self.id])
+            state = resume[self.id] if resume is not None else None
+            form = self.spec.resume_state_form
+            _dataset_state.restore_dataset(self.info.dataset, state, form)
             # After worker_init_fn: the saved state already includes what it drew.
             rng = self.spec.resume_rng
             if rng is not None and rng[self.id] is not None:
@@ -246,6 +246,11 @@ class Worker:
             self._pending_error = ExceptionWrapper(where=self._where())
         else:
             self.start_epoch(self.generation)
+            if self._fetcher is not None and state is not None:
+                try:  # after iter(dataset), as StatefulDataLoader (_dataset_state point 2)
+                    _dataset_state.restore_iterator(self._fetcher.iterator, state, form)
+                except BaseException:  # noqa: BLE001  # delivered to the training thread
+                    self._pending_error = ExceptionWrapper(where=self._where())
         self.ready = True
 
     def initialize_here(self) -> None:
@@ -272,11 +277,11 @@ class Worker:
         return _worker_info.swap(self.info), _worker_globals.swap(self.rngs)
 
     def snapshot(self) -> Any:
-        """This worker's IterableDataset state now, if the loader tracks it; else None."""
+        """This worker's dataset state now (``_dataset_state``), if the loader tracks it."""
         if not self.spec.capture_state:
             return None
-        dataset: Any = self.info.dataset
-        return copy.deepcopy(dataset.state_dict())
+        iterator = self._fetcher.iterator if self._fetcher is not None else None
+        return _dataset_state.snapshot(self.info.dataset, iterator)
 
     def run_timed(self, task: Task, recorder: StageRecorder, cpu_time: bool = True) -> Result:
         """``run`` on the calling thread as this worker (its WorkerInfo installed), timed.

@@ -84,6 +84,12 @@ class ThreadDataLoader(DataLoader[T_co]):
         persistent_workers: keep the worker threads across epochs.
         pin_memory_device: as DataLoader (deprecated there).
         in_order: as DataLoader: deliver in sampler order, or as batches complete.
+        snapshot_every_n_steps: as torchdata's ``StatefulDataLoader``, accepted so that code
+            written for it runs unchanged; kept as an attribute. There it sets how often worker
+            processes send their dataset state to the main process, trading a cheaper step for
+            a resume that replays up to that many batches. Worker threads hand their state over
+            with every batch at no IPC cost, so a state is always exact and this value changes
+            nothing.
         device: (ours, keyword-only) deliver batches on this device (``"cuda"``, ``"cuda:1"``,
             a ``torch.device``): a transfer thread copies them on its own CUDA stream while
             the loop computes; workers collate straight into pinned staging buffers. ``None``
@@ -128,6 +134,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        snapshot_every_n_steps: int | None = 1,
         device: str | int | torch.device | None = None,
         device_prefetch: int = 2,
         isolation: str | None = None,
@@ -145,6 +152,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self.isolation = isolation
         self.log_every_s = log_every_s
         self.save_worker_rng = save_worker_rng
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self._staging: BufferPool | None = None
         # Large default-collated batches reuse memory the user has dropped (see _recycle).
         self._recycler = RecyclingAllocator(max_free=RECYCLED_BUFFERS)

@@ -1,0 +1,215 @@
+"""Datasets that keep their own state resume as with torchdata's StatefulDataLoader.
+
+torchdata's protocol: a dataset (map-style or iterable) with ``state_dict``/``load_state_dict``,
+and the iterator an IterableDataset's ``__iter__`` returns when that one is stateful, are saved per
+worker and restored in StatefulDataLoader's order (dataset, then ``iter()``, then iterator). Each
+case runs the same datasets through both loaders, cut at the same points, and compares what the
+resumed loaders deliver with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata")
+StatefulDataLoader = stateful_dataloader.StatefulDataLoader
+
+from threadloader import ThreadDataLoader
+
+
+class CountingMap(Dataset[torch.Tensor]):
+    """Map-style; item i comes with how many items this copy served before it (its state)."""
+
+    def __init__(self) -> None:
+        self.served = 0
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.served += 1
+        return torch.tensor([i, self.served])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.served = state["served"]
+
+
+def _shard() -> tuple[int, int]:
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class OwnIterator(IterableDataset[torch.Tensor]):
+    """``__iter__`` returns the dataset itself and rewinds it there: its state must be loaded
+    after ``iter()``. Each epoch is numbered, so an epoch counter is part of the state too."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.epoch = -1
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.pos = 0
+        self.epoch += 1
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        worker, workers = _shard()
+        index = worker + self.pos * workers
+        if index >= 18:
+            raise StopIteration
+        self.pos += 1
+        return torch.tensor([index, self.epoch])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+class _Cursor:
+    """A stateful iterator: torchdata saves it separately from its dataset."""
+
+    def __init__(self, dataset: ShuffledStream, values: list[int]) -> None:
+        self.dataset, self.values, self.at = dataset, values, 0
+
+    def __iter__(self) -> _Cursor:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.at >= len(self.values):
+            self.dataset.epochs += 1  # the epoch is over: the next one shuffles anew
+            raise StopIteration
+        self.at += 1
+        return torch.tensor([self.values[self.at - 1], self.dataset.epochs])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
+class ShuffledStream(IterableDataset[torch.Tensor]):
+    """Counts its finished epochs (the dataset's state, loaded before ``iter()``) and shuffles
+    each from that count; the position is the iterator's state (loaded after ``iter()``)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def __iter__(self) -> _Cursor:
+        worker, workers = _shard()
+        order = torch.randperm(18, generator=torch.Generator().manual_seed(self.epochs)).tolist()
+        return _Cursor(self, order[worker::workers])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epochs = state["epochs"]
+
+
+DATASETS: dict[str, Callable[[], Any]] = {
+    "map": CountingMap,
+    "own-iterator": OwnIterator,
+    "stateful-iterator": ShuffledStream,
+}
+
+
+def _run(loader_class: Any, make: Callable[[], Any], cut: int | None, **kwargs: Any) -> list[Any]:
+    """Two epochs; with ``cut``, the loader is saved after ``cut`` batches (counted over both
+    epochs) and a new loader on a new dataset finishes the two epochs from that state."""
+    loader = loader_class(make(), batch_size=2, **kwargs)
+    if cut is None:
+        return [b.tolist() for epoch in range(2) for b in loader]
+    got: list[Any] = []
+    epochs_left = 2
+    it = iter(loader)
+    while len(got) < cut:
+        try:
+            got.append(next(it).tolist())
+        except StopIteration:
+            epochs_left -= 1
+            it = iter(loader)
+    state = loader.state_dict()
+    del it
+    resumed = loader_class(make(), batch_size=2, **kwargs)
+    resumed.load_state_dict(state)
+    first = list(resumed)
+    got += [b.tolist() for b in first]
+    if epochs_left == 2:
+        got += [b.tolist() for b in resumed]
+    return got
+
+
+@pytest.mark.parametrize("cut", [0, 1, 4, 9])
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("name", DATASETS)
+def test_a_stateful_dataset_resumes_to_the_uninterrupted_batches_as_with_statefuldataloader(
+    name: str, num_workers: int, cut: int
+) -> None:
+    make = DATASETS[name]
+    ours_full = _run(ThreadDataLoader, make, None, num_workers=num_workers)
+    theirs_full = _run(StatefulDataLoader, make, None, num_workers=num_workers)
+    assert ours_full == theirs_full
+    ours = _run(ThreadDataLoader, make, cut, num_workers=num_workers)
+    assert ours == _run(StatefulDataLoader, make, cut, num_workers=num_workers)
+    assert ours == ours_full
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+@pytest.mark.parametrize("name", DATASETS)
+def test_a_stateful_dataset_resumes_exactly_with_isolation(name: str, cut: int) -> None:
+    make = DATASETS[name]
+    full = _run(ThreadDataLoader, make, None, num_workers=3)
+    assert _run(ThreadDataLoader, make, cut, num_workers=3, isolation="process") == full
+
+
+def test_statefuldataloaders_extra_argument_is_accepted() -> None:
+    loader = ThreadDataLoader(CountingMap(), batch_size=4, snapshot_every_n_steps=10)
+    assert loader.snapshot_every_n_steps == 10
+    assert len(list(itertools.islice(loader, 2))) == 2
+
+
+class Positioned(IterableDataset[int]):
+    """Keeps its position on the dataset; ``__iter__`` returns a generator reading it."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[int]:
+        while self.pos < 12:
+            self.pos += 1
+            yield self.pos - 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_state_saved_with_raw_dataset_states_still_resumes(num_workers: int) -> None:
+    """States written before the per-worker {"dataset", "iterator"} form held each worker's
+    raw dataset state: they load as before."""
+    full = [b.tolist() for b in ThreadDataLoader(Positioned(), batch_size=2)]
+    loader = ThreadDataLoader(Positioned(), batch_size=2, num_workers=num_workers)
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    assert state.pop("worker_state_form") == 2
+    state["worker_states"] = [s["dataset"] for s in state["worker_states"]]
+    resumed = ThreadDataLoader(Positioned(), batch_size=2, num_workers=num_workers)
+    resumed.load_state_dict(state)
+    assert head + [b.tolist() for b in resumed] == full

@@ -1,0 +1,69 @@
+"""A worker's dataset state, as torchdata's StatefulDataLoader saves and restores it.
+
+torchdata's protocol (``Stateful``: an object with ``state_dict()`` and ``load_state_dict()``);
+where the code disagrees with these points, the code is wrong:
+
+1. After each batch a worker delivers, the loader keeps that worker's state: its dataset's
+   ``state_dict()`` (map-style or iterable), and for an ``IterableDataset`` the state of the
+   iterator its ``__iter__`` returned, when that iterator is stateful. A dataset whose
+   ``__iter__`` returns itself is saved as the iterator.
+2. On resume, in this order (StatefulDataLoader's): the dataset's state is loaded, then the
+   epoch's ``iter(dataset)`` is called, then the iterator's state is loaded. So a dataset that
+   resets its position inside ``__iter__`` gets it back afterwards.
+3. A state is ``{"dataset": ..., "iterator": ...}`` per worker (either may be None). A loader
+   state saved before this form held the dataset's raw state per worker, loaded before
+   ``iter()``; ``restore_dataset`` still takes it (``form`` 1).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+#: The form of the per-worker states a loader state holds (point 3); 1: raw dataset states.
+FORM = 2
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows the ``Stateful`` protocol."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def snapshot(dataset: Any, iterator: Any) -> dict[str, Any] | None:
+    """A worker's state now (point 1): None when neither part is stateful.
+
+    Args:
+        dataset: the worker's dataset (its copy).
+        iterator: the epoch's ``iter(dataset)`` for an IterableDataset, else None.
+    """
+    dataset_state = iterator_state = None
+    if iterator is not None and iterator is dataset:
+        if is_stateful(dataset):
+            iterator_state = copy.deepcopy(dataset.state_dict())
+    else:
+        if is_stateful(dataset):
+            dataset_state = copy.deepcopy(dataset.state_dict())
+        if iterator is not None and is_stateful(iterator):
+            iterator_state = copy.deepcopy(iterator.state_dict())
+    if dataset_state is None and iterator_state is None:
+        return None
+    return {"dataset": dataset_state, "iterator": iterator_state}
+
+
+def restore_dataset(dataset: Any, state: Any, form: int) -> None:
+    """Load a worker state's dataset part, before the epoch's ``iter(dataset)`` (point 2)."""
+    if state is None:
+        return
+    if form < FORM:
+        dataset.load_state_dict(state)
+    elif state.get("dataset") is not None:
+        dataset.load_state_dict(state["dataset"])
+
+
+def restore_iterator(iterator: Any, state: Any, form: int) -> None:
+    """Load a worker state's iterator part, after the epoch's ``iter(dataset)`` (point 2)."""
+    if state is None or form < FORM or state.get("iterator") is None or iterator is None:
+        return
+    iterator.load_state_dict(state["iterator"])

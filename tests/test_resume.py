@@ -651,7 +651,7 @@ def test_a_state_loaded_and_not_yet_started_is_what_state_dict_returns(num_worke
     restarted.load_state_dict(state)
     again = restarted.state_dict()
     assert again["position"] == 3 and again["in_progress"] is True
-    assert torch.equal(again["rng_state"], state["rng_state"])
+    assert again["rng_state"] == state["rng_state"]
     final = make()
     final.load_state_dict(again)
     assert head + [b.tolist() for b in final] == head + rest
@@ -744,3 +744,72 @@ def test_a_sampler_seeded_from_the_global_rng_resumes_under_a_loader_generator(
     first = next(resumed_it).tolist()
     assert torch.equal(torch.get_rng_state(), mine)  # drawn under the saved state, given back
     assert head + [first] + [b.tolist() for b in resumed_it] == reference
+
+
+@pytest.mark.parametrize("save_worker_rng", [False, True])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_round_trips_through_json_and_resumes_exactly(
+    num_workers: int, save_worker_rng: bool
+) -> None:
+    """A state is plain data: json.dumps takes it, and the loaded copy resumes exactly."""
+    import json
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            Ids(), batch_size=7, shuffle=True, num_workers=num_workers,
+            generator=torch.Generator().manual_seed(4), save_worker_rng=save_worker_rng,
+        )  # fmt: skip
+
+    full = [b.tolist() for b in make()]
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(5)]
+    text = json.dumps(loader.state_dict())
+    del it
+    resumed = make()
+    resumed.load_state_dict(json.loads(text))
+    assert head + [b.tolist() for b in resumed] == full
+
+
+def test_a_state_saved_with_rng_tensors_still_loads() -> None:
+    """States written when RNG states were tensors resume as before."""
+    from threadloader._state_codec import decode_rng
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(Ids(), batch_size=7, shuffle=True)
+
+    torch.manual_seed(8)
+    full = [b.tolist() for b in make()]
+    torch.manual_seed(8)
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    state["rng_state"] = decode_rng(state["rng_state"])
+    assert isinstance(state["rng_state"], torch.Tensor)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [b.tolist() for b in resumed] == full
+
+
+def test_a_state_saves_and_loads_through_torch_distributed_checkpoint(tmp_path: Any) -> None:
+    """torch.distributed.checkpoint (one process, no process group) saves and loads it."""
+    import torch.distributed.checkpoint as dcp
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            Ids(), batch_size=7, shuffle=True, generator=torch.Generator().manual_seed(2)
+        )
+
+    full = [b.tolist() for b in make()]
+    loader = make()
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(4)]
+    dcp.save({"loader": loader.state_dict()}, checkpoint_id=str(tmp_path))
+    del it
+    resumed = make()
+    target = {"loader": resumed.state_dict()}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    resumed.load_state_dict(target["loader"])
+    assert head + [b.tolist() for b in resumed] == full

@@ -47,6 +47,7 @@ from torch.utils.data import BatchSampler, _DatasetKind
 from torch.utils.data.dataloader import _get_distributed_settings
 
 from threadloader import _dataset_state
+from threadloader._state_codec import encode_rng
 from threadloader._worker_rng import as_plain
 
 STATE_VERSION = 1
@@ -371,7 +372,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "delivered_ahead": ahead,
         "base_seed": base_seed,
         "rng_source": source,
-        "rng_state": rng_state.clone(),
+        "rng_state": encode_rng(rng_state),
         "batch_size": loader.batch_size,
         "sampler_type": _type_name(loader.sampler),
         "sampler": sampler_state,
@@ -387,7 +388,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
         "worker_rng_states": _rng_states(loader, progress) if live else None,
         "global_rng_state": (
-            progress.global_rng_state.clone()  # type: ignore[union-attr]
+            encode_rng(progress.global_rng_state)  # type: ignore[union-attr]
             if live and progress.global_rng_state is not None  # type: ignore[union-attr]
             else None
         ),
@@ -519,7 +520,9 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             f"the {_rng_source(loader)} one: pass the same `generator=` (or none) to resume"
         )
     if not isinstance(state["rng_state"], torch.Tensor):
-        raise ValueError("loader state rng_state must be a tensor")  # noqa: TRY004
+        raise ValueError(  # noqa: TRY004
+            "loader state rng_state must be an RNG state (base64 text, or a uint8 tensor)"
+        )
     expected_rng = snapshot_rng(loader)[1]
     if state["rng_state"].dtype != expected_rng.dtype or state["rng_state"].shape != (
         expected_rng.shape

@@ -12,14 +12,15 @@ after making its last *delivered* batch (consumer-aligned, like an IterableDatas
 every batch carries a snapshot of them all (``random.Random.getstate`` copies 625 ints, the
 numpy legacy state 624), which is why saving is opt-in.
 
-A saved state is plain data (lists and ints, a uint8 tensor, a dict of ints and a str), like the
-rest of a loader state, so ``torch.save`` and ``torch.load(weights_only=True)`` take it.
+A saved state is plain data (lists, ints and str: the torch state as base64 text), like the rest
+of a loader state, so ``json.dumps`` and ``torch.load(weights_only=True)`` take it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from threadloader._state_codec import decode_rng, encode_rng
 from threadloader._worker_globals import WorkerRNGs
 
 
@@ -41,6 +42,7 @@ def as_plain(state: dict[str, Any]) -> dict[str, Any]:
     """
     version, internal, gauss_next = state["random"]
     plain = {**state, "random": [version, list(internal), gauss_next]}
+    plain["torch"] = encode_rng(state["torch"])
     legacy = state.get("numpy_global")
     if legacy is not None:
         inner = legacy["state"]
@@ -64,7 +66,7 @@ def load_rng_state(rngs: WorkerRNGs, state: dict[str, Any]) -> None:
     if isinstance(random_state, list):  # as_plain's form
         random_state = (random_state[0], tuple(random_state[1]), random_state[2])
     rngs.random.setstate(random_state)
-    rngs.torch.set_state(state["torch"])
+    rngs.torch.set_state(decode_rng(state["torch"]))
     numpy_generator: Any = rngs.rng.numpy_generator
     if numpy_generator is not None and state.get("numpy") is not None:
         numpy_generator.bit_generator.state = state["numpy"]

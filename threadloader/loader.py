@@ -30,6 +30,7 @@ from threadloader._state import (
     parse_state,
     stream_ended,
 )
+from threadloader._state_codec import decode_state, encode_rng
 from threadloader.memory import BufferPool
 from threadloader.stats import EpochStats, LoaderStats
 
@@ -339,10 +340,14 @@ class ThreadDataLoader(DataLoader[T_co]):
                 dataset kind, dataset length, RNG source, world size or worker count than this
                 loader can resume it on.
         """
+        state = decode_state(state)  # RNG states are text in a state (JSON-able)
         resume = parse_state(self, state)
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
         self._pending_state = copy.deepcopy(dict(state))
+        for key in ("rng_state", "global_rng_state"):
+            if isinstance(self._pending_state.get(key), torch.Tensor):
+                self._pending_state[key] = encode_rng(self._pending_state[key])
         self._continue_persistent = None
         if not state["in_progress"] and state["rng_source"] == "generator":
             self.generator.set_state(state["rng_state"])

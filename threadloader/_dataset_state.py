@@ -13,6 +13,10 @@ where the code disagrees with these points, the code is wrong:
 3. A state is ``{"dataset": ..., "iterator": ...}`` per worker (either may be None). A loader
    state saved before this form held the dataset's raw state per worker, loaded before
    ``iter()``; ``restore_dataset`` still takes it (``form`` 1).
+4. A state taken between epochs without workers holds the loader's own dataset as the
+   finished epoch left it; loading it puts the dataset there (``settle_dataset``: dataset
+   state, ``iter()``, iterator state), and the next epoch calls ``iter()`` anew, as
+   StatefulDataLoader starts a new epoch after resuming a finished one.
 """
 
 from __future__ import annotations
@@ -60,6 +64,13 @@ def restore_dataset(dataset: Any, state: Any, form: int) -> None:
         dataset.load_state_dict(state)
     elif state.get("dataset") is not None:
         dataset.load_state_dict(state["dataset"])
+
+
+def settle_dataset(dataset: Any, state: Any, form: int) -> None:
+    """Put the loader's own dataset where a finished epoch left it (point 4)."""
+    restore_dataset(dataset, state, form)
+    if form >= FORM and state is not None and state.get("iterator") is not None:
+        restore_iterator(iter(dataset), state, form)
 
 
 def restore_iterator(iterator: Any, state: Any, form: int) -> None:

@@ -109,6 +109,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             delivered = True
         except StopIteration:
             self._progress.exhausted = ended = True
+            self._snapshot_dataset()  # as the finished epoch left it (_dataset_state point 4)
             raise
         finally:
             if self._map_style and self._drawn > self._behind:
@@ -116,8 +117,11 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
                 self._progress.behind(self._behind)
                 self._behind += 1
             self._stats.on_next(time.perf_counter() - start, False, delivered, delivered, ended)
+        self._snapshot_dataset()
+        return data
+
+    def _snapshot_dataset(self) -> None:
         if self._track_dataset:
             state = _dataset_state.snapshot(self._dataset, self._dataset_fetcher.fetcher.iterator)
             if state is not None:
                 self._progress.dataset_states = [state]
-        return data

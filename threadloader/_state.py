@@ -361,6 +361,10 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
     live = not fresh and progress is not None
     worker_states = None
     saved = progress.dataset_states if live else None  # type: ignore[union-attr]
+    if progress is not None and progress.exhausted and loader.num_workers == 0:
+        # Between epochs without workers the loader's own dataset carries its state into the
+        # next epoch (with workers, each epoch's copies start from the loader's dataset).
+        saved = progress.dataset_states
     if saved is not None and any(state is not None for state in saved):
         worker_states = list(saved)
     return {

@@ -9,6 +9,7 @@ these were tensors still load: ``decode_rng`` takes either form.
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,8 +34,11 @@ def decode_rng(value: Any) -> Any:
     return value
 
 
-def decode_state(state: Any) -> dict[str, Any]:
-    """A loader state with its top-level RNG states as tensors (a shallow copy)."""
+def decode_state(state: Any) -> Any:
+    """A loader state with its top-level RNG states as tensors (a shallow copy); anything but
+    a mapping as it is, for the state's check to name."""
+    if not isinstance(state, Mapping):
+        return state
     decoded = dict(state)
     for key in ("rng_state", "global_rng_state"):
         if key in decoded:

@@ -16,6 +16,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader import _worker_info
 from threadloader._concurrency import usable_cpus
+from threadloader._dataset_state import settle_dataset
 from threadloader._device import DeviceEpochIterator, check_device_args, staging_pool
 from threadloader._device import retire as retire_device_epoch
 from threadloader._inline import InlineDataLoaderIter
@@ -344,6 +345,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         resume = parse_state(self, state)
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
+        if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:
+            # The dataset as the finished epoch left it (``_dataset_state`` point 4).
+            settle_dataset(self.dataset, resume.worker_states[0], resume.worker_state_form)
         self._pending_state = copy.deepcopy(dict(state))
         for key in ("rng_state", "global_rng_state"):
             if isinstance(self._pending_state.get(key), torch.Tensor):

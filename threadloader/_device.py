@@ -26,6 +26,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from threadloader._finalizers import Finalizer
 from threadloader._recycle import RecyclingCollate
 from threadloader._state import Progress
 from threadloader.memory import BufferPool, pinned_allocator, pinning_collate
@@ -134,7 +135,9 @@ class DeviceEpochIterator:
             on_close=None if persistent else epoch.close,
             name=f"threadloader-{id(self):x}-transfer",
         )
-        self._finalizer = weakref.finalize(self, _close, self._prefetcher)
+        self._finalizer = Finalizer(
+            self, _close, self._prefetcher, on_interrupt=self._prefetcher._transfer.abandon
+        )
         self._issued = 0.0
 
     def __iter__(self) -> DeviceEpochIterator:

@@ -33,7 +33,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 5. Drained, abandoned (``break``, ``del``, garbage collection), ``KeyboardInterrupt``, timeout,
    interpreter exit: the helper is told to exit, its pipes are closed, and it is joined (then
    killed if it has not exited within ``CLOSE_WAIT_S``). The finalizer holds the link to the
-   helper, never this iterator. The helper also exits on its own when this process dies, even
+   helper, never this iterator; a Ctrl-C landing in it kills the helper and reaches the loop
+   (``_finalizers`` point 2). The helper also exits on its own when this process dies, even
    by SIGKILL (``_isolated_worker`` point 3).
 6. Waiting for a result: when the last wait was shorter than ``SPIN_S`` and the helper's
    fetching threads leave a CPU free, the training thread polls the result socket for up to
@@ -53,7 +54,6 @@ import multiprocessing.forkserver
 import os
 import select
 import time
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -61,11 +61,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data._utils.collate import default_collate
 
-from threadloader import _exit_hook
 from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._datapipes import graph_walks
 from threadloader._dispatch import DispatchingIter, prefetch_factor
 from threadloader._dispatch import reraise as _reraise
+from threadloader._finalizers import Finalizer
 from threadloader._isolated_worker import (
     FATAL,
     RESULT,
@@ -321,26 +321,17 @@ class _Link:
             f"threadloader's isolation helper process ended with exit code {code}"
         )
 
-    def close(self, redeliver: bool = False) -> None:
+    def close(self) -> None:
         """Tell the helper to exit, close the pipes, join it (kill it if it lingers).
 
         Idempotent; safe from a finalizer and from any thread.
 
-        Args:
-            redeliver: called from a finalizer, which drops exceptions: a Ctrl-C while
-                waiting is sent to the main thread again.
-
         Raises:
-            KeyboardInterrupt: Ctrl-C while waiting, unless ``redeliver`` (the helper is killed).
+            KeyboardInterrupt: Ctrl-C while waiting (the helper is killed first).
         """
         if self.closed:
             return
-        self.closed = True
-        for conn in self._ours():  # the control pipe's EOF tells the helper to exit
-            try:
-                conn.close()
-            except OSError:
-                pass
+        self._close_pipes()
         process = self.process
         if process.pid is None:
             return
@@ -348,13 +339,27 @@ class _Link:
             process.join(CLOSE_WAIT_S)
         except KeyboardInterrupt:  # Ctrl-C while waiting: stop it now, and keep the Ctrl-C
             process.kill()
-            if not redeliver:
-                raise
-            _exit_hook.redeliver_interrupt()
-            return
+            raise
         if process.exitcode is None:
             process.kill()
             process.join(CLOSE_WAIT_S)
+
+    def kill(self) -> None:
+        """Close the pipes and kill the helper, waiting for nothing. Idempotent.
+
+        What a Ctrl-C that stopped ``close`` anywhere leaves to do (``_finalizers`` point 2).
+        """
+        self._close_pipes()
+        if self.process.pid is not None and self.process.exitcode is None:
+            self.process.kill()
+
+    def _close_pipes(self) -> None:
+        self.closed = True
+        for conn in self._ours():  # the control pipe's EOF tells the helper to exit
+            try:
+                conn.close()  # a second close does nothing
+            except OSError:
+                pass
 
 
 class IsolatedDataLoaderIter(DispatchingIter):
@@ -392,7 +397,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         ctx = helper_context(loader.multiprocessing_context)
         self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
         # The finalizer holds the link, never self: break, del and GC all end the helper.
-        self._finalizer = weakref.finalize(self, self._link.close, redeliver=True)
+        self._finalizer = Finalizer(self, self._link.close, on_interrupt=self._link.kill)
         self._generation = 0
         # The helper adapts how many of its threads fetch at once and reports it with each
         # result; this controller only carries that number to stats().

@@ -513,12 +513,13 @@ class WorkerPool:
             KeyboardInterrupt: Ctrl-C while joining, unless ``redeliver``.
         """
         with self._lock:
-            first, self._closed = not self._closed, True
-        if first:
-            for w in self.workers:
-                w.tasks.close()
-            self.gate.close()
-            self.results.close()
+            self._closed = True
+        # Every call wakes the threads again (each close is idempotent): a Ctrl-C may have
+        # stopped an earlier call halfway (_finalizers point 2).
+        for w in self.workers:
+            w.tasks.close()
+        self.gate.close()
+        self.results.close()
         if not wait:
             return  # still tracked: the exit hook joins a thread still in user code then
         me = threading.current_thread()

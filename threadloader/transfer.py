@@ -38,7 +38,6 @@ import enum
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -46,6 +45,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from threadloader import _exit_hook
+from threadloader._finalizers import Finalizer
 from threadloader.memory import _DESCEND, BufferPool, PoolStats, _map_batch
 
 __all__ = ["DevicePrefetcher", "Tagged", "TransferStats", "device_from_arg"]
@@ -403,6 +403,15 @@ class _Transfer:
         self.batches += 1
         return self.copier.deliver(item)
 
+    def abandon(self) -> None:
+        """Stop the thread without waiting for it; the exit hook joins it. Idempotent.
+
+        What a Ctrl-C that stopped ``close`` anywhere leaves to do (``_finalizers`` point 2).
+        """
+        if self.state is _State.RUNNING:
+            self.state = _State.CLOSED
+        self.handoff.close()  # wakes the thread; a second close does nothing more
+
     def close(self) -> None:
         """Stop the thread and join it. Idempotent; safe from a finalizer and from that thread."""
         with self._lock:
@@ -531,7 +540,7 @@ class DevicePrefetcher(Generic[T]):
             name or f"threadloader-{id(self):x}-transfer",
         )
         # The finalizer holds the _Transfer, never self: break, del and GC all end the thread.
-        self._finalizer = weakref.finalize(self, self._transfer.close)
+        self._finalizer = Finalizer(self, self._transfer.close, on_interrupt=self._transfer.abandon)
         _exit_hook.track(self._transfer)
         try:
             self._transfer.thread.start()

@@ -15,12 +15,16 @@ Ctrl-C that lands while it runs. The rules; where the code disagrees with them, 
    is caught, ``on_interrupt`` finishes what must not be left half done without waiting (wake
    the threads, kill the helper), and the interrupt is sent again to the main thread once the
    finalizer has returned (``_exit_hook.redeliver_interrupt``).
-3. The one bytecode boundary before that ``try`` (entering the callback) is covered by
-   ``sys.unraisablehook``: a ``KeyboardInterrupt`` dropped from a ``Finalizer`` reaches the hook
-   installed with the first ``Finalizer``, which runs the finalizer's work as point 2 would. Any
-   other unraisable exception goes to the hook that was there before.
+3. What no ``try`` can cover is left to ``sys.unraisablehook``, installed with the first
+   ``Finalizer`` (the first iterator): a ``KeyboardInterrupt`` dropped on the main thread by any
+   finalizer is sent again instead of printed. That covers the bytecode boundary before the
+   ``try`` of a ``Finalizer`` (entering the callback; the hook then runs its work as point 2
+   would) and the standard library's own finalizers run when our objects die: a thread's
+   ``threading._dangling`` entry, a process's ``multiprocessing.util.Finalize``, a
+   ``Connection.__del__``. Any other unraisable exception goes to the hook that was there
+   before.
 4. A detached or finished ``Finalizer`` drops its weak reference, so the object's death runs
-   nothing at all (a detached ``weakref.finalize`` still runs its Python ``__call__``).
+   nothing at all.
 5. Unlike ``weakref.finalize``, nothing runs at interpreter exit: the exit hook
    (``_exit_hook``) closes every live owner before the interpreter joins threads, and once
    ``atexit`` runs, an object dying (module teardown clears globals) runs nothing.
@@ -154,10 +158,18 @@ class Finalizer:
 
 
 def _unraisable(unraisable: Any) -> None:
-    """``sys.unraisablehook``: a Ctrl-C dropped on entering a ``Finalizer`` (point 3)."""
-    owner = getattr(unraisable.object, "__self__", None)
-    if isinstance(owner, Finalizer) and isinstance(unraisable.exc_value, KeyboardInterrupt):
-        owner._interrupted()
+    """``sys.unraisablehook``: a Ctrl-C a finalizer dropped on the main thread (point 3)."""
+    kind = unraisable.exc_type
+    if (
+        isinstance(kind, type)
+        and issubclass(kind, KeyboardInterrupt)
+        and threading.current_thread() is threading.main_thread()
+    ):
+        owner = getattr(unraisable.object, "__self__", None)
+        if isinstance(owner, Finalizer):
+            owner._interrupted()  # its work, then the Ctrl-C again
+        else:
+            _exit_hook.redeliver_interrupt()
         return
     previous = _previous_hook or sys.__unraisablehook__
     previous(unraisable)

@@ -94,8 +94,11 @@ def _running(pid: int) -> bool:
 
 
 def _press(sent: list[float]) -> None:
+    """Ctrl-C as a terminal sends it: SIGINT to the whole process group (helpers included).
+
+    The parent starts this script in a session of its own, so the group is this script's."""
     sent.append(time.monotonic())
-    os.kill(os.getpid(), signal.SIGINT)
+    os.killpg(os.getpgrp(), signal.SIGINT)
 
 
 def trial(config: str, rng: random.Random, last: bool) -> str:
@@ -127,6 +130,11 @@ def trial(config: str, rng: random.Random, last: bool) -> str:
 def main() -> None:
     config, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
+    if config == "process":
+        # Start the forkserver first: one that a Ctrl-C interrupts while it imports torch (it
+        # ignores SIGINT only afterwards) is left broken for the trials after it, which a
+        # script that ends at its Ctrl-C never meets. Helpers still start in every trial.
+        list(ThreadDataLoader(Images(), batch_size=16, num_workers=2, **CONFIGS[config]))
     for i in range(trials):
         print(trial(config, rng, last=i == trials - 1), flush=True)
 

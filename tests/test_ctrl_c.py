@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -31,10 +32,12 @@ import torch
 from ctrl_c_trials import CONFIGS, LIMIT_S
 from torch.utils.data import Dataset
 
-from threadloader import ThreadDataLoader
+from threadloader import ThreadDataLoader, _iterator
+from threadloader._concurrency import ConcurrencyController
 from threadloader._finalizers import Finalizer
 
 DEFAULT_TRIALS = 12
+TRIALS = int(os.environ.get("THREADLOADER_CTRL_C_TRIALS", DEFAULT_TRIALS))
 #: Trials per child interpreter: each child's last trial exits the interpreter.
 PER_CHILD = 20
 SCRIPT = Path(__file__).with_name("ctrl_c_trials.py")
@@ -55,6 +58,7 @@ def _run_child(config: str, trials: int, seed: int, tmp_path: Path) -> list[str]
             stderr=err,
             cwd=SCRIPT.parent,
             env=env,  # this checkout's threadloader, whatever is installed
+            start_new_session=True,  # its Ctrl-C goes to its own process group
         )
         deadline = time.monotonic() + 30 + 5 * trials
         while proc.poll() is None and time.monotonic() < deadline:
@@ -96,11 +100,12 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.timeout(60 + 6 * TRIALS)
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_ctrl_c_at_a_random_moment_stops_the_training_loop(config: str, tmp_path: Path) -> None:
     """Ctrl-C pressed anywhere in a training loop over large batches raises KeyboardInterrupt in
     the loop within 2 s, prints no ``Exception ignored``, and leaves no thread or helper."""
-    total = int(os.environ.get("THREADLOADER_CTRL_C_TRIALS", DEFAULT_TRIALS))
+    total = TRIALS
     failures: list[str] = []
     failed_trials = 0
     for seed, start in enumerate(range(0, total, PER_CHILD)):
@@ -264,3 +269,35 @@ def test_an_isolated_close_stopped_halfway_by_ctrl_c_still_ends_the_helper(monke
         time.sleep(2)
     link.process.join(5)
     assert link.process.exitcode is not None
+
+
+class _CtrlCOnTheTrainingThread(Dataset[int]):
+    """Item 5, fetched on the main thread, raises KeyboardInterrupt: a Ctrl-C landing there."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5 and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        return i
+
+
+def test_ctrl_c_while_the_training_thread_makes_a_batch_is_raised_as_itself(monkeypatch) -> None:
+    """A Ctrl-C landing while the training thread makes a batch itself (for a worker that had
+    not started it) is the loop's own KeyboardInterrupt, not a worker error about that batch."""
+
+    class AlwaysZero(ConcurrencyController):  # the training thread makes every batch
+        def __init__(self, maximum: int, minimum: int, **kwargs: object) -> None:
+            super().__init__(maximum, minimum, initial=minimum)
+
+        def on_batch(self, *args: float | None) -> int | None:
+            return None
+
+    monkeypatch.setattr(_iterator, "ConcurrencyController", AlwaysZero)
+    it = iter(ThreadDataLoader(_CtrlCOnTheTrainingThread(), batch_size=4, num_workers=2))
+    assert next(it).tolist() == [0, 1, 2, 3]
+    with pytest.raises(KeyboardInterrupt) as info:
+        next(it)
+    assert str(info.value) == ""  # raised as it was, not rebuilt from a worker's traceback
+    assert info.traceback[-1].name == "__getitem__"

@@ -53,6 +53,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import select
+import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -92,6 +93,9 @@ if TYPE_CHECKING:
 
 #: Seconds ``close()`` waits for the helper to exit before killing it.
 CLOSE_WAIT_S = 5.0
+#: How long a helper that died of a failure waits for a Ctrl-C that may have killed it to reach
+#: this process too (``_Link._died``).
+INTERRUPT_GRACE_S = 0.2
 #: Longest time the training thread polls for the helper's next result before it sleeps
 #: (point 6). Waits longer than this make the wake-up's cost small by comparison.
 SPIN_S = 0.001
@@ -167,6 +171,22 @@ def _preload_in_forkserver(ctx: Any) -> None:
         ctx.set_forkserver_preload([*modules, _PRELOAD])
 
 
+def _let_a_ctrl_c_arrive() -> None:
+    """Wait ``INTERRUPT_GRACE_S`` for a Ctrl-C that may have killed another process of ours.
+
+    Raises:
+        KeyboardInterrupt: it arrived (it reaches this process a little after, or before, the
+            other one's death; an exception unwinding runs no signal handler, so without a wait
+            the loop would see the death first, or only).
+    """
+    time.sleep(INTERRUPT_GRACE_S)
+    _run_signal_handlers()
+
+
+def _run_signal_handlers() -> None:
+    """Nothing: entering a Python function runs the handlers of signals flagged meanwhile."""
+
+
 class HelperDied(RuntimeError):
     """The helper process ended while the training process was waiting for it."""
 
@@ -217,10 +237,14 @@ class _Link:
         )
         try:
             self.process.start()
-        except BaseException:
+        except BaseException as exc:
             for conn in [*theirs, *self._ours()]:
                 conn.close()
             self.closed = True
+            if isinstance(exc, (EOFError, OSError)):
+                # The forkserver died: a terminal's Ctrl-C kills one still starting (it ignores
+                # SIGINT only once it runs). The Ctrl-C, not this error, is the loop's.
+                _let_a_ctrl_c_arrive()
             raise
         for conn in theirs:
             conn.close()
@@ -316,6 +340,10 @@ class _Link:
         self.process.join(CLOSE_WAIT_S)
         code = self.process.exitcode
         self.close()
+        if code in (1, -signal.SIGINT):
+            # A terminal's Ctrl-C reaches the whole process group, and a helper still starting
+            # (before it ignores SIGINT) dies of it: the Ctrl-C, not this error, is the loop's.
+            _let_a_ctrl_c_arrive()
         return HelperDied(
             f"DataLoader worker (pid(s) {self.process.pid}) exited unexpectedly: "
             f"threadloader's isolation helper process ended with exit code {code}"

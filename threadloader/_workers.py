@@ -348,6 +348,10 @@ class Worker:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
             self._ended = True
             return _IterableDatasetStopIteration(self.id)
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C while the training thread makes a batch itself: the loop's own
+            return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
         except BaseException:  # noqa: BLE001  # a SystemExit must not silently kill the thread
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
 

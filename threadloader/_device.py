@@ -127,6 +127,7 @@ class DeviceEpochIterator:
         self._stats = epoch._stats
         self._stats.attach_consumer()  # before the transfer thread starts draining the epoch
         self._epoch_ref = weakref.ref(epoch)
+        self._workers: list[Any] = epoch._workers  # the host epoch's workers
         self._prefetcher: DevicePrefetcher[Any] = DevicePrefetcher(
             _HostBatches(epoch),
             loader.device,

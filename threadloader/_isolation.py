@@ -83,6 +83,7 @@ from threadloader._state import (
     continue_persistent,
 )
 from threadloader._task_board import EPOCH, TASK
+from threadloader._worker_handles import HelperHandle
 from threadloader._workers import Result
 from threadloader.memory import pin_batch, pinned_allocator
 
@@ -426,6 +427,8 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
         # The finalizer holds the link, never self: break, del and GC all end the helper.
         self._finalizer = Finalizer(self, self._link.close, on_interrupt=self._link.kill)
+        # torch's iterator lists its worker processes here: each worker's stand-in is the helper.
+        self._workers = [HelperHandle(self._link.process, i) for i in range(self._num_workers)]
         self._generation = 0
         # The helper adapts how many of its threads fetch at once and reports it with each
         # result; this controller only carries that number to stats().

@@ -53,6 +53,7 @@ from threadloader._state import (
     continue_persistent,
     without_predrawn,
 )
+from threadloader._worker_handles import ThreadHandle
 from threadloader._workers import (
     NewEpoch,
     Result,
@@ -126,6 +127,8 @@ class ThreadedDataLoaderIter(DispatchingIter):
             ),
         )
         self._pool.gate.set_limit(self._concurrency.limit)
+        # torch's iterator lists its worker processes here; ours lists the worker threads.
+        self._workers = [ThreadHandle(self._pool, i) for i in range(self._num_workers)]
         # The finalizer holds the pool, never self: break, del and GC all end the threads. A
         # Ctrl-C landing in it stops the join and reaches the loop (_finalizers point 2).
         self._finalizer = Finalizer(

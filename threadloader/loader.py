@@ -345,7 +345,9 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         torch warns above one worker *process* per CPU. Threads are cheap and, for
         latency-bound data, are mostly waiting, so we warn only above
-        ``THREADS_PER_CORE_WARNING`` threads per CPU the process may use.
+        ``THREADS_PER_CORE_WARNING`` threads per CPU the process may use. The message keeps
+        torch's sentence ("excessive worker creation might get DataLoader running slow or even
+        freeze"), so filters and tests written for torch's warning still match it.
         """
         if not self.num_workers:
             return
@@ -354,8 +356,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.num_workers > limit:
             warnings.warn(
                 f"This ThreadDataLoader will create {self.num_workers} worker threads, more than "
-                f"{THREADS_PER_CORE_WARNING} per usable CPU ({cpus} CPUs). Threads beyond what "
-                "the data source can keep busy only add switching overhead; lower num_workers "
-                "if throughput does not improve.",
+                f"{THREADS_PER_CORE_WARNING} per usable CPU ({cpus} CPUs). Please be aware that "
+                "excessive worker creation might get DataLoader running slow or even freeze, "
+                "lower the worker number to avoid potential slowness/freeze if necessary. "
+                "Threads beyond what the data source can keep busy only add switching overhead.",
                 stacklevel=2,
             )

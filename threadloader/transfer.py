@@ -507,7 +507,8 @@ class DevicePrefetcher(Generic[T]):
         device: where batches go (see ``device_from_arg``); ``"cpu"`` passes them through.
         depth: batches pulled from ``source`` and not yet delivered, at most (device memory
             holds this many batches besides those the consumer keeps).
-        pool: pinned staging buffers; None: tensors are copied from where they are.
+        pool: pinned staging buffers; None: tensors are copied from where they are. Needs a
+            CUDA ``device`` (nothing is staged for any other).
         on_close: called by ``close()`` before joining the thread, to wake it if it waits
             inside ``next(source)`` (e.g. the loader epoch's own ``close``). Thread-safe, and
             must not reference the prefetcher.
@@ -515,7 +516,8 @@ class DevicePrefetcher(Generic[T]):
 
     Raises:
         TypeError, ValueError, RuntimeError: an invalid ``device`` (see ``device_from_arg``).
-        ValueError: ``depth`` below 1.
+        ValueError: ``depth`` below 1; a ``pool`` with a device other than CUDA (it would
+            be ignored).
     """
 
     def __init__(
@@ -531,6 +533,10 @@ class DevicePrefetcher(Generic[T]):
         dev = device_from_arg(device)
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        if pool is not None and dev.type != "cuda":
+            raise ValueError(
+                f"pool= stages host-to-CUDA copies, but device is {dev}: nothing would be staged"
+            )
         self._transfer = _Transfer(
             iter(source),
             dev,

@@ -8,7 +8,7 @@ moment of a training loop in a child interpreter (``ctrl_c_trials.py``) and need
 ``KeyboardInterrupt`` in the loop within 2 s, no ``Exception ignored`` on stderr, no thread or
 helper process left; each child's last trial ends the interpreter with it.
 
-``THREADLOADER_CTRL_C_TRIALS=200`` runs 200 trials per configuration (about 4 minutes each on
+``THREADLOADER_CTRL_C_TRIALS=200`` runs 200 trials per configuration (about 3 minutes each on
 2 cores); the default suite runs ``DEFAULT_TRIALS``.
 """
 
@@ -36,7 +36,7 @@ from threadloader import ThreadDataLoader, _iterator
 from threadloader._concurrency import ConcurrencyController
 from threadloader._finalizers import Finalizer
 
-DEFAULT_TRIALS = 12
+DEFAULT_TRIALS = 10
 TRIALS = int(os.environ.get("THREADLOADER_CTRL_C_TRIALS", DEFAULT_TRIALS))
 #: Trials per child interpreter: each child's last trial exits the interpreter.
 PER_CHILD = 20

@@ -26,8 +26,10 @@ Ctrl-C that lands while it runs. The rules; where the code disagrees with them, 
 4. A detached or finished ``Finalizer`` drops its weak reference, so the object's death runs
    nothing at all.
 5. Unlike ``weakref.finalize``, nothing runs at interpreter exit: the exit hook
-   (``_exit_hook``) closes every live owner before the interpreter joins threads, and once
-   ``atexit`` runs, an object dying (module teardown clears globals) runs nothing.
+   (``_exit_hook``) closes every live worker pool and transfer thread before the interpreter
+   joins threads, a live helper process ends when its control pipe does (``_isolated_worker``
+   point 3; multiprocessing also terminates it, a daemon), and once ``atexit`` runs, an object
+   dying (module teardown clears globals) runs nothing.
 """
 
 from __future__ import annotations

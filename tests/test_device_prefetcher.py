@@ -368,7 +368,7 @@ def test_a_live_prefetcher_is_closed_by_the_exit_hook() -> None:
     from threadloader import _exit_hook
 
     p = DevicePrefetcher(iter(range(100)), "cpu", depth=2)
-    assert p._transfer in set(_exit_hook._live)
+    assert p._transfer in _exit_hook.tracked()
     _exit_hook._close_all()  # what interpreter exit runs
     assert not p.thread.is_alive()
-    assert p._transfer not in set(_exit_hook._live)
+    assert p._transfer not in _exit_hook.tracked()

@@ -71,7 +71,9 @@ class IsolatedLoader(ThreadDataLoader[Any]):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, isolation="process", **kwargs)
+        workers = kwargs.get("num_workers", args[5] if len(args) > 5 else 0)
+        # isolation needs workers: with none, the scenario runs as torch's num_workers=0
+        super().__init__(*args, isolation="process" if workers else None, **kwargs)
 
     def _get_iterator(self) -> Any:
         if self.num_workers == 0:

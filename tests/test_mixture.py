@@ -450,3 +450,36 @@ def test_set_mixture_weights_refuses_a_running_device_stage() -> None:
         loader.set_mixture_weights({"a": 0.1, "b": 0.9})
     list(it)
     assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == 400
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["default", "shuffle", "random_sampler", "batch_sampler", "another_mixtures_sampler"],
+)
+def test_a_mixture_not_sampled_by_its_mixture_sampler_is_refused(how: str) -> None:
+    """Any sampler but the mixture's own MixtureSampler would read the sources one after
+    another and silently ignore the weights: the loader refuses it, naming MixtureSampler."""
+    mixture = _mixture()
+    kwargs: dict[str, Any] = {
+        "default": {},
+        "shuffle": {"shuffle": True},
+        "random_sampler": {"sampler": torch.utils.data.RandomSampler(mixture)},
+        "batch_sampler": {
+            "batch_size": None,
+            "batch_sampler": BatchSampler(torch.utils.data.SequentialSampler(mixture), 8, False),
+        },
+        "another_mixtures_sampler": {"sampler": MixtureSampler(_mixture(seed=1))},
+    }[how]
+    kwargs.setdefault("batch_size", 8)
+    if kwargs["batch_size"] is None:
+        del kwargs["batch_size"]
+    with pytest.raises(ValueError, match=r"MixtureSampler.*ignore the weights"):
+        ThreadDataLoader(mixture, num_workers=2, **kwargs)
+
+
+def test_a_mixture_sampler_inside_a_batch_sampler_is_accepted() -> None:
+    """The mixture's own MixtureSampler mixes, also wrapped in torch's BatchSampler."""
+    mixture = _mixture()
+    batches = BatchSampler(MixtureSampler(mixture, samples_per_epoch=80), 8, drop_last=False)
+    loader = ThreadDataLoader(mixture, batch_sampler=batches, num_workers=2)
+    assert sum(len(b) for b in loader) == 80

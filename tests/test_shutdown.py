@@ -165,7 +165,7 @@ def test_keyboard_interrupt_does_not_wait_for_a_worker_stuck_in_user_code(monkey
     assert entered.wait(10)
     interrupted_next(it)
     assert not left.is_set()  # raised while the read was still running, not after it
-    assert any(isinstance(o, _workers.WorkerPool) for o in _exit_hook._live)
+    assert any(isinstance(o, _workers.WorkerPool) for o in _exit_hook.tracked())
     release.set()
     assert _wait_for_no_threads() == []
 
@@ -326,7 +326,7 @@ def test_untrack_from_a_finalizer_on_a_thread_holding_the_hook_lock_does_not_dea
     thread.join(5)
     assert not thread.is_alive()
     _exit_hook.untrack(owner)  # the lock is free now: this one removes it
-    assert owner not in _exit_hook._live
+    assert owner not in _exit_hook.tracked()
 
 
 class StateFailsOnThird(IterableDataset[int]):

@@ -38,6 +38,9 @@ class Event(Protocol):
         ...
 
 
+#: Handed-out buffers tracked before the dead ones among them are pruned (then twice the live).
+PRUNE_AT = 256
+
 _Key = tuple[tuple[int, ...], torch.dtype, torch.device]
 PoolAllocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 """``allocate(shape, dtype, device)``: where a ``BufferPool`` gets a buffer on a miss."""
@@ -134,10 +137,12 @@ class BufferPool:
         self._pending: collections.deque[tuple[Event, list[torch.Tensor]]] = collections.deque()
         self._pending_count = 0
         # Handed out and not released, by storage address: weak, so a buffer the caller drops
-        # (an abandoned batch) is simply freed, and views of a buffer find it.
-        self._outstanding: weakref.WeakValueDictionary[int, torch.Tensor] = (
-            weakref.WeakValueDictionary()
-        )
+        # (an abandoned batch) is simply freed, and views of a buffer find it. Plain references
+        # with no callback (a buffer dropped by the training loop runs no Python code as it
+        # dies, which could lose a Ctrl-C: _finalizers point 1); dead ones are pruned as the
+        # dict grows.
+        self._outstanding: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._prune_at = PRUNE_AT
         self._hits = 0
         self._misses = 0
         self._evicted = 0
@@ -192,7 +197,9 @@ class BufferPool:
             buf = self._allocate(key[0], dtype, dev)  # outside the lock: may be slow
         if buf.numel() > 0:  # empty tensors share address 0 and cost nothing to make
             with self._lock:
-                self._outstanding[_storage_ptr(buf)] = buf
+                if len(self._outstanding) >= self._prune_at:
+                    self._prune_outstanding_locked()
+                self._outstanding[_storage_ptr(buf)] = weakref.ref(buf)
         return buf
 
     def release(self, tensors: Iterable[torch.Tensor], event: Event | None = None) -> int:
@@ -213,7 +220,8 @@ class BufferPool:
             for t in tensors:
                 if t.layout != torch.strided or t.numel() == 0:
                     continue  # never one of ours
-                buf = self._outstanding.pop(_storage_ptr(t), None)
+                ref = self._outstanding.pop(_storage_ptr(t), None)
+                buf = ref() if ref is not None else None
                 if buf is not None:
                     taken.append(buf)
             if not taken:
@@ -254,8 +262,14 @@ class BufferPool:
                 free=self._free_count,
                 free_bytes=self._free_bytes,
                 pending=self._pending_count,
-                outstanding=len(self._outstanding),
+                outstanding=sum(ref() is not None for ref in self._outstanding.values()),
             )
+
+    def _prune_outstanding_locked(self) -> None:
+        dead = [ptr for ptr, ref in self._outstanding.items() if ref() is None]
+        for ptr in dead:
+            del self._outstanding[ptr]
+        self._prune_at = max(PRUNE_AT, 2 * len(self._outstanding))
 
     def _reclaim_locked(self) -> None:
         """Move buffers whose event completed to the ready lists, then enforce the bounds.

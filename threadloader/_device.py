@@ -26,20 +26,28 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from threadloader._finalizers import Finalizer
 from threadloader._recycle import RecyclingCollate
 from threadloader._state import Progress
 from threadloader.memory import BufferPool, pinned_allocator, pinning_collate
 from threadloader.transfer import DevicePrefetcher, Tagged, device_from_arg
 
+#: ``device_prefetch`` when the loader leaves it None.
+DEVICE_PREFETCH = 2
 #: Staging buffers per batch in flight: a batch may hold several tensors (inputs, targets...).
 BUFFERS_PER_BATCH = 4
+
+
+def device_prefetch(loader: Any) -> int:
+    """Batches kept on the device ahead of the loop: ``DEVICE_PREFETCH`` unless the loader says."""
+    return DEVICE_PREFETCH if loader.device_prefetch is None else int(loader.device_prefetch)
 
 
 def staging_pool(loader: Any) -> BufferPool | None:
     """The pinned staging pool for ``loader.device``; None when the device is not CUDA."""
     if loader.device is None or device_from_arg(loader.device).type != "cuda":
         return None
-    in_flight = (loader.prefetch_factor or 1) * max(loader.num_workers, 1) + loader.device_prefetch
+    in_flight = (loader.prefetch_factor or 1) * max(loader.num_workers, 1) + device_prefetch(loader)
     return BufferPool(max_buffers=BUFFERS_PER_BATCH * (in_flight + 2))
 
 
@@ -126,15 +134,18 @@ class DeviceEpochIterator:
         self._stats = epoch._stats
         self._stats.attach_consumer()  # before the transfer thread starts draining the epoch
         self._epoch_ref = weakref.ref(epoch)
+        self._workers: list[Any] = epoch._workers  # the host epoch's workers
         self._prefetcher: DevicePrefetcher[Any] = DevicePrefetcher(
             _HostBatches(epoch),
             loader.device,
-            loader.device_prefetch,
+            device_prefetch(loader),
             pool=getattr(loader, "_staging", None),
             on_close=None if persistent else epoch.close,
             name=f"threadloader-{id(self):x}-transfer",
         )
-        self._finalizer = weakref.finalize(self, _close, self._prefetcher)
+        self._finalizer = Finalizer(
+            self, _close, self._prefetcher, on_interrupt=self._prefetcher._transfer.abandon
+        )
         self._issued = 0.0
 
     def __iter__(self) -> DeviceEpochIterator:
@@ -182,10 +193,11 @@ def check_device_args(device: Any, device_prefetch: Any) -> None:
 
     Raises:
         ValueError, RuntimeError, TypeError: see ``transfer.device_from_arg``.
-        ValueError: ``device_prefetch`` is not an int >= 1.
+        ValueError: ``device_prefetch`` is neither None nor an int >= 1.
     """
-    is_int = isinstance(device_prefetch, int) and not isinstance(device_prefetch, bool)
-    if not is_int or device_prefetch < 1:
-        raise ValueError(f"device_prefetch must be an int >= 1, got {device_prefetch!r}")
+    if device_prefetch is not None:
+        is_int = isinstance(device_prefetch, int) and not isinstance(device_prefetch, bool)
+        if not is_int or device_prefetch < 1:
+            raise ValueError(f"device_prefetch must be an int >= 1, got {device_prefetch!r}")
     if device is not None:
         device_from_arg(device)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -37,6 +36,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from threadloader import _dataset_state
 from threadloader._concurrency import ConcurrencyController
 from threadloader._datapipes import graph_walks, sharding_init_fn
+from threadloader._finalizers import Finalizer
 from threadloader._profiled_next import ProfiledNext
 from threadloader._state import (
     ProgressMixin,
@@ -81,7 +81,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     _resume: Resume | None
     _log_every_s: float | None
     _concurrency: ConcurrencyController
-    _finalizer: weakref.finalize[Any, Any]
+    _finalizer: Finalizer
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Any:
         raise NotImplementedError

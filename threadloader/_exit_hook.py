@@ -33,24 +33,35 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
-# WeakSet's own bookkeeping is Python code: every change and every walk happens under the lock.
+# Owners by id, held weakly. Plain references with no callback: an owner dropped on the
+# training thread must run no Python code as it dies (a Ctrl-C landing in a WeakSet's callback
+# would be lost: _finalizers point 1). Dead entries are pruned as the dict grows.
 _lock = threading.Lock()
-_live: weakref.WeakSet[Closable] = weakref.WeakSet()
+_live: dict[int, weakref.ref[Closable]] = {}
+_prune_at = 64
 _registered = False
 
 
-def _close_all() -> None:
+def tracked() -> list[Closable]:
+    """The owners the exit hook would close now."""
     with _lock:
-        owners = list(_live)
-    for owner in owners:
+        return [owner for ref in _live.values() if (owner := ref()) is not None]
+
+
+def _close_all() -> None:
+    for owner in tracked():
         owner.close()
 
 
 def track(owner: Closable) -> None:
     """Close ``owner`` at interpreter exit unless it was closed (or collected) before."""
-    global _registered
+    global _registered, _prune_at
     with _lock:
-        _live.add(owner)
+        if len(_live) >= _prune_at:
+            for key in [key for key, ref in _live.items() if ref() is None]:
+                del _live[key]
+            _prune_at = max(64, 2 * len(_live))
+        _live[id(owner)] = weakref.ref(owner)
         if _registered:
             return
         try:
@@ -70,7 +81,9 @@ def untrack(owner: Closable) -> None:
     if not _lock.acquire(blocking=False):
         return
     try:
-        _live.discard(owner)
+        ref = _live.get(id(owner))
+        if ref is not None and ref() is owner:
+            del _live[id(owner)]
     finally:
         _lock.release()
 

@@ -59,6 +59,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         shard_here(self._dataset, self._world_size, self._rank)  # as torch's, before any iter()
         self._stats = EpochStats(0, loader.log_every_s)
+        self._workers: list[Any] = []  # as for torch's worker list: no worker runs
         self._dataset_fetcher = _RecordingFetcher(
             Fetcher(
                 self._dataset_kind,

@@ -33,7 +33,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 5. Drained, abandoned (``break``, ``del``, garbage collection), ``KeyboardInterrupt``, timeout,
    interpreter exit: the helper is told to exit, its pipes are closed, and it is joined (then
    killed if it has not exited within ``CLOSE_WAIT_S``). The finalizer holds the link to the
-   helper, never this iterator. The helper also exits on its own when this process dies, even
+   helper, never this iterator; a Ctrl-C landing in it kills the helper and reaches the loop
+   (``_finalizers`` point 2). The helper also exits on its own when this process dies, even
    by SIGKILL (``_isolated_worker`` point 3).
 6. Waiting for a result: when the last wait was shorter than ``SPIN_S`` and the helper's
    fetching threads leave a CPU free, the training thread polls the result socket for up to
@@ -52,8 +53,8 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import select
+import signal
 import time
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -61,11 +62,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data._utils.collate import default_collate
 
-from threadloader import _exit_hook
 from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._datapipes import graph_walks
 from threadloader._dispatch import DispatchingIter, prefetch_factor
 from threadloader._dispatch import reraise as _reraise
+from threadloader._finalizers import Finalizer
 from threadloader._isolated_worker import (
     FATAL,
     RESULT,
@@ -82,6 +83,7 @@ from threadloader._state import (
     continue_persistent,
 )
 from threadloader._task_board import EPOCH, TASK
+from threadloader._worker_handles import HelperHandle
 from threadloader._workers import Result
 from threadloader.memory import pin_batch, pinned_allocator
 
@@ -92,6 +94,9 @@ if TYPE_CHECKING:
 
 #: Seconds ``close()`` waits for the helper to exit before killing it.
 CLOSE_WAIT_S = 5.0
+#: How long a helper that died of a failure waits for a Ctrl-C that may have killed it to reach
+#: this process too (``_Link._died``).
+INTERRUPT_GRACE_S = 0.2
 #: Longest time the training thread polls for the helper's next result before it sleeps
 #: (point 6). Waits longer than this make the wake-up's cost small by comparison.
 SPIN_S = 0.001
@@ -167,6 +172,22 @@ def _preload_in_forkserver(ctx: Any) -> None:
         ctx.set_forkserver_preload([*modules, _PRELOAD])
 
 
+def _let_a_ctrl_c_arrive() -> None:
+    """Wait ``INTERRUPT_GRACE_S`` for a Ctrl-C that may have killed another process of ours.
+
+    Raises:
+        KeyboardInterrupt: it arrived (it reaches this process a little after, or before, the
+            other one's death; an exception unwinding runs no signal handler, so without a wait
+            the loop would see the death first, or only).
+    """
+    time.sleep(INTERRUPT_GRACE_S)
+    _run_signal_handlers()
+
+
+def _run_signal_handlers() -> None:
+    """Nothing: entering a Python function runs the handlers of signals flagged meanwhile."""
+
+
 class HelperDied(RuntimeError):
     """The helper process ended while the training process was waiting for it."""
 
@@ -217,10 +238,14 @@ class _Link:
         )
         try:
             self.process.start()
-        except BaseException:
+        except BaseException as exc:
             for conn in [*theirs, *self._ours()]:
                 conn.close()
             self.closed = True
+            if isinstance(exc, (EOFError, OSError)):
+                # The forkserver died: a terminal's Ctrl-C kills one still starting (it ignores
+                # SIGINT only once it runs). The Ctrl-C, not this error, is the loop's.
+                _let_a_ctrl_c_arrive()
             raise
         for conn in theirs:
             conn.close()
@@ -316,31 +341,26 @@ class _Link:
         self.process.join(CLOSE_WAIT_S)
         code = self.process.exitcode
         self.close()
+        if code in (1, -signal.SIGINT):
+            # A terminal's Ctrl-C reaches the whole process group, and a helper still starting
+            # (before it ignores SIGINT) dies of it: the Ctrl-C, not this error, is the loop's.
+            _let_a_ctrl_c_arrive()
         return HelperDied(
             f"DataLoader worker (pid(s) {self.process.pid}) exited unexpectedly: "
             f"threadloader's isolation helper process ended with exit code {code}"
         )
 
-    def close(self, redeliver: bool = False) -> None:
+    def close(self) -> None:
         """Tell the helper to exit, close the pipes, join it (kill it if it lingers).
 
         Idempotent; safe from a finalizer and from any thread.
 
-        Args:
-            redeliver: called from a finalizer, which drops exceptions: a Ctrl-C while
-                waiting is sent to the main thread again.
-
         Raises:
-            KeyboardInterrupt: Ctrl-C while waiting, unless ``redeliver`` (the helper is killed).
+            KeyboardInterrupt: Ctrl-C while waiting (the helper is killed first).
         """
         if self.closed:
             return
-        self.closed = True
-        for conn in self._ours():  # the control pipe's EOF tells the helper to exit
-            try:
-                conn.close()
-            except OSError:
-                pass
+        self._close_pipes()
         process = self.process
         if process.pid is None:
             return
@@ -348,13 +368,27 @@ class _Link:
             process.join(CLOSE_WAIT_S)
         except KeyboardInterrupt:  # Ctrl-C while waiting: stop it now, and keep the Ctrl-C
             process.kill()
-            if not redeliver:
-                raise
-            _exit_hook.redeliver_interrupt()
-            return
+            raise
         if process.exitcode is None:
             process.kill()
             process.join(CLOSE_WAIT_S)
+
+    def kill(self) -> None:
+        """Close the pipes and kill the helper, waiting for nothing. Idempotent.
+
+        What a Ctrl-C that stopped ``close`` anywhere leaves to do (``_finalizers`` point 2).
+        """
+        self._close_pipes()
+        if self.process.pid is not None and self.process.exitcode is None:
+            self.process.kill()
+
+    def _close_pipes(self) -> None:
+        self.closed = True
+        for conn in self._ours():  # the control pipe's EOF tells the helper to exit
+            try:
+                conn.close()  # a second close does nothing
+            except OSError:
+                pass
 
 
 class IsolatedDataLoaderIter(DispatchingIter):
@@ -392,7 +426,9 @@ class IsolatedDataLoaderIter(DispatchingIter):
         ctx = helper_context(loader.multiprocessing_context)
         self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
         # The finalizer holds the link, never self: break, del and GC all end the helper.
-        self._finalizer = weakref.finalize(self, self._link.close, redeliver=True)
+        self._finalizer = Finalizer(self, self._link.close, on_interrupt=self._link.kill)
+        # torch's iterator lists its worker processes here: each worker's stand-in is the helper.
+        self._workers = [HelperHandle(self._link.process, i) for i in range(self._num_workers)]
         self._generation = 0
         # The helper adapts how many of its threads fetch at once and reports it with each
         # result; this controller only carries that number to stats().

@@ -37,7 +37,7 @@ where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
-import weakref
+import functools
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import _DatasetKind
@@ -46,6 +46,7 @@ from threadloader._concurrency import ConcurrencyController, usable_cpus
 from threadloader._datapipes import graph_walks
 from threadloader._device import host_collate
 from threadloader._dispatch import DispatchingIter, prefetch_factor
+from threadloader._finalizers import Finalizer
 from threadloader._queues import QueueClosed
 from threadloader._state import (
     Progress,
@@ -53,6 +54,7 @@ from threadloader._state import (
     continue_persistent,
     without_predrawn,
 )
+from threadloader._worker_handles import ThreadHandle
 from threadloader._workers import (
     NewEpoch,
     Result,
@@ -130,9 +132,13 @@ class ThreadedDataLoaderIter(DispatchingIter):
             ),
         )
         self._pool.gate.set_limit(self._concurrency.limit)
-        # The finalizer holds the pool, never self: break, del and GC all end the threads.
-        # break, del and GC: a Ctrl-C during the join is sent again (a finalizer drops it)
-        self._finalizer = weakref.finalize(self, self._pool.close, redeliver=True)
+        # torch's iterator lists its worker processes here; ours lists the worker threads.
+        self._workers = [ThreadHandle(self._pool, i) for i in range(self._num_workers)]
+        # The finalizer holds the pool, never self: break, del and GC all end the threads. A
+        # Ctrl-C landing in it stops the join and reaches the loop (_finalizers point 2).
+        self._finalizer = Finalizer(
+            self, self._pool.close, on_interrupt=functools.partial(self._pool.close, wait=False)
+        )
         self._generation = 0
         self._all_ready = False  # every worker ran its worker_init_fn (then stays True)
         self._reset(loader, first_iter=True)

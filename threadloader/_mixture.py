@@ -66,6 +66,10 @@ class Mixture(Dataset[Any]):
     ``set_weights`` changes the weights from a given global position on. Like every loader call
     it belongs to the training thread (the thread that iterates the loader).
 
+    Only its ``MixtureSampler`` mixes: any other sampler reads the concatenation and ignores the
+    weights, so ``ThreadDataLoader`` refuses a ``Mixture`` sampled any other way (torch's
+    ``DataLoader`` cannot check this).
+
     Args:
         sources: source name -> map-style dataset with ``len`` (e.g. ``TokenWindows``).
         weights: source name -> weight >= 0 (normalised; names left out get 0).

@@ -11,8 +11,8 @@ How it stays safe: a batch handed to the user may live as long as the user likes
 reused only when nothing can reach it any more. Each buffer is a numpy array ``base`` that the
 allocator keeps; the tensor it returns is ``torch.from_numpy`` of a fresh view ``owner`` of
 ``base``, and torch's storage holds ``owner`` until the last tensor sharing that storage (slices,
-``.view()``, ``.numpy()`` of them included) is freed. A ``weakref.finalize`` on ``owner`` then
-hands ``base`` back. What can reach the memory is exactly what keeps ``owner`` alive.
+``.view()``, ``.numpy()`` of them included) is freed. The death of ``owner`` then makes ``base``
+reusable. What can reach the memory is exactly what keeps ``owner`` alive.
 
 Where the code disagrees with these points, the code is wrong:
 
@@ -22,17 +22,17 @@ Where the code disagrees with these points, the code is wrong:
    and a finalizer per small batch would cost more than it saves.
 3. At most ``max_free`` unused buffers are kept (the oldest go first), so the pool holds at most
    that many batches' worth of memory beyond what is in use.
-4. A finalizer may run in any thread, at any allocation (cyclic garbage collection), even while
-   this allocator's lock is held by the same thread: it only puts into a ``SimpleQueue``
-   (reentrant by design) and trims the free list only if it gets the lock without waiting.
+4. The death of a batch runs no Python code (``_finalizers.DeathNotices``): it happens on the
+   training thread whenever the loop drops a batch, and a Ctrl-C landing in Python code run
+   there would be lost. The buffers of dead batches join the free list at the next allocation
+   (or ``free_buffers()``), so until then they are held beyond ``max_free``: at most the batches
+   that died since the last allocation.
 """
 
 from __future__ import annotations
 
 import math
-import queue
 import threading
-import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from threadloader._finalizers import DeathNotices
 from threadloader._gathered import Gathered, mark_default_collate
 from threadloader.memory import pinned_collate
 
@@ -75,7 +76,7 @@ class RecyclingAllocator:
         self._min_bytes = self.fresh_below = min_bytes
         self._lock = threading.Lock()
         self._free: deque[np.ndarray] = deque()  # under _lock
-        self._returned: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self._in_use: DeathNotices[np.ndarray] = DeathNotices()  # under _lock
         self.hits = 0
         self.misses = 0
 
@@ -95,8 +96,8 @@ class RecyclingAllocator:
             base = np.empty(nbytes + ALIGN, dtype=np.uint8)
         start = -base.ctypes.data % ALIGN
         owner = base[start : start + nbytes]  # a new array object: lives as long as the batch
-        done = weakref.finalize(owner, self._give_back, base)
-        done.atexit = False  # nothing to give back to at interpreter exit
+        with self._lock:
+            self._in_use.watch(owner, base)
         return torch.from_numpy(owner).view(dtype).view(shape)
 
     def free_buffers(self) -> int:
@@ -116,23 +117,10 @@ class RecyclingAllocator:
             self.misses += 1
             return None
 
-    def _give_back(self, base: np.ndarray) -> None:
-        self._returned.put(base)
-        if self._lock.acquire(blocking=False):  # never wait in a finalizer (point 4)
-            try:
-                self._drain_locked()
-            finally:
-                self._lock.release()
-
     def _drain_locked(self) -> None:
-        while True:
-            try:
-                base = self._returned.get_nowait()
-            except queue.Empty:
-                return
-            self._free.append(base)
-            while len(self._free) > self._max_free:
-                self._free.popleft()
+        self._free.extend(self._in_use.take())
+        while len(self._free) > self._max_free:
+            self._free.popleft()
 
 
 def _sample_bytes(sample: Any) -> int:

@@ -141,9 +141,22 @@ class Runtime:
         _exit_hook.untrack(self)
 
 
-# WeakSet's own bookkeeping is Python code: every change and every walk under one lock.
+# States by id, held weakly: plain references with no callback, so a dataset dropped on the
+# training thread runs no Python code here as it dies (_finalizers point 1). Dead entries are
+# pruned as the dict grows; every change and every walk happens under the lock.
 _registry_lock = threading.Lock()
-_live_states: weakref.WeakSet[State] = weakref.WeakSet()
+_live_states: dict[int, weakref.ref[State]] = {}
+_prune_at = 64
+
+
+def _track_state(state: State) -> None:
+    global _prune_at
+    with _registry_lock:
+        if len(_live_states) >= _prune_at:
+            for key in [key for key, ref in _live_states.items() if ref() is None]:
+                del _live_states[key]
+            _prune_at = max(64, 2 * len(_live_states))
+        _live_states[id(state)] = weakref.ref(state)
 
 
 def _after_fork_in_child() -> None:
@@ -151,8 +164,10 @@ def _after_fork_in_child() -> None:
     # sockets are shared with the parent: a child starts afresh, closing nothing of the parent's.
     global _registry_lock
     _registry_lock = threading.Lock()
-    for state in list(_live_states):
-        state.reset()
+    for ref in list(_live_states.values()):
+        state = ref()
+        if state is not None:
+            state.reset()
 
 
 if hasattr(os, "register_at_fork"):
@@ -177,8 +192,7 @@ class State:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.reset()
-        with _registry_lock:
-            _live_states.add(self)
+        _track_state(self)
 
     def reset(self) -> None:
         """Forget everything (a new process): new lock, counters, caches and runtime."""

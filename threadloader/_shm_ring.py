@@ -47,7 +47,6 @@ import pickle
 import struct
 import tempfile
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -55,6 +54,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from threadloader._finalizers import DeathNotices
 
 #: Tensors start at multiples of this many bytes inside a slot (cache line; any dtype's size).
 ALIGN = 64
@@ -568,19 +569,20 @@ class _LeafUnpickler(pickle.Unpickler):
 class RingReader:
     """The training process's side: maps segments, rebuilds batches, notices released slots.
 
-    Used by the training thread only, except for the weak-reference callbacks, which may run in
-    any thread (garbage collection) and only append to a deque.
+    Used by the training thread only. The death of a delivered batch, wherever it happens, runs
+    no Python code (``_finalizers.DeathNotices``): a Ctrl-C landing in a callback run as the
+    loop drops a batch would be lost.
     """
 
     def __init__(self, mailbox: int | None = None) -> None:
         self._segments: dict[int, Segment] = {}
-        self._released: deque[SlotKey] = deque()
-        self._watch: dict[SlotKey, weakref.ref[Any]] = {}
+        self._released: deque[SlotKey] = deque()  # slots of batches never delivered
+        self._delivered: DeathNotices[SlotKey] = DeathNotices()
         self._mailbox = mailbox  # write end of the release mailbox (non-blocking), if any
         self._unsent: list[SlotKey] = []  # released while the mailbox was full
 
     def __repr__(self) -> str:
-        return f"<RingReader segments={len(self._segments)} delivered_slots={len(self._watch)}>"
+        return f"<RingReader segments={len(self._segments)} delivered_slots={len(self._delivered)}>"
 
     def add_segment(self, seg_id: int, slot_bytes: int, count: int, fd: int) -> None:
         """Map a segment the helper announced; closes ``fd``."""
@@ -609,7 +611,7 @@ class RingReader:
         # A new array object per delivery: every view of this batch keeps it alive, and its
         # death (no view left anywhere) is what releases the slot.
         owner = segment.array[start : start + segment.slot_bytes]
-        self._watch[key] = weakref.ref(owner, _Release(self._released, key))
+        self._delivered.watch(owner, key)
         base = torch.from_numpy(owner)
         by_dtype: dict[Any, torch.Tensor] = {}
         loaded: dict[int, Any] = {}  # a leaf met twice in the batch is one object, as pickled
@@ -669,23 +671,8 @@ class RingReader:
 
     def take_released(self) -> list[SlotKey]:
         """Slots whose batches died since the last call, for the helper to reuse."""
-        out: list[SlotKey] = []
+        out = self._delivered.take()
         released = self._released
         while released:
-            key = released.popleft()
-            self._watch.pop(key, None)
-            out.append(key)
+            out.append(released.popleft())
         return out
-
-
-class _Release:
-    """Weak-reference callback: the last view of a delivered slot died. Holds no reader."""
-
-    __slots__ = ("_key", "_released")
-
-    def __init__(self, released: deque[SlotKey], key: SlotKey) -> None:
-        self._released = released
-        self._key = key
-
-    def __call__(self, _ref: object) -> None:
-        self._released.append(self._key)

@@ -68,7 +68,8 @@ def scan(paths: Sequence[str], dtype: np.dtype[Any], header_bytes: int) -> list[
     Raises:
         ValueError: naming the file, if it is empty, its size is not a whole number of tokens, or
             a ``.npy`` file holds no integers, is Fortran-ordered with several dimensions, or is
-            shorter than its header says.
+            shorter than its header says; ``header_bytes`` with a ``.npy`` file (it would be
+            ignored).
         OSError: if a file cannot be stat-ed or opened.
     """
     if dtype.kind not in "iu":
@@ -78,6 +79,11 @@ def scan(paths: Sequence[str], dtype: np.dtype[Any], header_bytes: int) -> list[
     files = []
     for path in paths:
         if path.endswith(".npy"):
+            if header_bytes:
+                raise ValueError(
+                    f"header_bytes={header_bytes} skips the header of raw token files, but "
+                    f"{path} is a .npy file, whose own header says where its tokens start"
+                )
             files.append(_scan_npy(path))
             continue
         size = os.stat(path).st_size - header_bytes

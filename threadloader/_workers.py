@@ -351,6 +351,10 @@ class Worker:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
             self._ended = True
             return _IterableDatasetStopIteration(self.id)
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C while the training thread makes a batch itself: the loop's own
+            return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
         except BaseException:  # noqa: BLE001  # a SystemExit must not silently kill the thread
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
 
@@ -531,12 +535,13 @@ class WorkerPool:
             KeyboardInterrupt: Ctrl-C while joining, unless ``redeliver``.
         """
         with self._lock:
-            first, self._closed = not self._closed, True
-        if first:
-            for w in self.workers:
-                w.tasks.close()
-            self.gate.close()
-            self.results.close()
+            self._closed = True
+        # Every call wakes the threads again (each close is idempotent): a Ctrl-C may have
+        # stopped an earlier call halfway (_finalizers point 2).
+        for w in self.workers:
+            w.tasks.close()
+        self.gate.close()
+        self.results.close()
         if not wait:
             return  # still tracked: the exit hook joins a thread still in user code then
         me = threading.current_thread()

@@ -96,7 +96,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             a ``torch.device``): a transfer thread copies them on its own CUDA stream while
             the loop computes; workers collate straight into pinned staging buffers. ``None``
             (default): batches stay on the host, as with DataLoader.
-        device_prefetch: (ours, keyword-only) batches kept on the device ahead of the loop.
+        device_prefetch: (ours, keyword-only) batches kept on the device ahead of the loop;
+            ``None`` (default): 2 with ``device``. Needs ``device``.
         isolation: (ours, keyword-only) ``None`` runs the worker threads in this process;
             ``"process"`` runs them in one helper process, so they never compete with the
             training thread for the GIL.
@@ -111,7 +112,11 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     Raises:
         ValueError: for every argument combination DataLoader rejects, with its message; an
-            unknown ``isolation`` mode; ``device_prefetch`` < 1; an unknown device string.
+            unknown ``isolation`` mode; ``device_prefetch`` < 1; an unknown device string; a
+            ``threadloader.Mixture`` sampled by anything but its own ``MixtureSampler`` (the
+            weights would be ignored); with ``num_workers=0``, ``isolation="process"`` or
+            ``save_worker_rng=True``; ``device_prefetch`` without ``device`` (each would be
+            accepted and do nothing, as torch refuses ``persistent_workers`` without workers).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
         TypeError: ``save_worker_rng`` is not a bool.
     """
@@ -138,7 +143,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         in_order: bool = True,
         snapshot_every_n_steps: int | None = 1,
         device: str | int | torch.device | None = None,
-        device_prefetch: int = 2,
+        device_prefetch: int | None = None,
         isolation: str | None = None,
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
@@ -188,6 +193,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._device_epoch: weakref.ref[DeviceEpochIterator] | None = None
         self._transfer_thread: threading.Thread | None = None
         self._stats: EpochStats | None = None  # likewise
+        _check_mixture_sampler(self)
+        _refuse_ignored_options(self)
 
     def __iter__(self) -> Any:
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
@@ -365,7 +372,9 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         torch warns above one worker *process* per CPU. Threads are cheap and, for
         latency-bound data, are mostly waiting, so we warn only above
-        ``THREADS_PER_CORE_WARNING`` threads per CPU the process may use.
+        ``THREADS_PER_CORE_WARNING`` threads per CPU the process may use. The message keeps
+        torch's sentence ("excessive worker creation might get DataLoader running slow or even
+        freeze"), so filters and tests written for torch's warning still match it.
         """
         if not self.num_workers:
             return
@@ -374,8 +383,70 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.num_workers > limit:
             warnings.warn(
                 f"This ThreadDataLoader will create {self.num_workers} worker threads, more than "
-                f"{THREADS_PER_CORE_WARNING} per usable CPU ({cpus} CPUs). Threads beyond what "
-                "the data source can keep busy only add switching overhead; lower num_workers "
-                "if throughput does not improve.",
+                f"{THREADS_PER_CORE_WARNING} per usable CPU ({cpus} CPUs). Please be aware that "
+                "excessive worker creation might get DataLoader running slow or even freeze, "
+                "lower the worker number to avoid potential slowness/freeze if necessary. "
+                "Threads beyond what the data source can keep busy only add switching overhead.",
                 stacklevel=2,
             )
+
+
+def _check_mixture_sampler(loader: ThreadDataLoader[Any]) -> None:
+    """Refuse a ``Mixture`` that no ``MixtureSampler`` of its own samples.
+
+    As a dataset a ``Mixture`` is the concatenation of its sources; only its ``MixtureSampler``
+    applies the weights. With any other sampler (torch's default ones, ``shuffle=True``, a
+    ``DistributedSampler``) the weights would be silently ignored. Mixing by default instead
+    would decide the ranks' sharding and the shuffling behind the user's back.
+
+    Raises:
+        ValueError: naming ``MixtureSampler``.
+    """
+    from threadloader.streams import Mixture, MixtureSampler
+
+    mixture = loader.dataset
+    if not isinstance(mixture, Mixture):
+        return
+    sampler = loader.sampler if loader.batch_sampler is None else loader.batch_sampler
+    sampler = getattr(sampler, "sampler", sampler)  # torch's BatchSampler wraps it
+    if isinstance(sampler, MixtureSampler) and sampler.mixture is mixture:
+        return
+    what = (
+        "a MixtureSampler of another Mixture"
+        if isinstance(sampler, MixtureSampler)
+        else type(sampler).__name__
+    )
+    raise ValueError(
+        f"a threadloader.Mixture is mixed by its MixtureSampler, but this loader samples it "
+        f"with {what}, which would read the sources one after another and ignore the weights: "
+        f"pass sampler=MixtureSampler(mixture) (num_replicas= and rank= under DDP; with "
+        f"Lightning, Trainer(use_distributed_sampler=False)). For the plain concatenation, use "
+        f"torch.utils.data.ConcatDataset."
+    )
+
+
+def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
+    """Refuse our options that would be accepted and then do nothing, as torch refuses
+    ``persistent_workers`` and ``prefetch_factor`` without workers.
+
+    Raises:
+        ValueError: naming the option and what it needs.
+    """
+    if loader.num_workers == 0 and loader.isolation is not None:
+        raise ValueError(
+            "isolation='process' runs the worker threads in a helper process, so it needs "
+            "num_workers > 0 (with num_workers=0 every batch is made in the training thread); "
+            "set num_workers > 0, or isolation=None"
+        )
+    if loader.num_workers == 0 and loader.save_worker_rng:
+        raise ValueError(
+            "save_worker_rng=True saves each worker's own generators, so it needs "
+            "num_workers > 0 (with num_workers=0 batches draw from the training thread's "
+            "global RNGs, which are the training script's to save); set num_workers > 0, or "
+            "save_worker_rng=False"
+        )
+    if loader.device is None and loader.device_prefetch is not None:
+        raise ValueError(
+            f"device_prefetch={loader.device_prefetch!r} sets how many batches wait on the "
+            "device, so it needs device= (without it batches stay on the host)"
+        )

@@ -67,6 +67,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _HTTP = ("http://", "https://")
+#: ``cache_max_bytes`` when ``cache_dir`` is given without it.
+DEFAULT_CACHE_MAX_BYTES = 10 * 2**30
 
 
 class RemoteReadError(OSError):
@@ -186,10 +188,13 @@ class RemoteFiles(Dataset[Any]):
             over the dataset's life in this process; 0 raises on the first.
         cache_dir: keep fetched objects on local disk here, for later epochs and processes.
         cache_max_bytes: bound of the disk cache; least recently used objects are evicted.
+            ``None`` (default): 10 GiB with ``cache_dir``. Needs ``cache_dir``.
         memory_cache_bytes: keep up to this many bytes of objects in memory (0: no memory cache).
 
     Raises:
-        ValueError: on an empty listing, an HTTP pattern, or a negative number.
+        ValueError: on an empty listing, an HTTP pattern, or a negative number; for an option
+            that would do nothing: ``cache_max_bytes`` without ``cache_dir``, or
+            ``storage_options`` other than ``headers`` when every URL is HTTP(S).
     """
 
     def __init__(
@@ -202,13 +207,18 @@ class RemoteFiles(Dataset[Any]):
         retry: RetryPolicy | None = None,
         max_skipped: int = 0,
         cache_dir: str | os.PathLike[str] | None = None,
-        cache_max_bytes: int = 10 * 2**30,
+        cache_max_bytes: int | None = None,
         memory_cache_bytes: int = 0,
     ) -> None:
+        if cache_max_bytes is not None and cache_dir is None:
+            raise ValueError(
+                f"cache_max_bytes={cache_max_bytes!r} bounds the disk cache, so it needs "
+                "cache_dir= (without it nothing is cached on disk)"
+            )
         for arg, value in (
             ("max_concurrency", max_concurrency),
             ("max_skipped", max_skipped),
-            ("cache_max_bytes", cache_max_bytes),
+            ("cache_max_bytes", cache_max_bytes or 0),
             ("memory_cache_bytes", memory_cache_bytes),
         ):
             if value < 0:
@@ -217,6 +227,12 @@ class RemoteFiles(Dataset[Any]):
         self.urls: tuple[str, ...] = tuple(
             _list(urls, options) if isinstance(urls, str) else (os.fspath(u) for u in urls)
         )
+        unused = sorted(set(options) - {"headers"})
+        if unused and self.urls and all(u.startswith(_HTTP) for u in self.urls):
+            raise ValueError(
+                f"storage_options {unused} would be ignored: HTTP(S) URLs are read with the "
+                "standard library, which takes only 'headers'"
+            )
         self.decode = decode
         self._headers: dict[str, str] = dict(options.get("headers") or {})
         self._config = Config(
@@ -224,7 +240,7 @@ class RemoteFiles(Dataset[Any]):
             retry=retry if retry is not None else RetryPolicy(),
             max_skipped=max_skipped,
             cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
-            cache_max_bytes=cache_max_bytes,
+            cache_max_bytes=DEFAULT_CACHE_MAX_BYTES if cache_max_bytes is None else cache_max_bytes,
             memory_cache_bytes=memory_cache_bytes,
             storage_options=options,
             name=f"threadloader-remote-{id(self):x}",

@@ -38,7 +38,6 @@ import enum
 import threading
 import time
 import traceback
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
@@ -46,6 +45,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from threadloader import _exit_hook
+from threadloader._finalizers import Finalizer
 from threadloader.memory import _DESCEND, BufferPool, PoolStats, _map_batch
 
 __all__ = ["DevicePrefetcher", "Tagged", "TransferStats", "device_from_arg"]
@@ -403,6 +403,15 @@ class _Transfer:
         self.batches += 1
         return self.copier.deliver(item)
 
+    def abandon(self) -> None:
+        """Stop the thread without waiting for it; the exit hook joins it. Idempotent.
+
+        What a Ctrl-C that stopped ``close`` anywhere leaves to do (``_finalizers`` point 2).
+        """
+        if self.state is _State.RUNNING:
+            self.state = _State.CLOSED
+        self.handoff.close()  # wakes the thread; a second close does nothing more
+
     def close(self) -> None:
         """Stop the thread and join it. Idempotent; safe from a finalizer and from that thread."""
         with self._lock:
@@ -498,7 +507,8 @@ class DevicePrefetcher(Generic[T]):
         device: where batches go (see ``device_from_arg``); ``"cpu"`` passes them through.
         depth: batches pulled from ``source`` and not yet delivered, at most (device memory
             holds this many batches besides those the consumer keeps).
-        pool: pinned staging buffers; None: tensors are copied from where they are.
+        pool: pinned staging buffers; None: tensors are copied from where they are. Needs a
+            CUDA ``device`` (nothing is staged for any other).
         on_close: called by ``close()`` before joining the thread, to wake it if it waits
             inside ``next(source)`` (e.g. the loader epoch's own ``close``). Thread-safe, and
             must not reference the prefetcher.
@@ -506,7 +516,8 @@ class DevicePrefetcher(Generic[T]):
 
     Raises:
         TypeError, ValueError, RuntimeError: an invalid ``device`` (see ``device_from_arg``).
-        ValueError: ``depth`` below 1.
+        ValueError: ``depth`` below 1; a ``pool`` with a device other than CUDA (it would
+            be ignored).
     """
 
     def __init__(
@@ -522,6 +533,10 @@ class DevicePrefetcher(Generic[T]):
         dev = device_from_arg(device)
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1, got {depth!r}")
+        if pool is not None and dev.type != "cuda":
+            raise ValueError(
+                f"pool= stages host-to-CUDA copies, but device is {dev}: nothing would be staged"
+            )
         self._transfer = _Transfer(
             iter(source),
             dev,
@@ -531,7 +546,7 @@ class DevicePrefetcher(Generic[T]):
             name or f"threadloader-{id(self):x}-transfer",
         )
         # The finalizer holds the _Transfer, never self: break, del and GC all end the thread.
-        self._finalizer = weakref.finalize(self, self._transfer.close)
+        self._finalizer = Finalizer(self, self._transfer.close, on_interrupt=self._transfer.abandon)
         _exit_hook.track(self._transfer)
         try:
             self._transfer.thread.start()

@@ -746,8 +746,7 @@ def test_a_sampler_seeded_from_the_global_rng_resumes_under_a_loader_generator(
     assert head + [first] + [b.tolist() for b in resumed_it] == reference
 
 
-@pytest.mark.parametrize("save_worker_rng", [False, True])
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("num_workers", "save_worker_rng"), [(0, False), (2, False), (2, True)])
 def test_a_state_round_trips_through_json_and_resumes_exactly(
     num_workers: int, save_worker_rng: bool
 ) -> None:

@@ -223,3 +223,20 @@ def test_a_state_saved_with_raw_dataset_states_still_resumes(num_workers: int) -
     resumed = ThreadDataLoader(Positioned(), batch_size=2, num_workers=num_workers)
     resumed.load_state_dict(state)
     assert head + [b.tolist() for b in resumed] == full
+
+
+class RecordsWhoSaves(CountingMap):
+    seen: list[Any] = []
+
+    def state_dict(self) -> dict[str, int]:
+        RecordsWhoSaves.seen.append(get_worker_info())
+        return super().state_dict()
+
+
+def test_a_dataset_state_is_taken_as_its_worker() -> None:
+    """state_dict() runs as the worker that made the batch, wherever it runs (also when the
+    training thread made it), as torchdata's worker processes call it."""
+    RecordsWhoSaves.seen = []
+    loader = ThreadDataLoader(RecordsWhoSaves(), batch_size=2, num_workers=2)
+    assert len(list(loader)) == 12
+    assert len(RecordsWhoSaves.seen) == 12 and all(i is not None for i in RecordsWhoSaves.seen)

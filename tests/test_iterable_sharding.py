@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_epochs_equal, collect, collect_epochs, torch_epochs
+from helpers import assert_epochs_equal, collect, collect_epochs, torch_epochs, torch_loader
 from torch.utils.data import IterableDataset
 
 from threadloader import ThreadDataLoader
@@ -125,6 +125,8 @@ class CopyRecorder(IterableDataset[Any]):
     def __init__(self) -> None:
         self.payload = list(range(1000))
         self.array = np.arange(100_000)
+        self.array.flags.writeable = False  # read-only: shared by the copies
+        self.scratch = np.zeros(1000)  # writeable: each copy has its own
         CopyRecorder.seen = []
 
     def __iter__(self) -> Iterator[int]:
@@ -152,7 +154,8 @@ def test_each_worker_iterates_its_own_independent_copy(num_workers: int) -> None
         assert type(copy) is CopyRecorder
         assert info.dataset is copy
         assert copy.payload == dataset.payload
-        assert copy.array is dataset.array  # large read-only data is shared
+        assert copy.array is dataset.array  # read-only data is shared
+        assert copy.scratch is not dataset.scratch
         assert ident != threading.get_ident()
 
 
@@ -163,3 +166,25 @@ def test_without_workers_the_dataset_itself_is_iterated() -> None:
     assert [(w, c, i, t) for w, c, i, t in dataset.seen] == [
         (-1, dataset, None, threading.get_ident())
     ]
+
+
+class ShuffledInPlace(IterableDataset[int]):
+    """Each worker shuffles its copy's order array in place, then reads its share of it."""
+
+    def __init__(self) -> None:
+        self.order = np.arange(64)
+
+    def __iter__(self) -> Iterator[int]:
+        worker, workers = _worker()
+        np.random.default_rng(0).shuffle(self.order)  # the same permutation in every worker
+        return iter(int(i) for i in self.order[worker::workers])
+
+
+def test_a_writeable_array_is_each_workers_own() -> None:
+    """Shared, the workers' in-place shuffles raced: items were lost and repeated, and the
+    user's dataset changed. As with worker processes, each copy has its own array."""
+    dataset = ShuffledInPlace()
+    ours = sorted(int(x) for x in ThreadDataLoader(dataset, batch_size=None, num_workers=4))
+    theirs = sorted(int(x) for x in torch_loader(ShuffledInPlace(), batch_size=None, num_workers=4))
+    assert ours == theirs == list(range(64))
+    assert np.array_equal(dataset.order, np.arange(64))

@@ -297,3 +297,90 @@ def test_worker_threads_end_with_nothing_on_their_torch_mode_stack(monkeypatch) 
     monkeypatch.setattr(_workers, "leave", recording_leave)
     collect(ThreadDataLoader(Augmented(), batch_size=4, num_workers=3))
     assert len(seen) == 3 and set(seen.values()) == {0}
+
+
+def test_a_ctrl_c_while_the_training_thread_becomes_a_worker_leaves_it_itself(
+    monkeypatch,
+) -> None:
+    """A KeyboardInterrupt right after Worker.enter() on the training thread: afterwards the
+    thread is not a worker (no WorkerInfo, its own RNGs, no mode on its stack)."""
+    from threadloader import _worker_globals, _workers
+
+    real_enter = _workers.Worker.enter
+    fired: list[bool] = []
+
+    def interrupted_enter(self: Any) -> Any:
+        previous = real_enter(self)
+        if threading.current_thread() is threading.main_thread() and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return previous
+
+    monkeypatch.setattr(_workers.Worker, "enter", interrupted_enter)
+    loader = ThreadDataLoader(Augmented(), batch_size=4, num_workers=2, worker_init_fn=None)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(6):
+            collect(loader)  # the lean path or a not-yet-started task runs on this thread
+    assert fired
+    assert get_worker_info() is None and _worker_globals.current() is None
+    assert torch._C._len_torch_function_stack() == 0
+    torch.manual_seed(0)
+    assert torch.initial_seed() == 0 and torch.default_generator.initial_seed() == 0
+
+
+class DefaultGenerator(Dataset[torch.Tensor]):
+    """Draws through torch.default_generator passed explicitly, as random_split does."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.0005)
+        perm = torch.randperm(6, generator=torch.default_generator)
+        split = torch.utils.data.random_split(range(6), [3, 3])[0].indices
+        return torch.cat([perm, torch.tensor(split)])
+
+
+def test_an_explicit_default_generator_is_the_workers_own() -> None:
+    """torch.default_generator passed to a CPU draw in a worker (random_split's default) is the
+    worker's generator, as in a worker process: DataLoader's values, the training RNG unmoved."""
+    torch.manual_seed(1)
+    theirs = collect(DataLoader(DefaultGenerator(), batch_size=2, num_workers=2))
+    their_next = float(torch.rand(()))
+    torch.manual_seed(1)
+    ours = collect(ThreadDataLoader(DefaultGenerator(), batch_size=2, num_workers=2))
+    assert_batches_equal(ours, theirs)
+    assert float(torch.rand(())) == their_next
+
+
+def test_the_replaced_module_functions_still_pickle() -> None:
+    """random.shuffle and np.random.randint pickle by reference once they dispatch."""
+    import pickle
+
+    collect(ThreadDataLoader(Augmented(), batch_size=4, num_workers=2))
+    assert pickle.loads(pickle.dumps(random.shuffle)) is random.shuffle
+    assert pickle.loads(pickle.dumps(np.random.randint)) is np.random.randint
+
+
+class DrawsWhenUnpickled(torch.utils.data.IterableDataset[int]):
+    def __init__(self) -> None:
+        self.n = 8
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        return iter(range(info.id, self.n, info.num_workers))
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.tag = random.random()  # e.g. a temporary file's name
+
+
+def test_making_a_workers_copy_does_not_move_the_training_rng() -> None:
+    """A worker process unpickles its copy itself; a worker thread's copy is made as that
+    worker, so what its __setstate__ draws comes from the worker's RNG."""
+    random.seed(3)
+    collect(DataLoader(DrawsWhenUnpickled(), batch_size=2, num_workers=2))
+    theirs = random.random()
+    random.seed(3)
+    collect(ThreadDataLoader(DrawsWhenUnpickled(), batch_size=2, num_workers=2))
+    assert random.random() == theirs

@@ -16,9 +16,12 @@ seen. Worker threads get the same from a copy made when the worker is created:
    its iteration state lives in its members (a stream's position, a shard list a
    ``worker_init_fn`` narrows, a Hugging Face stream's inner iterable), so no mutable member
    may be shared between workers or with the user's object. It is pickled and unpickled in
-   memory, except that large immutable data is passed through as the same object: tensors,
-   numpy arrays (memory maps included), ``bytes``, ``str``, ``mmap`` objects and pyarrow data.
-   What pickle cannot take (a lambda, a lock) falls back to ``copy.deepcopy``.
+   memory, except that data no worker can change is passed through as the same object: numpy
+   arrays that are not writeable, ``bytes`` and ``str`` of 4 KiB or more, pyarrow data; and
+   file-backed memory (``np.memmap``, ``mmap``), which worker processes share too. A writeable
+   array or a tensor is copied, as a worker process's would be: set
+   ``array.flags.writeable = False`` on a large one to share it. What pickle cannot take (a
+   lambda, a lock) falls back to ``copy.deepcopy``.
 4. A dataset that cannot be copied so is shared by the worker threads, with one
    ``RuntimeWarning`` per type naming the error.
 """
@@ -34,7 +37,6 @@ import warnings
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset
 
 from threadloader._datapipes import graph_copy
@@ -78,8 +80,10 @@ _SHARE_MIN_BYTES = 4096
 
 def _is_shared(obj: Any) -> bool:
     """Whether ``obj`` crosses into a worker's copy as the same object (point 3)."""
-    if isinstance(obj, (torch.Tensor, np.ndarray, mmap.mmap)):
-        return True
+    if isinstance(obj, (np.memmap, mmap.mmap)):
+        return True  # file-backed: worker processes share what they write through it as well
+    if isinstance(obj, np.ndarray):
+        return not obj.flags.writeable
     if isinstance(obj, (bytes, str)):
         return len(obj) >= _SHARE_MIN_BYTES
     module = type(obj).__module__

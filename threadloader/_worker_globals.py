@@ -21,10 +21,12 @@ dispatch on the calling thread:
    ``WorkerInfo.rng``: a draw through ``torch.random.thread_safe_generator()`` and one through the
    global functions come from one stream, as both come from the one global in a worker process.
    numpy's legacy global gets a ``RandomState`` of its own, seeded as torch seeds a process's.
-4. Where a draw cannot be redirected it goes to the process-global generator, with a
-   ``RuntimeWarning`` the first time each kind happens: random ops that take no generator
-   (the dropout family), random ops on a non-CPU device, and ``torch.default_generator`` used
-   directly.
+4. ``torch.default_generator`` passed explicitly to a CPU random op (``random_split``'s default)
+   is the worker's generator too, as in a worker process. Where a draw cannot be redirected it
+   goes to the process-global generator, with a ``RuntimeWarning`` the first time each kind
+   happens: random ops that take no generator (the dropout family) and random ops on a non-CPU
+   device. ``torch.default_generator``'s own methods (``.manual_seed()``, ``.get_state()``)
+   act on the process's generator.
 5. The patches go in once, when the first worker is made (``install``), and stay: removing them
    while another loader's workers run would race. torch's seeding functions get a new body, so
    every reference to them dispatches. ``random``'s and ``numpy.random``'s module functions are
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import random
 import threading
 import types
@@ -92,13 +95,21 @@ def swap(rngs: WorkerRNGs | None) -> WorkerRNGs | None:
     """
     previous = _local.current
     if rngs is previous:
+        if rngs is None and torch._C._len_torch_function_stack() > 0:
+            _remove_mode()  # left by an interrupted swap: not a worker, so not ours to keep
         return previous
-    _local.current = rngs
     if previous is None:
         torch.overrides._push_mode(_MODE)
     elif rngs is None:
         _remove_mode()
+    _local.current = rngs  # after the stack changed: a Ctrl-C between leaves it consistent
     return previous
+
+
+def clear_modes() -> None:
+    """Empty the calling thread's torch mode stack: a worker thread's last act."""
+    while torch._C._len_torch_function_stack() > 0:
+        torch.overrides._pop_mode()
 
 
 @contextlib.contextmanager
@@ -125,14 +136,16 @@ def _remove_mode() -> bool:
     """
     above = []
     found = False
-    while torch._C._len_torch_function_stack() > 0:
-        mode = torch.overrides._pop_mode()
-        if mode is _MODE:
-            found = True
-            break
-        above.append(mode)
-    for mode in reversed(above):
-        torch.overrides._push_mode(mode)
+    try:
+        while torch._C._len_torch_function_stack() > 0:
+            mode = torch.overrides._pop_mode()
+            if mode is _MODE:
+                found = True
+                break
+            above.append(mode)
+    finally:
+        for mode in reversed(above):
+            torch.overrides._push_mode(mode)
     return found
 
 
@@ -188,14 +201,11 @@ def _op_name(func: Any) -> str:
 
 
 def _draws_on_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    for arg in args:
+    for arg in itertools.chain(args, kwargs.values()):
         if isinstance(arg, torch.Tensor):
             return arg.device.type == "cpu"
     device = kwargs.get("device")
     if device is None:
-        tensor = kwargs.get("input", kwargs.get("tensor"))
-        if isinstance(tensor, torch.Tensor):
-            return tensor.device.type == "cpu"
         return torch.get_default_device().type == "cpu"
     return torch.device(device).type == "cpu"
 
@@ -214,9 +224,13 @@ class _WorkerGeneratorMode(TorchFunctionMode):
             kwargs = {}
         if func in _RANDOM_OPS:
             rngs = _local.current
-            if (
+            given = kwargs.get("generator")
+            if rngs is not None and given is None and any(a is _DEFAULT for a in args):
+                if _draws_on_cpu(args, kwargs):  # torch.default_generator passed positionally
+                    args = tuple(rngs.torch if a is _DEFAULT else a for a in args)
+            elif (
                 rngs is not None
-                and kwargs.get("generator") is None
+                and (given is None or given is _DEFAULT)
                 and not any(isinstance(a, torch.Generator) for a in args)
             ):
                 if _draws_on_cpu(args, kwargs):
@@ -239,16 +253,24 @@ class _WorkerGeneratorMode(TorchFunctionMode):
 
 
 _MODE = _WorkerGeneratorMode()
+#: In a worker process ``torch.default_generator`` is that worker's: passed explicitly (as
+#: ``random_split`` does by default), a CPU draw gets the worker's generator too.
+_DEFAULT = torch.default_generator
 
 
 # --- the patched module functions (point 1) --------------------------------------------------
 
 
 def _dispatcher(
-    default: Callable[..., Any], pick: Callable[[WorkerRNGs], Any], name: str | None = None
+    default: Callable[..., Any],
+    pick: Callable[[WorkerRNGs], Any],
+    module_name: str,
+    name_in_module: str,
+    name: str | None = None,
 ) -> Any:
-    """A stand-in for ``default`` that calls method ``name`` (by default, ``default``'s name) of
-    the running worker's generator that ``pick`` chooses, and ``default`` outside a worker."""
+    """A stand-in for ``default``, module ``module_name``'s ``name_in_module``: it calls method
+    ``name`` (by default, ``default``'s name) of the running worker's generator that ``pick``
+    chooses, and ``default`` outside a worker."""
     name = name or default.__name__
 
     def dispatch(*args: Any, **kwargs: Any) -> Any:
@@ -258,6 +280,10 @@ def _dispatcher(
         return getattr(pick(rngs), name)(*args, **kwargs)
 
     functools.update_wrapper(dispatch, default)
+    # Pickled by reference to the module attribute it replaces (``random.shuffle``), which is
+    # this function: the bound method's qualname (``Random.shuffle``) would not find it.
+    dispatch.__qualname__ = dispatch.__name__ = name_in_module
+    dispatch.__module__ = module_name
     dispatch.__threadloader_dispatch__ = True  # type: ignore[attr-defined]
     return dispatch
 
@@ -355,14 +381,14 @@ def install() -> None:
         if _installed:
             return
         for name, fn in _bound_to(random, random._inst).items():
-            setattr(random, name, _dispatcher(fn, lambda r: r.random))
+            setattr(random, name, _dispatcher(fn, lambda r: r.random, "random", name))
         mtrand: Any = numpy.random.mtrand
         functions = {name: (fn, name) for name, fn in _bound_to(mtrand, mtrand._rand).items()}
         for name, method in _NUMPY_FUNCTIONS.items():  # module functions, not bound methods
             if hasattr(mtrand, name) and hasattr(np.random.RandomState, method):
                 functions[name] = (getattr(mtrand, name), method)
         for name, (fn, method) in functions.items():
-            patched = _dispatcher(fn, lambda r: r.numpy_legacy, method)
+            patched = _dispatcher(fn, lambda r: r.numpy_legacy, "numpy.random", name, method)
             setattr(mtrand, name, patched)
             if getattr(numpy.random, name, None) is fn:
                 setattr(numpy.random, name, patched)

@@ -68,6 +68,12 @@ def install() -> None:
         target.__code__ = _thread_aware_get_worker_info.__code__
 
 
+def current() -> WorkerInfo | None:
+    """The WorkerInfo installed for the calling thread, if any."""
+    info: WorkerInfo | None = getattr(_local, "info", None)
+    return info
+
+
 def swap(info: WorkerInfo | None) -> WorkerInfo | None:
     """Install ``info`` for the calling thread and return what was installed before."""
     previous = getattr(_local, "info", None)

@@ -147,10 +147,9 @@ class WorkerSpec:
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from
 
 
-def _make_worker_info(
-    spec: WorkerSpec, worker_id: int, base_seed: int, dataset: Any
-) -> tuple[WorkerInfo, WorkerRNGs]:
-    """The worker's ``WorkerInfo`` and its process-global RNGs, seeded as torch seeds a process.
+def _make_rngs(base_seed: int, worker_id: int) -> tuple[_RNG, WorkerRNGs]:
+    """The worker's ``WorkerInfo.rng`` and its process-global RNGs, seeded as torch seeds a
+    worker process.
 
     torch's worker process runs ``random.seed(seed)``, ``torch.manual_seed(seed)`` and
     ``np.random.seed(_generate_state(base_seed, worker_id))``: the same seeds, here for the
@@ -163,15 +162,7 @@ def _make_worker_info(
         torch_generator=torch.Generator().manual_seed(seed),
         numpy_generator=np.random.default_rng(numpy_seed),
     )
-    info = WorkerInfo(
-        id=worker_id,
-        num_workers=spec.num_workers,
-        seed=seed,
-        dataset=dataset,
-        rng=rng,
-        worker_method="thread",
-    )
-    return info, WorkerRNGs(rng, np.random.RandomState(numpy_seed))
+    return rng, WorkerRNGs(rng, np.random.RandomState(numpy_seed))
 
 
 class Worker:
@@ -194,9 +185,23 @@ class Worker:
         self.id = worker_id
         self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
         self.spec = spec
-        dataset = worker_copy(spec.dataset)
         _worker_globals.install()
-        self.info, self.rngs = _make_worker_info(spec, worker_id, base_seed, dataset)
+        rng, self.rngs = _make_rngs(base_seed, worker_id)
+        # Made as this worker: a __setstate__ or __copy__ that draws must not move the
+        # training thread's RNGs (a worker process unpickles its copy itself).
+        outer = _worker_globals.swap(self.rngs)
+        try:
+            dataset = worker_copy(spec.dataset)
+        finally:
+            _worker_globals.swap(outer)
+        self.info = WorkerInfo(
+            id=worker_id,
+            num_workers=spec.num_workers,
+            seed=base_seed + worker_id,
+            dataset=dataset,
+            rng=rng,
+            worker_method="thread",
+        )
         self.tasks: BoundedQueue[Task | NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
         self.busy = threading.Lock()
         self.ready = False  # worker_init_fn ran and the fetcher exists (set under `busy`)
@@ -262,8 +267,9 @@ class Worker:
         """
         if self.ready:
             return
-        previous = self.enter()
+        previous = current_context()
         try:
+            self.enter()
             self.initialize()
         finally:
             leave(previous)
@@ -272,7 +278,8 @@ class Worker:
         """Make the calling thread act as this worker: its WorkerInfo and global RNGs.
 
         Returns:
-            What to hand ``leave`` to make the thread what it was before.
+            What to hand ``leave`` to make the thread what it was before (``current_context``
+            read before the call is the same, and safe against a Ctrl-C inside it).
         """
         return _worker_info.swap(self.info), _worker_globals.swap(self.rngs)
 
@@ -291,28 +298,29 @@ class Worker:
         thread CPU time and the wall time it took: what the concurrency controller judges a
         limit by.
         """
-        previous = self.enter()
+        previous = current_context()  # read first: a Ctrl-C inside enter() still leaves
         started = time.perf_counter()
         cpu = time.thread_time() if cpu_time else None
+        state = rng = None
         try:
+            self.enter()
             data = self.run(task, recorder)
+            wall = None
+            if cpu is not None:
+                cpu = time.thread_time() - cpu
+                wall = time.perf_counter() - started
+            if data is not NOTHING and not isinstance(data, ExceptionWrapper):
+                try:  # user code (state_dict(), as this worker): its error is the batch's
+                    state = self.snapshot()
+                    if self.spec.capture_rng:
+                        rng = rng_state(self.rngs)
+                except BaseException:  # noqa: BLE001  # delivered to the training thread
+                    data = ExceptionWrapper(
+                        where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
+                    )
+                    state = rng = None
         finally:
             leave(previous)
-        wall = None
-        if cpu is not None:
-            cpu = time.thread_time() - cpu
-            wall = time.perf_counter() - started
-        state = rng = None
-        if data is not NOTHING and not isinstance(data, ExceptionWrapper):
-            try:  # user code (the dataset's state_dict()): its error is the batch's, not a crash
-                state = self.snapshot()
-                if self.spec.capture_rng:
-                    rng = rng_state(self.rngs)
-            except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
-                data = ExceptionWrapper(
-                    where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
-                )
-                state = rng = None
         return Result(task.idx, self.id, task.generation, data, state, started, cpu, wall, rng)
 
     def run(self, task: Task, recorder: StageRecorder) -> Any:
@@ -359,6 +367,11 @@ class Worker:
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
 
 
+def current_context() -> tuple[WorkerInfo | None, WorkerRNGs | None]:
+    """The calling thread's worker context now, for a later ``leave``."""
+    return _worker_info.current(), _worker_globals.current()
+
+
 def leave(previous: tuple[WorkerInfo | None, WorkerRNGs | None]) -> None:
     """Undo ``Worker.enter`` on the calling thread."""
     _worker_globals.swap(previous[1])
@@ -378,13 +391,16 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
     The task stays at the head of the worker's queue until the worker holds a gate slot and its
     ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
     """
-    previous = worker.enter()  # for the thread's whole life
+    previous = current_context()
     try:
+        worker.enter()  # for the thread's whole life
         _serve(worker, gate, results)
     finally:
-        # Off this thread's torch mode stack before it ends: an object left there is released
-        # by a C++ thread-local destructor, which aborts the process if Python is finalizing.
+        # Nothing left on this thread's torch mode stack when it ends (ours, or one user code
+        # left): an object there is released by a C++ thread-local destructor, which aborts the
+        # process if Python is finalizing.
         leave(previous)
+        _worker_globals.clear_modes()
 
 
 def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:

@@ -350,7 +350,7 @@ def test_slow_batch_raises_torchs_timeout_error(num_workers: int, after: str) ->
 
 
 class SlowFirstEpoch:
-    """Map-style of 6 items; item 5 takes 0.6 s until ``slow`` is cleared."""
+    """Map-style of 6 items; item 5 takes 3 s until ``slow`` is cleared."""
 
     def __init__(self) -> None:
         self.slow = True
@@ -360,7 +360,7 @@ class SlowFirstEpoch:
 
     def __getitem__(self, index: int) -> int:
         if index == 5 and self.slow:
-            time.sleep(0.6)
+            time.sleep(3.0)
         return index
 
 
@@ -371,13 +371,15 @@ def test_persistent_loader_starts_a_working_epoch_after_one_ended_early(
 ) -> None:
     """A timeout or Ctrl-C (which closes the iterator, as close() does) ends an epoch of a
     persistent loader; torch's next iter() works, and so must ours, on fresh workers."""
+    if isolation is not None:  # start the helper server now: its first start is not timed
+        assert [int(b) for b in ThreadDataLoader(range(2), num_workers=1, isolation=isolation)]
     dataset = SlowFirstEpoch()
     loader = ThreadDataLoader(
         dataset,
         batch_size=1,
         num_workers=2,
         persistent_workers=True,
-        timeout=0.2 if ended_by == "timeout" else 0,
+        timeout=1.5 if ended_by == "timeout" else 0,  # a loaded machine's helper start fits
         isolation=isolation,
     )
     it = iter(loader)

@@ -394,9 +394,9 @@ def test_ctrl_c_while_the_epoch_waits_for_its_workers_is_raised(
             if __name__ == "__main__":
                 loader = ThreadDataLoader(Slow(), batch_size=4, num_workers=2,
                                           isolation={isolation!r})
-                start = time.monotonic()
                 try:
                     for batch in loader:
+                        start = time.monotonic()  # not the helper's start-up: the wait it ends
                         time.sleep(0.3)  # the workers are inside their 3 s reads
                         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
                         if {ending!r} == "close":

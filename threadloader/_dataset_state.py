@@ -35,6 +35,12 @@ def is_stateful(obj: Any) -> bool:
     )
 
 
+def tracked(dataset: Any, iterable: bool) -> bool:
+    """Whether a loader snapshots ``dataset``'s state after each batch (point 1): a stateful
+    dataset, and any IterableDataset (its iterator may be stateful, known only once iterated)."""
+    return iterable or is_stateful(dataset)
+
+
 def snapshot(dataset: Any, iterator: Any) -> dict[str, Any] | None:
     """A worker's state now (point 1): None when neither part is stateful.
 

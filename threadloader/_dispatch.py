@@ -124,9 +124,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                 self._rank,
             ),
             num_workers=self._num_workers,
-            # An IterableDataset's iterator may be stateful: known once the worker calls iter().
-            capture_state=self._dataset_kind == _DatasetKind.Iterable
-            or _dataset_state.is_stateful(self._dataset),
+            capture_state=_dataset_state.tracked(
+                self._dataset, self._dataset_kind == _DatasetKind.Iterable
+            ),
             resume_states=resume.worker_states if resume is not None else None,
             resume_state_form=resume.worker_state_form if resume is not None else 1,
             capture_rng=bool(loader.save_worker_rng),

@@ -43,9 +43,8 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
 
     def __init__(self, loader: Any, resume: Resume | None = None) -> None:
         dataset: Any = loader.dataset
-        # An IterableDataset's iterator may be stateful: known once the fetcher calls iter().
-        self._track_dataset = loader._dataset_kind == _DatasetKind.Iterable or (
-            _dataset_state.is_stateful(dataset)
+        self._track_dataset = _dataset_state.tracked(
+            dataset, loader._dataset_kind == _DatasetKind.Iterable
         )
         state = resume.worker_states[0] if resume is not None and resume.worker_states else None
         form = resume.worker_state_form if resume is not None else 1

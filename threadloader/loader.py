@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 import threading
 import warnings
 import weakref
@@ -195,6 +196,10 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
+        if "accelerate.accelerator" in sys.modules:  # so that accelerator.prepare(self) keeps
+            from threadloader.integrations import accelerate  # the threads (see that module)
+
+            accelerate.install()
 
     def __iter__(self) -> Any:
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must

@@ -1,0 +1,1 @@
+"""Integrations with code that builds its own loaders: the patch, ``run``, Accelerate, Lightning."""

@@ -49,7 +49,7 @@ from threadloader.loader import ThreadDataLoader
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
 _DataLoader: Any = _torch_dataloader.DataLoader  # the real class, never replaced
-_SIGNATURE = inspect.signature(_DataLoader.__init__)
+_SIGNATURE = inspect.signature(ThreadDataLoader.__init__)
 #: ThreadDataLoader's keyword-only options a patch may set as defaults for diverted builds.
 OPTION_NAMES = ("isolation", "device", "device_prefetch", "log_every_s", "save_worker_rng")
 _STATEFUL_MODULE = "torchdata.stateful_dataloader.stateful_dataloader"
@@ -139,7 +139,10 @@ class _Diverted(ThreadDataLoader[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = dict(self.__dict__.pop("_threadloader_divert"))
-        bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
+        try:
+            bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
+        except TypeError:  # ThreadDataLoader.__init__ below raises it, as torch's would
+            bound = {}
         workers = bound.get("num_workers", 0)
         if not workers:  # our worker options need workers: a num_workers=0 loader stays valid
             options.pop("isolation", None)
@@ -158,11 +161,34 @@ class _Diverted(ThreadDataLoader[Any]):
         self.__class__ = ThreadDataLoader  # type: ignore[assignment]
 
 
+class _NewHook:
+    """What ``DataLoader.__new__`` is once hooked: a descriptor, so that
+    ``inspect.signature(cls)`` of DataLoader and of subclasses without their own ``__init__``
+    stays their ``__init__``'s rather than the hook's ``(*args, **kwargs)``."""
+
+    def __get__(self, instance: object, owner: type) -> _BoundNew:
+        return _BoundNew(owner)
+
+
+class _BoundNew:
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: type) -> None:
+        self.owner = owner
+
+    def __call__(self, cls: type, *args: Any, **kwargs: Any) -> Any:
+        return _dataloader_new(cls, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.owner.__init__)
+
+
 def _install_hook() -> None:
     global _hook_installed
     with _lock:
         if not _hook_installed:
-            _DataLoader.__new__ = staticmethod(_dataloader_new)
+            _DataLoader.__new__ = _NewHook()
             _hook_installed = True
 
 

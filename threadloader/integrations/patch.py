@@ -181,7 +181,8 @@ class _BoundNew:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.owner.__init__)
+        owner: Any = self.owner
+        return inspect.signature(owner.__init__)
 
 
 def _install_hook() -> None:

@@ -120,34 +120,33 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 class _Report:
-    """Every ThreadDataLoader built during the run, by weak reference; its stats when it dies.
+    """Every ThreadDataLoader built during the run, by weak reference, and what its stats need.
 
-    A loader usually dies before the script ends (built inside ``main()``): its stats are
-    taken then, from its instance dict, which the finalizer holds; nothing stays alive longer.
+    A loader often dies long before the script ends: built inside ``main()``, or only held by
+    its epoch's iterator (``for batch in DataLoader(...)``: the iterator does not keep the loader,
+    and the epoch runs on after the loader is gone). So when a loader dies its finalizer keeps
+    the parts ``stats()`` reads (the epoch's stats recorder, still updated by a running
+    iterator, and the dataset's ``stats`` method when it has one), not the loader.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.loaders: list[tuple[str, weakref.ref[Any], list[Any]]] = []
+        self.loaders: list[tuple[str, weakref.ref[Any], dict[str, Any]]] = []
 
     def __call__(self, loader: ThreadDataLoader[Any], where: str) -> None:
-        final: list[Any] = []  # [LoaderStats | None, num_workers] once the loader died
-        weakref.finalize(loader, _record_stats, loader.__dict__, final)
+        kept: dict[str, Any] = {}  # filled when the loader dies
+        weakref.finalize(loader, _keep_stats_parts, loader.__dict__, kept)
         with self.lock:
-            self.loaders.append((where, weakref.ref(loader), final))
+            self.loaders.append((where, weakref.ref(loader), kept))
 
     def format(self) -> str:
         with self.lock:
             loaders = list(self.loaders)
         entries: list[tuple[str, LoaderStats | None, int]] = []
-        for where, ref, final in loaders:
+        for where, ref, kept in loaders:
             loader = ref()
-            if loader is not None:
-                entries.append(
-                    (where, _stats_of(loader.__dict__), loader.__dict__.get("num_workers", 0))
-                )
-            elif final:
-                entries.append((where, final[0], final[1]))
+            parts = loader.__dict__ if loader is not None else kept
+            entries.append((where, _stats_of(parts), parts.get("num_workers", 0)))
         iterated = [e for e in entries if e[1] is not None]
         lines = [
             f"threadloader run: {len(entries)} loader(s) built, {len(iterated)} iterated; "
@@ -159,19 +158,32 @@ class _Report:
         return "\n".join(lines)
 
 
-def _stats_of(state: dict[str, Any]) -> LoaderStats | None:
-    """``ThreadDataLoader.stats()`` of the loader whose instance dict is ``state``; None if it
-    never started an epoch (or never finished ``__init__``)."""
-    if state.get("_stats") is None:
+class _DatasetStats:
+    """Stands in for a dead loader's dataset: only its ``stats`` method is kept."""
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+
+
+def _keep_stats_parts(state: dict[str, Any], kept: dict[str, Any]) -> None:
+    own = getattr(state.get("dataset"), "stats", None)
+    kept.update(
+        _stats=state.get("_stats"),
+        isolation=state.get("isolation"),
+        num_workers=state.get("num_workers", 0),
+        dataset=_DatasetStats(own) if callable(own) else None,
+    )
+
+
+def _stats_of(parts: dict[str, Any]) -> LoaderStats | None:
+    """``ThreadDataLoader.stats()`` from a loader's instance dict (or the parts a dead one left);
+    None if it never started an epoch (or never finished ``__init__``)."""
+    if parts.get("_stats") is None:
         return None
     try:
-        return ThreadDataLoader.stats(types.SimpleNamespace(**state))  # type: ignore[arg-type]
+        return ThreadDataLoader.stats(types.SimpleNamespace(**parts))  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001  # a report must never fail a finished run
         return None
-
-
-def _record_stats(state: dict[str, Any], final: list[Any]) -> None:
-    final[:] = [_stats_of(state), state.get("num_workers", 0)]
 
 
 def _fail_like_python(message: str, status: int, program: str) -> int:
@@ -300,7 +312,7 @@ def main(argv: Sequence[str]) -> int:
         if report is not None:
             import gc
 
-            gc.collect()  # loaders in reference cycles: take their stats now, not at exit
+            gc.collect()  # loaders in reference cycles: finalized now, not at exit
             sys.stderr.write(report.format() + "\n")
             sys.stderr.flush()
 

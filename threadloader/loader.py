@@ -254,6 +254,18 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None
+        # A resumed epoch's base seed comes from the state, but torch's iterator draws one from
+        # the global RNG all the same: give that draw back, so that a global RNG restored with
+        # the checkpoint (Accelerate's load_state does) seeds the next epochs as it would have
+        # without the interruption (torchdata's StatefulDataLoader draws nothing either).
+        undo = resume is not None and resume.rng_source == "global"
+        global_rng = torch.get_rng_state() if undo else None
+        it = self._new_iterator(resume)
+        if global_rng is not None:
+            torch.set_rng_state(global_rng)
+        return it
+
+    def _new_iterator(self, resume: Resume | None) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()

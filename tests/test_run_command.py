@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import threadloader
+from threadloader.integrations import run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,6 +47,57 @@ if __name__ == "__main__":
 """
 
 
+REPORT = """\
+import time
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return i
+
+def main():
+    unused = DataLoader(Slow())
+    for _ in DataLoader(Slow(), batch_size=2, num_workers=2):
+        pass
+    print("done")
+
+main()
+"""
+
+POOL = """\
+import multiprocessing as mp
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    with mp.get_context("spawn").Pool(2) as pool:
+        print(pool.map(square, range(5)))
+"""
+
+FAILS = """\
+import sys
+if sys.argv[1] == "raise":
+    raise ValueError("the script's own error")
+sys.exit(int(sys.argv[2]))
+"""
+
+RUN = ("-m", "threadloader", "run")
+#: case -> (arguments after the interpreter, compare with plain python?); all run at once.
+#: (Each pays torch's import, ~2 s of CPU: the cases that need no process of their own run
+#: in-process below.)
+CASES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "script": (("scripts/train.py", "--lr", "0.1", "-v"), True),
+    "module": (("-m", "scripts.train", "--epochs", "2"), True),
+    "raises": (("fails.py", "raise"), True),  # the script's traceback, from its own frame
+    "missing-script": (("scripts/missing.py",), True),
+    "report": (("--report", "--log-every", "0.05", "report.py"), False),
+}
+
+
 def _env() -> dict[str, str]:
     env = {**os.environ}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
@@ -51,39 +105,46 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _both(
-    cwd: Path, target: list[str], run_options: tuple[str, ...] = ()
-) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
-    """(``python TARGET``, ``python -m threadloader run OPTIONS TARGET``), run concurrently."""
-    commands = [
-        [sys.executable, *target],
-        [sys.executable, "-m", "threadloader", "run", *run_options, *target],
-    ]
-    procs = [
-        subprocess.Popen(
-            cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+Runs = dict[tuple[str, str], subprocess.CompletedProcess[str]]
+
+
+def _write_scripts(root: Path) -> None:
+    (root / "scripts").mkdir()
+    (root / "scripts" / "train.py").write_text(PROBE)
+    (root / "scripts" / "__init__.py").write_text("")
+    for name, text in (("report.py", REPORT), ("pool.py", POOL), ("fails.py", FAILS)):
+        (root / name).write_text(text)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every case under ``python -m threadloader run`` and, where compared, plain ``python``,
+    all started at once (each pays torch's import: run one after another they take ~45 s)."""
+    root = tmp_path_factory.mktemp("run_command")
+    _write_scripts(root)
+    commands = {}
+    for case, (args, compared) in CASES.items():
+        commands[case, "ours"] = [sys.executable, *RUN, *args]
+        if compared:
+            commands[case, "python"] = [sys.executable, *args]
+    procs = {
+        key: subprocess.Popen(
+            cmd, cwd=root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        for cmd in commands
-    ]
-    done = []
-    for cmd, proc in zip(commands, procs, strict=True):
-        out, err = proc.communicate(timeout=120)
-        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
-    return done[0], done[1]
+        for key, cmd in commands.items()
+    }
+    done = {}
+    for key, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        done[key] = subprocess.CompletedProcess(commands[key], proc.returncode, out, err)
+    done["root", str(root)] = subprocess.CompletedProcess([], 0)  # where the scripts are
+    return done
 
 
-@pytest.fixture
-def probe(tmp_path: Path) -> Path:
-    (tmp_path / "scripts").mkdir()
-    script = tmp_path / "scripts" / "train.py"
-    script.write_text(PROBE)
-    return script
-
-
-def test_script_sees_what_python_gives_it(probe: Path) -> None:
+def test_script_sees_what_python_gives_it(runs: Runs) -> None:
     """argv, __name__, sys.path[0], __file__ and batches as under python; loaders are ours; no
     output of our own."""
-    plain, ours = _both(probe.parent.parent, ["scripts/train.py", "--lr", "0.1", "-v"])
+    plain, ours = runs["script", "python"], runs["script", "ours"]
     assert plain.returncode == ours.returncode == 0, plain.stderr + ours.stderr
     assert ours.stderr == plain.stderr == ""
     expected, seen = json.loads(plain.stdout), json.loads(ours.stdout)
@@ -94,10 +155,9 @@ def test_script_sees_what_python_gives_it(probe: Path) -> None:
         assert seen[key] == expected[key], key
 
 
-def test_module_form_runs_as_python_dash_m(probe: Path) -> None:
+def test_module_form_runs_as_python_dash_m(runs: Runs) -> None:
     """``run -m pkg.mod ARGS``: as ``python -m pkg.mod ARGS``."""
-    (probe.parent / "__init__.py").write_text("")
-    plain, ours = _both(probe.parent.parent, ["-m", "scripts.train", "--epochs", "2"])
+    plain, ours = runs["module", "python"], runs["module", "ours"]
     assert plain.returncode == ours.returncode == 0, plain.stderr + ours.stderr
     expected, seen = json.loads(plain.stdout), json.loads(ours.stdout)
     assert seen["loader"] == "ThreadDataLoader"
@@ -105,90 +165,70 @@ def test_module_form_runs_as_python_dash_m(probe: Path) -> None:
         assert seen[key] == expected[key], key
 
 
-@pytest.mark.parametrize(
-    ("target", "status"),
-    [
-        (["scripts/train.py", "--fail"], 1),  # the script's traceback, from its own frame
-        (["scripts/train.py", "--exit", "3"], 3),
-        (["scripts/missing.py"], 2),
-        (["-m", "scripts.missing"], 1),
-    ],
-    ids=["raises", "sys-exit", "missing-script", "missing-module"],
-)
-def test_errors_are_the_scripts_own(probe: Path, target: list[str], status: int) -> None:
+@pytest.mark.parametrize(("case", "status"), [("raises", 1), ("missing-script", 2)])
+def test_errors_are_the_scripts_own(runs: Runs, case: str, status: int) -> None:
     """Exit status and stderr are exactly python's: no threadloader frame, message or status."""
-    plain, ours = _both(probe.parent.parent, target)
+    plain, ours = runs[case, "python"], runs[case, "ours"]
     assert plain.returncode == status
     assert ours.returncode == plain.returncode
     assert ours.stderr == plain.stderr
     assert "threadloader" not in ours.stderr
 
 
-def test_report_prints_every_loaders_stats(tmp_path: Path) -> None:
+def test_report_prints_every_loaders_stats(runs: Runs) -> None:
     """--report: one entry per loader iterated, with where it was built, on stderr at the end;
     --log-every shows the throughput lines; stdout stays the script's."""
-    script = tmp_path / "report.py"
-    script.write_text(
-        textwrap.dedent(
-            """\
-            import time
-            from torch.utils.data import DataLoader, Dataset
-
-            class Slow(Dataset):
-                def __len__(self):
-                    return 8
-                def __getitem__(self, i):
-                    time.sleep(0.02)
-                    return i
-
-            def main():
-                unused = DataLoader(Slow())
-                for _ in DataLoader(Slow(), batch_size=2, num_workers=2):
-                    pass
-                print("done")
-
-            main()
-            """
-        )
-    )
-    cmd = [sys.executable, "-m", "threadloader", "run", "--report", "--log-every", "0.05"]
-    proc = subprocess.run(
-        [*cmd, str(script)], env=_env(), capture_output=True, text=True, timeout=120, check=False
-    )
+    proc = runs["report", "ours"]
+    root = next(k for r, k in runs if r == "root")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "done\n"
     assert "2 loader(s) built, 1 iterated" in proc.stderr
-    assert f"[loader 1] built at {script}:13, num_workers=2" in proc.stderr
+    assert f"[loader 1] built at {Path(root) / 'report.py'}:13, num_workers=2" in proc.stderr
     assert "threadloader: 4 batches in" in proc.stderr
     assert "batches/s" in proc.stderr.split("threadloader run:")[0]  # a --log-every line
 
 
-def test_scripts_own_processes_are_unaffected(tmp_path: Path) -> None:
+@pytest.fixture
+def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Run ``run.main`` in this process: the scripts in the cwd, sys.argv/path/patch restored."""
+    _write_scripts(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    yield tmp_path
+    while threadloader.is_patched():
+        threadloader.unpatch()
+
+
+def test_scripts_own_processes_are_unaffected(
+    in_process: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """A script's own multiprocessing (spawn: a new interpreter imports the script) works."""
-    script = tmp_path / "pool.py"
-    script.write_text(
-        textwrap.dedent(
-            """\
-            import multiprocessing as mp
-
-            def square(x):
-                return x * x
-
-            if __name__ == "__main__":
-                with mp.get_context("spawn").Pool(2) as pool:
-                    print(pool.map(square, range(5)))
-            """
-        )
-    )
-    plain, ours = _both(tmp_path, ["pool.py"])
-    assert plain.returncode == ours.returncode == 0, ours.stderr
-    assert ours.stdout == plain.stdout == "[0, 1, 4, 9, 16]\n"
+    assert run.main(["pool.py"]) == 0
+    assert capfd.readouterr().out == "[0, 1, 4, 9, 16]\n"
 
 
-def test_bad_options_are_usage_errors(probe: Path) -> None:
+def test_sys_exit_status_is_the_scripts(in_process: Path) -> None:
+    """``sys.exit(3)`` in the script: SystemExit(3) out of ``python -m threadloader``."""
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["fails.py", "exit", "3"])
+    assert exit_info.value.code == 3
+
+
+def test_missing_module_reads_as_pythons(
+    in_process: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``-m`` of a module that does not exist: python's one line and status 1."""
+    assert run.main(["-m", "scripts.missing"]) == 1
+    assert capfd.readouterr().err == f"{sys.executable}: No module named scripts.missing\n"
+
+
+def test_bad_options_are_usage_errors(in_process: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Our options are parsed before the script: a bad one is one line and status 2."""
-    cmd = [sys.executable, "-m", "threadloader", "run", "--isolation", "thread", str(probe)]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("python -m threadloader run: error: argument --isolation")
-    assert proc.stderr.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--isolation", "thread", "scripts/train.py"])
+    assert exit_info.value.code == 2
+    err = capfd.readouterr().err
+    assert err.startswith("python -m threadloader run: error: argument --isolation")
+    assert err.count("\n") == 1
+    assert not threadloader.is_patched()

@@ -35,7 +35,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, default_collate
 
-from threadloader.workloads import WorkloadSpec, make_workload
+from threadloader.compare.workloads import WorkloadSpec, make_workload
 
 NUM_WORKERS = 2
 THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "torchdata2", "spdl2")
@@ -269,7 +269,7 @@ def _memory_case(loader: str, size: str) -> dict[str, Any]:
     # A hung loader ends this process with every thread's stack on stderr, which the test
     # reports, instead of holding the session until the test's timeout.
     faulthandler.dump_traceback_later(MEMORY_CASE_TIMEOUT_S, exit=True)
-    from threadloader._memory_probe import PeakSampler, tree_pss_bytes
+    from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
 
     gc.collect()
     before = tree_pss_bytes()

@@ -10,7 +10,7 @@ optimizer) waits for the GIL. This bench runs a fixed Python-heavy consumer step
 - ``batches/s``: end-to-end rate of the loop (``next()`` plus the step).
 - ``peak MiB``: peak PSS of the whole process tree while the loader starts, takes ``WARMUP``
   batches and then runs alone (no step) for the phase's seconds
-  (``threadloader._memory_probe.PeakSampler``), helper and forkserver processes included; ``above``
+  (``threadloader.compare.memory_probe.PeakSampler``), helper and forkserver processes included; ``above``
   is the part above the tree's PSS once the dataset was built.
 - ``samples/s``: the loader alone (no step), in the phase after that one, with no memory sampler
   running (the samplers' reads of ``/proc`` slowed the loaders they measured by 4-22%).
@@ -91,8 +91,8 @@ def _batches(loader: Any) -> Iterator[Any]:
 
 def measure(workload: str, key: str, size: str, seconds: float) -> dict[str, Any]:
     """One loader on one workload, in this process: the numbers of one table row."""
-    from threadloader._memory_probe import PeakSampler, tree_pss_bytes
-    from threadloader.workloads import make_workload
+    from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
+    from threadloader.compare.workloads import make_workload
 
     spec = make_workload(workload, size=size)
     for _ in range(30):

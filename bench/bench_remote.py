@@ -18,7 +18,7 @@ never carry over, measured in interleaved rounds (the order rotates each round):
   ``RemoteFiles(urls, max_concurrency=0)``: one read in flight per process.
 
 Each measurement takes ``WARMUP`` batches (worker start-up), then times the rest of the epoch;
-memory is the peak PSS of the process tree (``threadloader._memory_probe``), sampled every
+memory is the peak PSS of the process tree (``threadloader.compare.memory_probe``), sampled every
 0.25 s, and the RSS summed over the tree once all workers are up (what ``top`` adds up: each
 process counts the pages it shares with the others; PSS splits them). The cache case runs two epochs of ``thread32`` with ``cache_dir=``: the second reads
 local files only. The per-thread case compares the memory of 8 and 64 worker threads on 64-byte
@@ -233,7 +233,7 @@ def _urls(port: int, kind: str = "obj") -> list[str]:
 
 
 def _throughput(loader_name: str, port: int) -> dict[str, Any]:
-    from threadloader._memory_probe import PeakSampler, tree_pss_bytes
+    from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
     from threadloader.remote import RemoteFiles
 
     concurrency = 32 if loader_name == "thread32" else 0
@@ -311,7 +311,7 @@ def _threads(workers: int, port: int) -> dict[str, Any]:
     import gc
 
     from threadloader import ThreadDataLoader
-    from threadloader._memory_probe import PeakSampler, tree_pss_bytes
+    from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
     from threadloader.remote import RemoteFiles
 
     dataset = RemoteFiles(_urls(port, "tiny"))

@@ -1,4 +1,4 @@
-"""Indices per second of threadloader.samplers, against torch's randperm-based RandomSampler.
+"""Indices per second of threadloader.samplers.shuffle, against torch's randperm-based RandomSampler.
 
 Run::
 
@@ -36,8 +36,7 @@ import torch
 from pytest_benchmark.fixture import BenchmarkFixture
 from torch.utils.data import RandomSampler
 
-from threadloader import samplers
-from threadloader.samplers import DistributedShuffleSampler, ShuffleSampler
+from threadloader.samplers import DistributedShuffleSampler, ShuffleSampler, shuffle
 
 COUNT = 1 << 20
 ROUNDS = 7
@@ -99,7 +98,7 @@ def test_distributed(benchmark: BenchmarkFixture) -> None:
 def test_block_size(
     benchmark: BenchmarkFixture, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
-    monkeypatch.setattr(samplers, "BLOCK_SIZE", block)
+    monkeypatch.setattr(shuffle, "BLOCK_SIZE", block)
     sampler = ShuffleSampler(10**12, seed=1)
     _measure(
         benchmark, f"iterate N=1e12 BLOCK_SIZE={block}", _drain(lambda: iter(sampler), COUNT), COUNT

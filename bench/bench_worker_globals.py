@@ -19,26 +19,28 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from threadloader import ThreadDataLoader, _worker_globals, _workers
-from threadloader.workloads import make_workload
+from threadloader import ThreadDataLoader
+from threadloader._engine import worker as _worker
+from threadloader._primitives import worker_globals
+from threadloader.compare.workloads import make_workload
 
 
 @contextlib.contextmanager
 def _off() -> Iterator[None]:
-    real_swap, real_copy = _worker_globals.swap, _workers.worker_copy
+    real_swap, real_copy = worker_globals.swap, _worker.worker_copy
 
     def swap_without_mode(rngs: Any) -> Any:
-        previous = _worker_globals._local.current
-        _worker_globals._local.current = rngs
+        previous = worker_globals._local.current
+        worker_globals._local.current = rngs
         return previous
 
-    _worker_globals.swap = swap_without_mode  # type: ignore[assignment]
-    _workers.worker_copy = lambda dataset: dataset  # type: ignore[assignment]
+    worker_globals.swap = swap_without_mode  # type: ignore[assignment]
+    _worker.worker_copy = lambda dataset: dataset  # type: ignore[assignment]
     try:
         yield
     finally:
-        _worker_globals.swap = real_swap  # type: ignore[assignment]
-        _workers.worker_copy = real_copy  # type: ignore[assignment]
+        worker_globals.swap = real_swap  # type: ignore[assignment]
+        _worker.worker_copy = real_copy  # type: ignore[assignment]
 
 
 def _measure(spec: Any, batches: int, num_workers: int) -> tuple[float, float]:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from threadloader import _compare
 from threadloader.__main__ import main
+from threadloader.compare import runner
 
 # Tiny runs: these tests check the command, not the loaders' speed.
 QUICK = ["--batches", "20", "--rounds", "1", "--no-progress"]
@@ -348,7 +348,7 @@ def test_plot_without_matplotlib_is_one_line_before_any_run(
     def no_run(config: Any) -> Any:
         raise AssertionError("measured before checking --plot")
 
-    monkeypatch.setattr(_compare, "run_compare", no_run)
+    monkeypatch.setattr(runner, "run_compare", no_run)
     code, out, err = _main(["compare", "--plot", str(tmp_path / "x.png"), *QUICK], capsys)
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and "pip install matplotlib" in err
@@ -359,7 +359,12 @@ def test_missing_optional_packages_are_noted_not_fatal(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Without psutil, torchdata and SPDL the table still prints, and says what is missing."""
-    for name in ("threadloader._memory_probe", "psutil", "torchdata.nodes", "spdl.dataloader"):
+    for name in (
+        "threadloader.compare.memory_probe",
+        "psutil",
+        "torchdata.nodes",
+        "spdl.dataloader",
+    ):
         monkeypatch.setitem(sys.modules, name, None)  # makes importing it fail
     code, out, err = _main(["compare", "--workload", "python", *QUICK], capsys)
     assert code == 0, err
@@ -416,7 +421,7 @@ def test_unwritable_plot_name_is_one_line_before_any_run(
     def no_run(config: Any) -> Any:
         raise AssertionError("measured before checking --plot")
 
-    monkeypatch.setattr(_compare, "run_compare", no_run)
+    monkeypatch.setattr(runner, "run_compare", no_run)
     path = str(tmp_path / name) if name else name
     code, out, err = _main(["compare", "--plot", path, *QUICK], capsys)
     assert code == 2 and out == ""
@@ -445,9 +450,9 @@ def test_a_plot_failing_after_the_run_keeps_the_table(
     pytest.importorskip("matplotlib")
 
     def failing_plot(result: Any, path: str) -> str:
-        raise _compare.CompareError(f"cannot write plot {path!r}: No space left on device")
+        raise runner.CompareError(f"cannot write plot {path!r}: No space left on device")
 
-    monkeypatch.setattr(_compare, "write_plot", failing_plot)
+    monkeypatch.setattr(runner, "write_plot", failing_plot)
     argv = ["compare", "--workload", "python", "--plot", str(tmp_path / "x.png"), *QUICK, *CORE]
     code, out, err = _main(argv, capsys)
     assert code == 2

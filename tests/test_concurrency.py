@@ -18,13 +18,10 @@ from helpers import (
 )
 from torch.utils.data import Dataset
 
-from threadloader import ThreadDataLoader, _iterator
-from threadloader._concurrency import (
-    BACKOFF_MAX,
-    PROBE_BUDGET,
-    ConcurrencyController,
-    Gate,
-)
+from threadloader import ThreadDataLoader
+from threadloader._engine import threaded
+from threadloader._primitives.concurrency import BACKOFF_MAX, PROBE_BUDGET, ConcurrencyController
+from threadloader._primitives.gate import Gate
 
 
 class FakeClock:
@@ -151,7 +148,7 @@ class _AlwaysZero(ConcurrencyController):
 @pytest.mark.timeout(30)
 def test_workers_parked_at_limit_zero_never_stall_the_epoch(monkeypatch) -> None:
     """A worker still starting when the limit drops to 0 does not leave its batch unfetched."""
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
 
     def slow_init(worker_id: int) -> None:
         time.sleep(0.2)
@@ -165,7 +162,7 @@ def test_workers_parked_at_limit_zero_never_stall_the_epoch(monkeypatch) -> None
 @pytest.mark.timeout(30)
 def test_persistent_workers_parked_at_limit_zero_start_the_next_epoch(monkeypatch) -> None:
     """Workers parked at the gate across an epoch boundary do not stall the next epoch."""
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
     loader = ThreadDataLoader(SlowInit(), batch_size=4, num_workers=2, persistent_workers=True)
     it = iter(loader)
     it._pool.gate.set_limit(0)  # parked for the whole first epoch
@@ -220,7 +217,7 @@ def test_batches_and_their_workers_match_torch_whatever_the_limit(
 ) -> None:
     """The lean path (limit 0) and the dispatching path make the same batches, by the same worker."""
     controller = type("S", (_Schedule,), {"schedule": schedule})
-    monkeypatch.setattr(_iterator, "ConcurrencyController", controller)
+    monkeypatch.setattr(threaded, "ConcurrencyController", controller)
     kwargs: dict[str, Any] = {"batch_size": 4, "num_workers": 3, "shuffle": shuffle}
     expected = torch_epochs(
         WhoMadeIt(), epochs=2, generator=torch.Generator().manual_seed(5), **kwargs
@@ -232,7 +229,7 @@ def test_batches_and_their_workers_match_torch_whatever_the_limit(
 @pytest.mark.timeout(60)
 def test_persistent_workers_lean_path_across_epochs(monkeypatch) -> None:
     monkeypatch.setattr(
-        _iterator, "ConcurrencyController", type("S", (_Schedule,), {"schedule": (0, 0, 0, 2, 2)})
+        threaded, "ConcurrencyController", type("S", (_Schedule,), {"schedule": (0, 0, 0, 2, 2)})
     )
     expected = list(torch_loader(WhoMadeIt(), batch_size=4, num_workers=2))
     loader = ThreadDataLoader(WhoMadeIt(), batch_size=4, num_workers=2, persistent_workers=True)
@@ -252,7 +249,7 @@ class FailsAt(Dataset[int]):
 
 @pytest.mark.timeout(60)
 def test_lean_path_raises_worker_errors_like_torch(monkeypatch) -> None:
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
     it = iter(ThreadDataLoader(FailsAt(), batch_size=4, num_workers=2))
     first = [next(it).tolist() for _ in range(3)]
     assert first == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
@@ -268,7 +265,7 @@ def test_state_saved_on_the_lean_path_resumes_exactly(
     monkeypatch, schedule: tuple[int, ...]
 ) -> None:
     monkeypatch.setattr(
-        _iterator, "ConcurrencyController", type("S", (_Schedule,), {"schedule": schedule})
+        threaded, "ConcurrencyController", type("S", (_Schedule,), {"schedule": schedule})
     )
 
     def make() -> ThreadDataLoader[Any]:
@@ -289,7 +286,7 @@ def test_out_of_order_delivery_loses_and_repeats_nothing_whatever_the_limit(
     monkeypatch, schedule: tuple[int, ...]
 ) -> None:
     controller = type("S", (_Schedule,), {"schedule": schedule})
-    monkeypatch.setattr(_iterator, "ConcurrencyController", controller)
+    monkeypatch.setattr(threaded, "ConcurrencyController", controller)
     loader = ThreadDataLoader(WhoMadeIt(), batch_size=4, num_workers=3, in_order=False)
     for _ in range(2):
         it = iter(loader)
@@ -381,7 +378,7 @@ def test_isolation_helper_pacer_sees_each_batch_cpu_time(cores: float, fewer: bo
     It must pass each batch's CPU time on: without it the controller cannot tell threads
     waiting on I/O from threads taking turns at the GIL, and probes fewer in both cases.
     """
-    from threadloader._isolated_worker import _Pacer
+    from threadloader.isolation.helper import _Pacer
 
     clock = FakeClock()
     pacer = _Pacer(2, clock=clock, cpus=2)
@@ -647,7 +644,7 @@ def test_batches_draining_after_the_sampler_ran_out_are_not_measured(monkeypatch
     (32 threads ending an epoch delivered at 8x their rate, and the next epoch compared itself
     with that.) 10 batches, 4 in flight: the last 4 are delivered after the sampler ran out.
     """
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _Counting)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _Counting)
     _Counting.shown = 0
     loader = ThreadDataLoader(SlowInit(), batch_size=4, num_workers=2, prefetch_factor=2)
     assert torch.equal(torch.cat(list(loader)), torch.arange(40))
@@ -671,7 +668,7 @@ class _NamesThreads(Dataset[torch.Tensor]):
 @pytest.mark.timeout(30)
 def test_an_epoch_that_starts_on_the_lean_path_starts_no_thread(monkeypatch) -> None:
     """Limit 0 from the start and no worker_init_fn: the training thread makes every batch."""
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
     dataset = _NamesThreads()
     before = threading.active_count()
     kwargs: dict[str, Any] = {"batch_size": 4, "num_workers": 2, "shuffle": True}
@@ -688,7 +685,7 @@ def test_worker_init_fn_runs_on_worker_threads_even_when_the_epoch_starts_lean(
     monkeypatch,
 ) -> None:
     """A worker_init_fn may depend on its thread (affinity, thread-locals): the lean start waits."""
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
     ran_on: list[str] = []
     loader = ThreadDataLoader(
         SlowInit(),
@@ -744,7 +741,7 @@ def test_a_worker_waiting_for_its_task_in_the_training_thread_leaves_its_gate_sl
 ) -> None:
     """Limit 1, the training thread making worker 0's batch: worker 0's thread must not sit on
     the one slot while it waits, or worker 1 cannot fetch meanwhile (its batch waited)."""
-    monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysOne)
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysOne)
     wait_open = Gate.wait_open
     started: set[int] = set()
 

@@ -32,9 +32,10 @@ import torch
 from ctrl_c_trials import CONFIGS, LIMIT_S
 from torch.utils.data import Dataset
 
-from threadloader import ThreadDataLoader, _iterator
-from threadloader._concurrency import ConcurrencyController
-from threadloader._finalizers import Finalizer
+from threadloader import ThreadDataLoader
+from threadloader._engine import threaded
+from threadloader._primitives.concurrency import ConcurrencyController
+from threadloader._primitives.finalizers import Finalizer
 
 DEFAULT_TRIALS = 10
 TRIALS = int(os.environ.get("THREADLOADER_CTRL_C_TRIALS", DEFAULT_TRIALS))
@@ -294,7 +295,7 @@ def test_ctrl_c_while_the_training_thread_makes_a_batch_is_raised_as_itself(monk
         def on_batch(self, *args: float | None) -> int | None:
             return None
 
-    monkeypatch.setattr(_iterator, "ConcurrencyController", AlwaysZero)
+    monkeypatch.setattr(threaded, "ConcurrencyController", AlwaysZero)
     it = iter(ThreadDataLoader(_CtrlCOnTheTrainingThread(), batch_size=4, num_workers=2))
     assert next(it).tolist() == [0, 1, 2, 3]
     with pytest.raises(KeyboardInterrupt) as info:

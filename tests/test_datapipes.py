@@ -1,6 +1,6 @@
 """torch DataPipes: sharded across worker threads and ranks, and seeded, exactly as torch does.
 
-Each worker thread iterates its own deep copy of the graph (``_datapipes``); torch's
+Each worker thread iterates its own deep copy of the graph (``_engine.datapipes``); torch's
 ``sharding_filter`` then keeps each worker's (and rank's) share, and shuffles use the shared seed
 torch draws from the loader's generator. Every case compares with torch's DataLoader.
 """
@@ -193,7 +193,7 @@ def test_workers_walking_their_graphs_at_once_do_not_break_each_other(persistent
 def test_every_graph_walk_holds_the_lock(monkeypatch: pytest.MonkeyPatch) -> None:
     """Deterministic companion of the race test: torch's sharding and seeding, wherever they run
     (worker threads, the training thread's iterator code), run under the graph-walk lock."""
-    from threadloader import _datapipes
+    from threadloader._engine import datapipes
 
     held: list[tuple[str, bool]] = []
     graph_settings = torch.utils.data.graph_settings
@@ -201,7 +201,7 @@ def test_every_graph_walk_holds_the_lock(monkeypatch: pytest.MonkeyPatch) -> Non
         original = getattr(graph_settings, name)
 
         def spy(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
-            held.append((_name, _datapipes._GRAPH_LOCK.locked()))
+            held.append((_name, datapipes._GRAPH_LOCK.locked()))
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(graph_settings, name, spy)

@@ -316,7 +316,7 @@ def test_exit_with_a_live_prefetcher_does_not_hang() -> None:
     """A prefetcher still referenced at interpreter exit lets the interpreter exit cleanly."""
     code = (
         "import itertools\n"
-        "from threadloader.transfer import DevicePrefetcher\n"
+        "from threadloader.device.transfer import DevicePrefetcher\n"
         "p = DevicePrefetcher(itertools.count(), 'cpu')\n"
         "next(p)\n"
     )
@@ -365,10 +365,10 @@ def test_cpu_device_resolves_to_cpu() -> None:
 
 def test_a_live_prefetcher_is_closed_by_the_exit_hook() -> None:
     """The shared exit hook tracks a running prefetcher and forgets it once closed."""
-    from threadloader import _exit_hook
+    from threadloader._primitives import exit_hook
 
     p = DevicePrefetcher(iter(range(100)), "cpu", depth=2)
-    assert p._transfer in _exit_hook.tracked()
-    _exit_hook._close_all()  # what interpreter exit runs
+    assert p._transfer in exit_hook.tracked()
+    exit_hook._close_all()  # what interpreter exit runs
     assert not p.thread.is_alive()
-    assert p._transfer not in _exit_hook.tracked()
+    assert p._transfer not in exit_hook.tracked()

@@ -2,7 +2,7 @@
 
 A dataset that gathers whole batches (TokenWindows) is collated from what it gathered: its
 inputs and targets are copied once instead of stacking per-window views; large tensor samples
-are copied into the batch as they arrive (``_gathered``). The batches must stay exactly torch's:
+are copied into the batch as they arrive (``device.gathered``). The batches must stay exactly torch's:
 the same values, dtype, layout and errors. A subclass that changes ``__getitems__``, a custom
 ``collate_fn`` and plain ``DataLoader`` still see the samples.
 """
@@ -18,10 +18,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, _DatasetKind, default_collate
 
-from threadloader import ThreadDataLoader, _gathered
-from threadloader._fetch import Fetcher
-from threadloader._recycle import RecyclingAllocator, RecyclingCollate
-from threadloader._timing import StageRecorder
+from threadloader import ThreadDataLoader
+from threadloader._engine.fetch import Fetcher
+from threadloader._primitives.timing import StageRecorder
+from threadloader.device import gathered as _gathered
+from threadloader.device.recycle import RecyclingAllocator, RecyclingCollate
 from threadloader.memory import pageable_allocator, pinned_collate, pinning_collate
 from threadloader.samplers import ShuffleSampler
 from threadloader.streams import Mixture, MixtureSampler, TokenWindows

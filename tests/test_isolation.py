@@ -58,8 +58,10 @@ from test_worker_info import (
 )
 from torch.utils.data import Dataset, IterableDataset
 
-from threadloader import ThreadDataLoader, _isolated_worker, _isolation
-from threadloader._isolation import IsolatedDataLoaderIter
+from threadloader import ThreadDataLoader
+from threadloader.isolation import helper as _isolated_worker
+from threadloader.isolation import link, parent
+from threadloader.isolation.parent import IsolatedDataLoaderIter
 
 HELPER_PREFIX = "threadloader-helper-"
 
@@ -90,7 +92,7 @@ def _fast_helper_starts() -> None:
     server = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
     if server._forkserver_pid is None:
         multiprocessing.get_context("forkserver").set_forkserver_preload(
-            ["__main__", "threadloader._isolated_worker", "pytest"]
+            ["__main__", "threadloader.isolation.helper", "pytest"]
         )
 
 
@@ -420,7 +422,7 @@ def test_fork_context_is_refused() -> None:
     with pytest.raises(ValueError, match="not 'fork'"):
         iter(IsolatedLoader(Numbers(), num_workers=2, multiprocessing_context="fork"))
     with pytest.raises(ValueError, match="isolation must be None or 'process'"):
-        _isolation.check_isolation("processes")
+        parent.check_isolation("processes")
 
 
 def test_helper_killed_mid_epoch_raises_naming_its_pid() -> None:
@@ -490,7 +492,7 @@ def _waits(loader: ThreadDataLoader[Any]) -> tuple[list[int], int, int]:
     return got, link.polled, link.spun
 
 
-@pytest.mark.skipif(_isolation.usable_cpus() < 2, reason="polls only with a CPU to spare")
+@pytest.mark.skipif(link.usable_cpus() < 2, reason="polls only with a CPU to spare")
 def test_short_waits_for_cheap_batches_are_polled_not_slept() -> None:
     """One fetching thread making sub-millisecond batches: the loop polls and never sleeps."""
     loader = IsolatedLoader(SlowItems(n=300, delay=0.0002), batch_size=None, num_workers=1)
@@ -509,7 +511,7 @@ def test_waits_longer_than_the_polling_window_sleep() -> None:
 
 def test_no_polling_when_the_helper_needs_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On one CPU the polling would take it from the helper's fetching thread."""
-    monkeypatch.setattr(_isolation, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(link, "usable_cpus", lambda: 1)
     loader = IsolatedLoader(SlowItems(n=100, delay=0.0002), batch_size=None, num_workers=1)
     got, polled, _ = _waits(loader)
     assert got == list(range(100))
@@ -742,7 +744,7 @@ _CHILD = """
 import os, sys, time, torch
 from torch.utils.data import TensorDataset
 from threadloader import ThreadDataLoader
-from threadloader._isolation import IsolatedDataLoaderIter
+from threadloader.isolation.parent import IsolatedDataLoaderIter
 loader = ThreadDataLoader(TensorDataset(torch.arange(10_000)), batch_size=2, num_workers=2)
 it = IsolatedDataLoaderIter(loader)
 next(it)

@@ -42,7 +42,7 @@ def _loaders() -> dict[str, Callable[[Dataset[Any]], DataLoader[Any]]]:
 
 
 def _workers_after(make: Callable[[Dataset[Any]], DataLoader[Any]], ending: str) -> list[Any]:
-    """Run an epoch to ``ending``, drop the iterator, and return its ``_workers``."""
+    """Run an epoch to ``ending``, drop the iterator, and return its ``_engine.workers``."""
     dataset = Items()
     dataset.fail = ending == "error"  # type: ignore[attr-defined]
     it = iter(make(dataset))
@@ -77,7 +77,7 @@ def test_iterator_workers_are_listed_and_end_with_the_epoch(loader: str, ending:
 
 
 def test_iterator_workers_list_is_empty_without_workers() -> None:
-    """With ``num_workers=0`` nothing runs besides the loop: ``_workers`` is empty."""
+    """With ``num_workers=0`` nothing runs besides the loop: ``_engine.workers`` is empty."""
     it = iter(ThreadDataLoader(Items(), batch_size=4))
     assert it._workers == []
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import threadloader
 from threadloader import ThreadDataLoader
-from threadloader.integrations import patch as patch_module
+from threadloader.integrations import _divert
 
 
 class Noisy(Dataset[tuple[int, torch.Tensor, int, str]]):
@@ -157,7 +157,7 @@ def test_building_like_is_per_thread() -> None:
     """An integration's rebuild diverts builds in its own thread only."""
     template = ThreadDataLoader([1], num_workers=1, log_every_s=7.0)
     seen: list[type] = []
-    with patch_module.building_like(template):
+    with _divert.building_like(template):
         other = threading.Thread(target=lambda: seen.append(type(DataLoader([1]))))
         other.start()
         other.join()

@@ -17,8 +17,9 @@ import torch
 from helpers import assert_batches_equal, torch_loader
 from torch.utils.data import Dataset
 
-from threadloader import ThreadDataLoader, _recycle
-from threadloader._recycle import ALIGN, MIN_BYTES, RecyclingAllocator
+from threadloader import ThreadDataLoader
+from threadloader.device import recycle
+from threadloader.device.recycle import ALIGN, MIN_BYTES, RecyclingAllocator
 
 
 class BigItems(Dataset[dict[str, object]]):
@@ -188,4 +189,4 @@ def test_size_check_counts_top_level_tensors_of_every_sample_kind(
     sample: Any, expected: int
 ) -> None:
     """The per-batch size check (which collate path to take) sees the same bytes for every kind."""
-    assert _recycle._sample_bytes(sample) == expected
+    assert recycle._sample_bytes(sample) == expected

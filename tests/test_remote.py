@@ -27,7 +27,6 @@ from remote_servers import Faults, FaultyHTTPServer, MotoS3, s3_storage_options
 from torch.utils.data import DataLoader
 
 from threadloader import ThreadDataLoader
-from threadloader._retry import is_transient
 from threadloader.remote import (
     RemoteDecodeError,
     RemoteFiles,
@@ -37,6 +36,7 @@ from threadloader.remote import (
     RetryPolicy,
     SkipBudgetExceededError,
 )
+from threadloader.remote.retry import is_transient
 
 FAST = RetryPolicy(attempts=12, backoff_s=0.001, max_backoff_s=0.01, timeout_s=5.0)
 OBJECTS = {f"obj/{i}": (b"%05d:" % i) * (50 + i) for i in range(96)}
@@ -243,7 +243,7 @@ def test_skipped_items_shorten_the_batch_and_are_counted_and_logged(
     urls = [server.url(f"obj/{i}") for i in range(8)]
     urls[2], urls[5] = server.url("missing/a"), server.url("missing/b")
     with RemoteFiles(urls, max_skipped=2, retry=FAST) as ds:
-        with caplog.at_level(logging.WARNING, logger="threadloader.remote"):
+        with caplog.at_level(logging.WARNING, logger="threadloader.remote.files"):
             batch = ds.__getitems__(list(range(8)))
         assert batch == [OBJECTS[f"obj/{i}"] for i in (0, 1, 3, 4, 6, 7)]
         stats = ds.stats()

@@ -15,8 +15,8 @@ import pytest
 from remote_servers import FaultyHTTPServer
 
 from threadloader import ThreadDataLoader
-from threadloader._cache import DiskCache, MemoryCache
 from threadloader.remote import RemoteFiles, RetryPolicy
+from threadloader.remote.cache import DiskCache, MemoryCache
 
 FAST = RetryPolicy(attempts=5, backoff_s=0.001, max_backoff_s=0.01, timeout_s=5.0)
 OBJECTS = {f"obj/{i}": bytes([i]) * (100 + i) for i in range(48)}
@@ -105,7 +105,7 @@ def test_an_eviction_never_deletes_an_object_put_again_meanwhile(
 ) -> None:
     """Thread A evicts "a" while thread B puts "a" anew: B's object stays readable (A's unlink
     used to remove B's fresh file, leaving an entry that named no file)."""
-    from threadloader import _cache
+    from threadloader.remote import cache as _cache
 
     cache = DiskCache(tmp_path, max_bytes=2000)
     cache.put("a", b"a" * 1000)
@@ -189,7 +189,7 @@ os.write = write_half_then_die
 def test_a_writer_killed_midway_leaves_nothing_servable(tmp_path: Path) -> None:
     """A process killed halfway through put() leaves only a temp file, never read, later removed."""
     code = (
-        "from threadloader._cache import DiskCache\n"  # imports may write (tempfile's probe)
+        "from threadloader.remote.cache import DiskCache\n"  # imports may write (tempfile's probe)
         + _DIE_MIDWAY
         + f"DiskCache({str(tmp_path)!r}, 2**30).put('key', b'0123456789abcdef' * 2**16)\n"
     )
@@ -209,7 +209,7 @@ def test_remote_files_refetch_an_object_whose_cache_write_was_killed(
     """After a reader process dies while caching an object, the next read fetches it whole."""
     url = server.url("big")
     code = (
-        "from threadloader.remote import RemoteFiles\n"  # imports may write (tempfile's probe)
+        "from threadloader.remote.files import RemoteFiles\n"  # imports may write (tempfile's probe)
         + _DIE_MIDWAY
         + f"RemoteFiles([{url!r}], cache_dir={str(tmp_path)!r})[0]\n"
     )
@@ -238,7 +238,7 @@ def test_a_failing_cache_write_does_not_fail_the_read(
 
     monkeypatch.setattr(DiskCache, "put", disk_full)
     ds = RemoteFiles(_urls(server)[:4], cache_dir=tmp_path, retry=FAST)
-    with ds, caplog.at_level(logging.WARNING, logger="threadloader.remote"):
+    with ds, caplog.at_level(logging.WARNING, logger="threadloader.remote.files"):
         assert ds.__getitems__([0, 1, 2, 3]) == [OBJECTS[f"obj/{i}"] for i in range(4)]
     assert caplog.text.count("No space left") == 1
 

@@ -772,7 +772,7 @@ def test_a_state_round_trips_through_json_and_resumes_exactly(
 
 def test_a_state_saved_with_rng_tensors_still_loads() -> None:
     """States written when RNG states were tensors resume as before."""
-    from threadloader._state_codec import decode_rng
+    from threadloader._engine.state_codec import decode_rng
 
     def make() -> ThreadDataLoader[Any]:
         return ThreadDataLoader(Ids(), batch_size=7, shuffle=True)

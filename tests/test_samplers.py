@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from threadloader.samplers import BLOCK_SIZE, DistributedShuffleSampler, ShuffleSampler
+from threadloader.samplers.distributed import DistributedShuffleSampler
+from threadloader.samplers.shuffle import BLOCK_SIZE, ShuffleSampler
 
 
 def _take(sampler: ShuffleSampler | DistributedShuffleSampler, k: int) -> list[int]:

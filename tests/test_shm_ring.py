@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from threadloader._shm_ring import _RECORD, RingWriter
+from threadloader.isolation.shm_ring import RECORD, RingWriter
 
 
 def test_a_slot_the_training_process_returned_is_reused_before_untouched_ones() -> None:
@@ -18,7 +18,7 @@ def test_a_slot_the_training_process_returned_is_reused_before_untouched_ones() 
         first = ring.acquire(4096)
         assert first is not None
         for _ in range(3):
-            os.write(write_end, _RECORD.pack(*first.key))  # the training loop dropped the batch
+            os.write(write_end, RECORD.pack(*first.key))  # the training loop dropped the batch
             again = ring.acquire(4096)
             assert again is not None and again.key == first.key
             first = again

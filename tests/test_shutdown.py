@@ -19,7 +19,9 @@ import torch
 from helpers import interrupted_next
 from torch.utils.data import Dataset, IterableDataset
 
-from threadloader import ThreadDataLoader, _exit_hook, _workers
+from threadloader import ThreadDataLoader
+from threadloader._engine import workers as _workers
+from threadloader._primitives import exit_hook
 
 _preexisting: set[threading.Thread] = set()
 
@@ -165,7 +167,7 @@ def test_keyboard_interrupt_does_not_wait_for_a_worker_stuck_in_user_code(monkey
     assert entered.wait(10)
     interrupted_next(it)
     assert not left.is_set()  # raised while the read was still running, not after it
-    assert any(isinstance(o, _workers.WorkerPool) for o in _exit_hook.tracked())
+    assert any(isinstance(o, _workers.WorkerPool) for o in exit_hook.tracked())
     release.set()
     assert _wait_for_no_threads() == []
 
@@ -315,18 +317,18 @@ def test_untrack_from_a_finalizer_on_a_thread_holding_the_hook_lock_does_not_dea
             pass
 
     owner = Owner()
-    _exit_hook.track(owner)
+    exit_hook.track(owner)
 
     def finalizer_inside_track() -> None:
-        with _exit_hook._lock:
-            _exit_hook.untrack(owner)
+        with exit_hook._lock:
+            exit_hook.untrack(owner)
 
     thread = threading.Thread(target=finalizer_inside_track, daemon=True)
     thread.start()
     thread.join(5)
     assert not thread.is_alive()
-    _exit_hook.untrack(owner)  # the lock is free now: this one removes it
-    assert owner not in _exit_hook.tracked()
+    exit_hook.untrack(owner)  # the lock is free now: this one removes it
+    assert owner not in exit_hook.tracked()
 
 
 class StateFailsOnThird(IterableDataset[int]):

@@ -253,6 +253,6 @@ def test_an_abandoned_epochs_work_is_not_counted_in_the_next(isolation: str | No
 )
 def test_percentiles_are_nearest_rank(values: list[float], q: float, expected: float) -> None:
     """p50 of [1, 2] is 1, p90 of 1..10 is 9 (not the maximum): nearest rank."""
-    from threadloader.stats import _percentile
+    from threadloader._engine.stats import _percentile
 
     assert _percentile(values, q) == expected

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from threadloader._task_board import EPOCH, TASK, TaskBoard
+from threadloader.isolation.task_board import EPOCH, TASK, TaskBoard
 
 
 class Runners:

@@ -223,9 +223,9 @@ class Dropping(Dataset[torch.Tensor]):
 def test_a_draw_that_cannot_be_redirected_warns_once() -> None:
     """dropout takes no generator, and a meta-device draw is not a CPU one: each warns once and
     still runs."""
-    from threadloader import _worker_globals
+    from threadloader._primitives import worker_globals
 
-    _worker_globals._warned.clear()
+    worker_globals._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         batches = collect(ThreadDataLoader(Dropping(), batch_size=1, num_workers=2))
@@ -283,7 +283,7 @@ def test_worker_threads_end_with_nothing_on_their_torch_mode_stack(monkeypatch) 
     """A mode left on a thread's stack is released by a C++ thread-local destructor after the
     thread ends, which aborted the interpreter at exit ('terminate called without an active
     exception'): each worker thread takes the worker's mode off before it ends."""
-    from threadloader import _workers
+    from threadloader._engine import workers as _workers
 
     seen: dict[str, int] = {}
     real_leave = _workers.leave
@@ -304,7 +304,8 @@ def test_a_ctrl_c_while_the_training_thread_becomes_a_worker_leaves_it_itself(
 ) -> None:
     """A KeyboardInterrupt right after Worker.enter() on the training thread: afterwards the
     thread is not a worker (no WorkerInfo, its own RNGs, no mode on its stack)."""
-    from threadloader import _worker_globals, _workers
+    from threadloader._engine import workers as _workers
+    from threadloader._primitives import worker_globals
 
     real_enter = _workers.Worker.enter
     fired: list[bool] = []
@@ -322,7 +323,7 @@ def test_a_ctrl_c_while_the_training_thread_becomes_a_worker_leaves_it_itself(
         for _ in range(6):
             collect(loader)  # the lean path or a not-yet-started task runs on this thread
     assert fired
-    assert get_worker_info() is None and _worker_globals.current() is None
+    assert get_worker_info() is None and worker_globals.current() is None
     assert torch._C._len_torch_function_stack() == 0
     torch.manual_seed(0)
     assert torch.initial_seed() == 0 and torch.default_generator.initial_seed() == 0

@@ -19,8 +19,9 @@ from helpers import assert_batches_equal, cut_and_resume, roundtrip
 from torch.random import thread_safe_generator
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from threadloader import ThreadDataLoader, _iterator
-from threadloader._concurrency import ConcurrencyController
+from threadloader import ThreadDataLoader
+from threadloader._engine import threaded
+from threadloader._primitives.concurrency import ConcurrencyController
 
 
 class Augmented(Dataset[torch.Tensor]):
@@ -88,9 +89,9 @@ def test_resumed_epoch_draws_exactly_what_an_uninterrupted_one_draws(
 ) -> None:
     kwargs: dict[str, Any] = {}
     if who == "workers":
-        monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysMax)
+        monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysMax)
     elif who == "training-thread":
-        monkeypatch.setattr(_iterator, "ConcurrencyController", _AlwaysZero)
+        monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
     elif who == "helper-process":
         kwargs["isolation"] = "process"
     else:  # batches pass a transfer thread that runs ahead: the state is the loop's batch's

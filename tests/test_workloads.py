@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from threadloader._memory_probe import PeakSampler, tree_pss_bytes
-from threadloader.workloads import WORKLOAD_NAMES, WorkloadSpec, make_workload
+from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
+from threadloader.compare.workloads import WORKLOAD_NAMES, WorkloadSpec, make_workload
 
 # name: (item shape, item dtype, batch size)
 DOCUMENTED: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {

@@ -15,14 +15,15 @@ mixing (``streams``), remote objects with retries and a cache (``remote``), pinn
 collation and a CUDA-stream transfer stage (``memory``, ``transfer``), and per-epoch stats.
 """
 
+from threadloader._engine.stats import LoaderStats, StageStats
+from threadloader.device.pinned import BufferPool, pinned_collate
+from threadloader.device.transfer import DevicePrefetcher
 from threadloader.integrations.patch import is_patched, patch, patched, unpatch
 from threadloader.loader import ThreadDataLoader
-from threadloader.memory import BufferPool, pinned_collate
-from threadloader.remote import RemoteFiles
-from threadloader.samplers import DistributedShuffleSampler, ShuffleSampler
-from threadloader.stats import LoaderStats, StageStats
+from threadloader.remote.files import RemoteFiles
+from threadloader.samplers.distributed import DistributedShuffleSampler
+from threadloader.samplers.shuffle import ShuffleSampler
 from threadloader.streams import BlockShuffleSampler, Mixture, MixtureSampler, TokenWindows
-from threadloader.transfer import DevicePrefetcher
 
 __all__ = [
     "BlockShuffleSampler",

@@ -13,7 +13,7 @@ it calls: Hugging Face Trainer, Accelerate) builds made a ThreadDataLoader::
     python -m threadloader run train.py --lr 0.1                     # the script's own arguments
     python -m threadloader run --report --isolation process -m mypkg.train
 
-This module only parses arguments and prints; the work is in ``threadloader/_compare.py`` and
+This module only parses arguments and prints; the work is in ``threadloader/runner.py`` and
 ``threadloader/integrations/run.py``. Every input error ends with one line on stderr and exit
 status 2; ``run`` exits with the script's status.
 """
@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
-from threadloader import _compare
+from threadloader.compare import runner
 
 __all__ = ["main"]
 
@@ -71,11 +71,11 @@ _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a number >= 0
 
 def _loader_list(text: str) -> tuple[str, ...]:
     keys = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in keys if k not in _compare.LOADERS]
+    unknown = [k for k in keys if k not in runner.LOADERS]
     if unknown or not keys:
         raise argparse.ArgumentTypeError(
             f"unknown loader {unknown[0] if unknown else text!r}; "
-            f"choose from {','.join(_compare.LOADERS)}"
+            f"choose from {','.join(runner.LOADERS)}"
         )
     return keys
 
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     what = cmp.add_mutually_exclusive_group()
     what.add_argument(
         "--workload",
-        choices=_compare.WORKLOADS,
+        choices=runner.WORKLOADS,
         default="tokens",
         help="built-in synthetic workload (default: tokens)",
     )
@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--loaders",
         type=_loader_list,
-        default=_compare.LOADERS,
-        help=f"comma-separated subset of {','.join(_compare.LOADERS)} (default: all)",
+        default=runner.LOADERS,
+        help=f"comma-separated subset of {','.join(runner.LOADERS)} (default: all)",
     )
     cmp.add_argument(
         "--size",
@@ -177,7 +177,7 @@ def _fail(message: str) -> int:
 
 
 def _compare_command(args: argparse.Namespace) -> int:
-    config = _compare.CompareConfig(
+    config = runner.CompareConfig(
         workload=args.workload,
         dataset=args.dataset,
         batch_size=args.batch_size,
@@ -193,25 +193,25 @@ def _compare_command(args: argparse.Namespace) -> int:
     )
     try:
         if args.plot is not None:  # fail before minutes of measuring, not after
-            _compare.check_plot_available()
-            problem = _compare.plot_path_problem(args.plot)
+            runner.check_plot_available()
+            problem = runner.plot_path_problem(args.plot)
             if problem:
                 return _fail(problem)
-        result = _compare.run_compare(config)
-    except _compare.CompareError as e:
+        result = runner.run_compare(config)
+    except runner.CompareError as e:
         return _fail(str(e))
     except KeyboardInterrupt:  # every loader is closed by then; a traceback would be noise
         sys.stderr.write("python -m threadloader compare: interrupted\n")
         return EXIT_INTERRUPTED
     # The results first: a plot that cannot be written must not lose minutes of measuring.
     if args.json:
-        print(json.dumps(_compare.to_json(result), indent=2))
+        print(json.dumps(runner.to_json(result), indent=2))
     else:
-        print(_compare.format_table(result))
+        print(runner.format_table(result))
     if args.plot is not None:
         try:
-            written = _compare.write_plot(result, args.plot)
-        except _compare.CompareError as e:
+            written = runner.write_plot(result, args.plot)
+        except runner.CompareError as e:
             return _fail(str(e))
         if not args.json:
             print(f"plot written to {written}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 import threading
 import warnings
 import weakref
@@ -15,26 +14,26 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from threadloader import _worker_info
-from threadloader._concurrency import usable_cpus
-from threadloader._dataset_state import settle_dataset
-from threadloader._device import DeviceEpochIterator, check_device_args, staging_pool
-from threadloader._device import retire as retire_device_epoch
-from threadloader._inline import InlineDataLoaderIter
-from threadloader._isolation import IsolatedDataLoaderIter, check_isolation
-from threadloader._iterator import ThreadedDataLoaderIter
-from threadloader._recycle import RecyclingAllocator
-from threadloader._state import (
+from threadloader._engine import worker_info
+from threadloader._engine.dataset_state import settle_dataset
+from threadloader._engine.device_epoch import DeviceEpochIterator, check_device_args, staging_pool
+from threadloader._engine.device_epoch import retire as retire_device_epoch
+from threadloader._engine.inline import InlineDataLoaderIter
+from threadloader._engine.state import (
     Progress,
     Resume,
     build_state,
     epoch_complete,
-    parse_state,
     stream_ended,
 )
-from threadloader._state_codec import decode_state, encode_rng
-from threadloader.memory import BufferPool
-from threadloader.stats import EpochStats, LoaderStats
+from threadloader._engine.state_check import parse_state
+from threadloader._engine.state_codec import decode_state, encode_rng
+from threadloader._engine.stats import EpochStats, LoaderStats
+from threadloader._engine.threaded import ThreadedDataLoaderIter
+from threadloader._primitives.concurrency import usable_cpus
+from threadloader.device.pinned import BufferPool
+from threadloader.device.recycle import RecyclingAllocator
+from threadloader.isolation.parent import IsolatedDataLoaderIter, check_isolation
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -45,8 +44,11 @@ THREADS_PER_CORE_WARNING = 32
 #: Unused batch buffers kept for reuse: one is freed by the loop for each one a worker needs,
 #: so two cover the steady state, and at most two batches' memory is held beyond torch's.
 RECYCLED_BUFFERS = 2
+#: Called with every ThreadDataLoader at the end of its ``__init__``: how integrations (a higher
+#: layer) learn of a loader, e.g. to hook a framework that will rebuild it (Accelerate).
+BUILT_HOOKS: list[Callable[[Any], None]] = []
 
-_worker_info.install()
+worker_info.install()
 
 
 class ThreadDataLoader(DataLoader[T_co]):
@@ -196,10 +198,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
-        if "accelerate.accelerator" in sys.modules:  # so that accelerator.prepare(self) keeps
-            from threadloader.integrations import accelerate  # the threads (see that module)
-
-            accelerate.install()
+        for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
+            hook(self)
 
     def __iter__(self) -> Any:
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
@@ -271,7 +271,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self.check_worker_number_rationality()
         if self.isolation == "process":
             return IsolatedDataLoaderIter(self, resume)
-        return ThreadedDataLoaderIter(self, resume)
+        return ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
 
     def set_mixture_weights(self, weights: Mapping[str, float]) -> int:
         """Change a ``threadloader.Mixture``'s weights from the next batch the loop requests.
@@ -328,7 +328,7 @@ class ThreadDataLoader(DataLoader[T_co]):
 
         Consumer-aligned: it counts the batches ``__next__`` returned, not those prefetched. A
         plain dict of Python scalars, lists and tensors (``torch.save``-able); each rank saves
-        its own, with no collective. See ``threadloader._state`` for what resumes how.
+        its own, with no collective. See ``threadloader._engine.state`` for what resumes how.
 
         Returns:
             The state of the current (or last) epoch; a state taken after an epoch ended makes
@@ -370,7 +370,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
         if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:
-            # The dataset as the finished epoch left it (``_dataset_state`` point 4).
+            # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             settle_dataset(self.dataset, resume.worker_states[0], resume.worker_state_form)
         self._pending_state = copy.deepcopy(dict(state))
         for key in ("rng_state", "global_rng_state"):

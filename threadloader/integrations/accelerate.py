@@ -12,7 +12,7 @@ Accelerate (1.x) has no public hook that chooses the class of that inner loader:
 adapter classes build it themselves. So this module wraps the two public ``Accelerator``
 methods that rebuild loaders, ``prepare_data_loader`` (``prepare()`` calls it for every loader)
 and ``skip_first_batches``. Given a loader backed by a ThreadDataLoader, the wrapper runs
-Accelerate's own method unchanged inside ``threadloader.integrations.patch.building_like``: the
+Accelerate's own method unchanged inside ``threadloader.integrations._divert.building_like``: the
 DataLoader (or StatefulDataLoader) Accelerate constructs there is built as a ThreadDataLoader
 with the same arguments plus the given loader's options (``isolation``, ``device``,
 ``log_every_s``, ...). Sharding (``BatchSamplerShard``, ``IterableDatasetShard``), device
@@ -38,7 +38,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from threadloader.integrations.patch import building_like
+from threadloader.integrations._divert import building_like
 from threadloader.loader import ThreadDataLoader
 
 __all__ = ["install", "thread_loader_of"]

@@ -32,34 +32,20 @@ torch's; the cost is one Python call per DataLoader built.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
-import threading
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import dataloader as _torch_dataloader
 
-from threadloader._device import check_device_args
-from threadloader._isolation import check_isolation
-from threadloader.loader import ThreadDataLoader
+from threadloader import loader as _loader
+from threadloader._engine.device_epoch import check_device_args
+from threadloader.integrations import _divert
+from threadloader.isolation.parent import check_isolation
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 
-_DataLoader: Any = _torch_dataloader.DataLoader  # the real class, never replaced
-_SIGNATURE = inspect.signature(ThreadDataLoader.__init__)
-#: ThreadDataLoader's keyword-only options a patch may set as defaults for diverted builds.
-OPTION_NAMES = ("isolation", "device", "device_prefetch", "log_every_s", "save_worker_rng")
-_STATEFUL_MODULE = "torchdata.stateful_dataloader.stateful_dataloader"
-
-_lock = threading.RLock()
-_layers: list[tuple[object, dict[str, Any]]] = []  # (token, options) of each active patch
-_local = threading.local()  # .templates: options of loaders Accelerate is rebuilding (this thread)
-_hook_installed = False
-#: Called with every ThreadDataLoader built while a patch or template is active (``--report``).
-_build_listeners: list[Callable[[ThreadDataLoader[Any], str], None]] = []
+OPTION_NAMES = _divert.OPTION_NAMES
 
 
 def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -75,122 +61,6 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(options.get("save_worker_rng", False), bool):
         raise TypeError("save_worker_rng must be a bool")
     return {k: v for k, v in options.items() if v is not None and v is not False}
-
-
-def _current_options() -> dict[str, Any] | None:
-    """The options diverted builds get in this thread now; None when nothing is diverted."""
-    templates = getattr(_local, "templates", None)
-    if templates:
-        return templates[-1]
-    layers = _layers  # read without the lock: a list's last item is read atomically
-    return layers[-1][1] if layers else None
-
-
-def _is_stateful_dataloader(cls: type) -> bool:
-    module = sys.modules.get(_STATEFUL_MODULE)
-    return module is not None and cls is getattr(module, "StatefulDataLoader", None)
-
-
-def _caller() -> str:
-    """``file:line`` of the first frame outside this module: the code that built the loader."""
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if name != __file__:
-            return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
-
-
-def _notify(loader: ThreadDataLoader[Any]) -> None:
-    """Tell the listeners about a loader being built (its ``__init__`` has not run yet)."""
-    if _build_listeners:
-        where = _caller()
-        for listener in tuple(_build_listeners):  # another thread may add one
-            listener(loader, where)
-
-
-def _dataloader_new(cls: type, *args: Any, **kwargs: Any) -> Any:
-    """``DataLoader.__new__`` while the hook is installed: divert, else ``object.__new__``."""
-    if args or kwargs:  # a call with no arguments is copy/pickle re-creating an instance
-        options = _current_options()
-        if options is not None:
-            if cls is _DataLoader:
-                diverted = object.__new__(_Diverted)
-                diverted.__dict__["_threadloader_divert"] = options
-                _notify(diverted)
-                return diverted  # type.__call__ runs _Diverted.__init__ with the call's arguments
-            if _is_stateful_dataloader(cls):
-                diverted = object.__new__(_Diverted)
-                diverted.__dict__["_threadloader_divert"] = options
-                _notify(diverted)
-                # Not an instance of cls, so type.__call__ will not run __init__: run it here.
-                _Diverted.__init__(diverted, *args, **kwargs)
-                return diverted
-            if issubclass(cls, ThreadDataLoader):
-                loader = object.__new__(cls)
-                _notify(loader)
-                return loader
-    return object.__new__(cls)
-
-
-class _Diverted(ThreadDataLoader[Any]):
-    """A ThreadDataLoader while a diverted call builds it; ``ThreadDataLoader`` once built."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        options = dict(self.__dict__.pop("_threadloader_divert"))
-        try:
-            bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
-        except TypeError:  # ThreadDataLoader.__init__ below raises it, as torch's would
-            bound = {}
-        workers = bound.get("num_workers", 0)
-        if not workers:  # our worker options need workers: a num_workers=0 loader stays valid
-            options.pop("isolation", None)
-            options.pop("save_worker_rng", None)
-        if "isolation" in options:
-            try:
-                check_isolation(options["isolation"], bound.get("multiprocessing_context"))
-            except ValueError as e:
-                warnings.warn(
-                    f"threadloader.patch: this loader runs without isolation: {e}", stacklevel=3
-                )
-                options.pop("isolation")
-        for name, value in options.items():
-            kwargs.setdefault(name, value)
-        ThreadDataLoader.__init__(self, *args, **kwargs)
-        self.__class__ = ThreadDataLoader  # type: ignore[assignment]
-
-
-class _NewHook:
-    """What ``DataLoader.__new__`` is once hooked: a descriptor, so that
-    ``inspect.signature(cls)`` of DataLoader and of subclasses without their own ``__init__``
-    stays their ``__init__``'s rather than the hook's ``(*args, **kwargs)``."""
-
-    def __get__(self, instance: object, owner: type) -> _BoundNew:
-        return _BoundNew(owner)
-
-
-class _BoundNew:
-    __slots__ = ("owner",)
-
-    def __init__(self, owner: type) -> None:
-        self.owner = owner
-
-    def __call__(self, cls: type, *args: Any, **kwargs: Any) -> Any:
-        return _dataloader_new(cls, *args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        owner: Any = self.owner
-        return inspect.signature(owner.__init__)
-
-
-def _install_hook() -> None:
-    global _hook_installed
-    with _lock:
-        if not _hook_installed:
-            _DataLoader.__new__ = _NewHook()
-            _hook_installed = True
 
 
 def patch(
@@ -235,19 +105,19 @@ def patch(
 
 
 def _push(options: dict[str, Any]) -> object:
-    _install_hook()
+    _divert.install_hook()
     token = object()
-    with _lock:
-        _layers.append((token, options))
+    with _divert.lock:
+        _divert.layers.append((token, options))
     _install_integrations()
     return token
 
 
 def _pop(token: object) -> None:
-    with _lock:
-        for i in range(len(_layers) - 1, -1, -1):
-            if _layers[i][0] is token:
-                del _layers[i]
+    with _divert.lock:
+        for i in range(len(_divert.layers) - 1, -1, -1):
+            if _divert.layers[i][0] is token:
+                del _divert.layers[i]
                 return
 
 
@@ -256,9 +126,9 @@ def unpatch() -> None:
 
     A no-op when no patch is active. Loaders already built keep their class.
     """
-    with _lock:
-        if _layers:
-            _layers.pop()
+    with _divert.lock:
+        if _divert.layers:
+            _divert.layers.pop()
 
 
 def is_patched() -> bool:
@@ -267,7 +137,7 @@ def is_patched() -> bool:
     Returns:
         True while at least one ``patch()`` or ``patched()`` block is in effect.
     """
-    return bool(_layers)
+    return bool(_divert.layers)
 
 
 @contextlib.contextmanager
@@ -310,29 +180,17 @@ def patched(
         _pop(token)  # this block's own layer, even if an inner patch() was left active
 
 
-@contextlib.contextmanager
-def building_like(loader: ThreadDataLoader[Any]) -> Iterator[None]:
-    """In this thread, divert DataLoader builds to ThreadDataLoaders with ``loader``'s options.
+def _install_integrations(loader: object = None) -> None:
+    """Hook libraries already imported that rebuild loaders (Accelerate).
 
-    For integrations that rebuild a loader from its parts (Accelerate's ``prepare``): the
-    rebuilt loader keeps the worker threads and every option of the one it was given.
+    Also run by every ThreadDataLoader's ``__init__`` (``loader.BUILT_HOOKS``), so that
+    ``accelerator.prepare(ThreadDataLoader(...))`` keeps the threads with no patch and no import
+    of ours: a script imports Accelerate before it builds the loader it prepares.
     """
-    _install_hook()
-    options = {name: getattr(loader, name) for name in OPTION_NAMES}
-    options = {k: v for k, v in options.items() if v is not None and v is not False}
-    templates = getattr(_local, "templates", None)
-    if templates is None:
-        templates = _local.templates = []
-    templates.append(options)
-    try:
-        yield
-    finally:
-        templates.pop()
-
-
-def _install_integrations() -> None:
-    """Hook libraries already imported that rebuild loaders (Accelerate)."""
     if "accelerate.accelerator" in sys.modules:
         from threadloader.integrations import accelerate
 
         accelerate.install()
+
+
+_loader.BUILT_HOOKS.append(_install_integrations)

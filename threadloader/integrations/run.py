@@ -38,9 +38,10 @@ import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from threadloader._engine.stats import LoaderStats
+from threadloader.integrations import _divert
 from threadloader.integrations import patch as _patch
 from threadloader.loader import ThreadDataLoader
-from threadloader.stats import LoaderStats
 
 __all__ = ["main"]
 
@@ -305,7 +306,7 @@ def main(argv: Sequence[str]) -> int:
         _log_to_stderr()
     report = _Report() if args.report else None
     if report is not None:
-        _patch._build_listeners.append(report)
+        _divert.build_listeners.append(report)
     try:
         return _run_target(target)
     finally:

@@ -1,0 +1,361 @@
+"""torch's dispatch and in-order delivery, shared by the in-process and the isolated iterators.
+
+Where the workers run (threads of this process, or threads of a helper process) changes how a
+task travels and how its result comes back; nothing else. This base class holds everything else,
+written once, following torch's ``_MultiProcessingDataLoaderIter``:
+
+1. Batch ``i`` goes to the next live worker in round-robin order; at most
+   ``prefetch_factor * num_workers`` batches are in flight; one new batch is dispatched for each
+   one delivered. So an IterableDataset's output order, and which worker fetched which batch,
+   are torch's.
+2. Delivery is in sampler order (``in_order=True``) through a reorder table keyed by batch number,
+   or as completed (``in_order=False``). Batches dispatched to a worker whose IterableDataset ran
+   out are skipped.
+3. The epoch's index stream starts (and resumes) through ``_state.begin_pass``; an IterableDataset
+   resumes round robin at the worker after the one that made the last delivered batch.
+
+A subclass provides ``_send(worker_id, idx, index)`` (returns what it needs to find the task
+again, kept in the reorder table), ``_get_result(in_flight)`` (the next ``Result`` of this
+epoch), ``_unpack(result)`` (the batch to hand over), ``_restart_workers()`` (a persistent
+epoch's new generation), and ``close()``; and sets ``_resume``, ``_log_every_s`` and
+``_primitives.concurrency`` before calling ``_reset(loader, first_iter=True)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from torch._utils import ExceptionWrapper, KeyErrorMessage
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.worker import _IterableDatasetStopIteration
+from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+from threadloader._engine import dataset_state
+from threadloader._engine.datapipes import graph_walks, sharding_init_fn
+from threadloader._engine.profiled_next import ProfiledNext
+from threadloader._engine.state import (
+    ProgressMixin,
+    Resume,
+    begin_pass,
+    warn_replay,
+)
+from threadloader._engine.stats import EpochStats
+from threadloader._engine.tasks import Result, WorkerSpec
+from threadloader._primitives.concurrency import ConcurrencyController
+from threadloader._primitives.finalizers import Finalizer
+
+
+def prefetch_factor(loader: Any) -> int:
+    """The loader's ``prefetch_factor``, checked where torch's worker iterator checks it.
+
+    Raises:
+        TypeError: it is None (``num_workers`` was raised after construction, which leaves
+            torch's default unset; torch fails comparing None with 0).
+        AssertionError: it is not positive (torch's error and message).
+    """
+    factor = loader.prefetch_factor
+    if factor is not None and not isinstance(factor, int):
+        # torch fails later, on range() of a float; say which argument it is
+        raise TypeError(f"prefetch_factor must be an int, got {factor!r}")
+    if factor is None:
+        raise TypeError(
+            f"prefetch_factor is None with num_workers={loader.num_workers}: the constructor "
+            "sets it only when num_workers > 0, so set it too when raising num_workers later"
+        )
+    if factor <= 0:
+        raise AssertionError(
+            "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
+        )
+    return int(factor)
+
+
+class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
+    """The dispatch / reorder / delivery loop over ``num_workers`` workers (module docstring)."""
+
+    _stats: EpochStats
+    _prefetch_factor: int
+    _in_order: bool
+    _resume: Resume | None
+    _log_every_s: float | None
+    _concurrency: ConcurrencyController
+    _finalizer: Finalizer
+
+    def _send(self, worker_id: int, idx: int, index: Any) -> Any:
+        raise NotImplementedError
+
+    def _get_result(self, in_flight: tuple[Any, ...]) -> Result:
+        raise NotImplementedError
+
+    def _unpack(self, result: Result) -> Any:
+        return result.data
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _abandon(self) -> None:
+        """End the epoch now (Ctrl-C); waiting at most briefly. ``close()`` unless overridden."""
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran or the epoch ended for good (timeout, Ctrl-C)."""
+        return not self._finalizer.alive
+
+    def _restart_workers(self) -> None:
+        raise NotImplementedError
+
+    def _worker_spec(
+        self, loader: Any, resume: Resume | None, collate_fn: Callable[[Any], Any]
+    ) -> WorkerSpec:
+        """What this epoch's workers share, wherever they run; ``collate_fn`` is theirs."""
+        return WorkerSpec(
+            dataset_kind=self._dataset_kind,
+            dataset=self._dataset,
+            auto_collation=self._auto_collation,
+            collate_fn=collate_fn,
+            drop_last=self._drop_last,
+            worker_init_fn=sharding_init_fn(
+                loader.worker_init_fn,
+                self._dataset,
+                self._world_size,
+                self._rank,
+            ),
+            num_workers=self._num_workers,
+            capture_state=dataset_state.tracked(
+                self._dataset, self._dataset_kind == _DatasetKind.Iterable
+            ),
+            resume_states=resume.worker_states if resume is not None else None,
+            resume_state_form=resume.worker_state_form if resume is not None else 1,
+            capture_rng=bool(loader.save_worker_rng),
+            resume_rng=resume.rng_states if resume is not None else None,
+        )
+
+    def _new_stats(self) -> None:
+        """Start this epoch's stats (persistent workers start one per epoch)."""
+        self._stats = EpochStats(self._num_workers, self._log_every_s)
+        self._stats.controller = self._concurrency
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        resume = self._resume if first_iter else None
+        self._resume = None
+        if not first_iter or resume is None:
+            # As torch's worker iterator: the first epoch's sampler iterator is the second one
+            # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
+            # __iter__ counts its calls or draws eagerly can tell. Not when resuming: a second
+            # iter() would restart a positional sampler's resumed pass.
+            with graph_walks(loader.dataset):  # a DataPipe is reseeded (_datapipes point 5)
+                super()._reset(loader, first_iter)
+        if not first_iter:
+            self._restart_workers()
+            self._new_stats()
+        self._start_epoch(loader, resume)
+
+    @property
+    def _max_tasks(self) -> int:
+        return self._prefetch_factor * self._num_workers
+
+    def _start_epoch(self, loader: Any, resume: Resume | None) -> None:
+        """Start (or resume) the index stream and fill the pipeline: points 1 and 3."""
+        self._sampler_iter = begin_pass(self, loader, resume)
+        self._map_style = self._dataset_kind == _DatasetKind.Map
+        self._discard = resume.batches if resume is not None and resume.replay_data else 0
+        if self._discard:
+            warn_replay(self._dataset, self._discard)
+        self._send_idx = 0  # number of the next batch to dispatch
+        self._rcvd_idx = 0  # number of the next batch to deliver (in order)
+        self._sampler_done = False  # the sampler ran out: what is in flight drains
+        # batch number -> (worker_id, in_flight) until its result arrives, then
+        # (worker_id, in_flight, result) while parked behind an earlier batch
+        self._task_info: dict[int, tuple[Any, ...]] = {}
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        progress = self._progress
+        if (
+            progress.dataset_states is None
+            or not self._persistent_workers
+            or self._dataset_kind == _DatasetKind.Iterable  # a new epoch restarts its iterators
+        ):
+            # Persistent workers keep their map-style dataset copies: so do their states.
+            progress.dataset_states = [None] * self._num_workers
+        progress.next_worker = 0
+        if resume is not None and resume.worker_states is not None:
+            progress.dataset_states = list(resume.worker_states)
+            if resume.workers_status is not None:
+                self._workers_status = list(resume.workers_status)
+        if resume is not None and resume.rng_states is not None:
+            progress.rng_states = list(resume.rng_states)
+        elif progress.rng_states is None or not self._persistent_workers:
+            # Persistent workers keep their generators across epochs: so do their states.
+            progress.rng_states = [None] * self._num_workers
+        if resume is not None and (
+            resume.worker_states is not None or resume.rng_states is not None
+        ):
+            # Per-worker state resumes: so does the round robin, at the worker after the one
+            # that made the last delivered batch (_state points 4 and 6).
+            progress.next_worker = resume.next_worker % self._num_workers
+            for _ in range(progress.next_worker):
+                next(self._worker_queue_idx_cycle)
+        progress.workers_alive = self._workers_status  # the same list: torch's logic updates it
+        self._fill()
+
+    def _fill(self) -> None:
+        """Dispatch until ``prefetch_factor * num_workers`` batches are in flight (or none left).
+
+        In flight: dispatched and not delivered, so results parked in the reorder table count
+        (each dispatches its successor when delivered, as in torch).
+        """
+        parked = sum(len(info) == 3 for info in self._task_info.values())
+        for _ in range(self._max_tasks - self._tasks_outstanding - parked):
+            self._try_put_index()
+
+    def _forget_in_flight(self) -> None:
+        """Drop every batch dispatched and not delivered (their results will be stale)."""
+        self._task_info.clear()
+        self._send_idx = self._rcvd_idx
+        self._tasks_outstanding = 0
+        self._workers_num_tasks = [0] * self._num_workers
+
+    def _try_put_index(self) -> None:
+        if self._tasks_outstanding >= self._max_tasks:
+            raise AssertionError("more batches in flight than num_workers * prefetch_factor")
+        try:
+            index = self._next_index()
+        except StopIteration:
+            self._sampler_done = True
+            return
+        worker_id = self._next_worker()
+        if worker_id is None:
+            return
+        in_flight = self._send(worker_id, self._send_idx, index)
+        self._task_info[self._send_idx] = (worker_id, in_flight)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _next_worker(self) -> int | None:
+        """The next live worker in round-robin order (torch's), or None if none can take more."""
+        for _ in range(self._num_workers):
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id] and (
+                self._in_order
+                or self._workers_num_tasks[worker_id] < self._max_tasks // sum(self._workers_status)
+            ):
+                return worker_id
+        return None
+
+    def _next_index(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return next(self._sampler_iter)
+        finally:
+            self._stats.caller.add("sampler", time.perf_counter() - start)
+
+    def _next_data(self) -> Any:
+        start = time.perf_counter()
+        self._ready, self._ran_here = True, False  # _get_result may clear / set them
+        delivered = ended = False
+        try:
+            while self._discard:  # replaying an IterableDataset without state (_state point 4)
+                self._next_batch()
+                self._discard -= 1
+            data = self._next_batch()
+            delivered = True
+            return data
+        except StopIteration:
+            self._progress.exhausted = ended = True
+            raise
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting: the epoch is over and the workers must stop, but the user
+            # must not wait for one stuck in a slow read (torch raises at once too).
+            self._abandon()
+            raise
+        finally:
+            waited = time.perf_counter() - start
+            self._stats.on_next(waited, self._ready, self._ran_here, delivered, ended)
+
+    def _next_batch(self) -> Any:
+        while True:
+            # Skip batches dispatched to workers whose IterableDataset ran out before them.
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info is not None:
+                    if len(info) == 3 or self._workers_status[info[0]]:
+                        break
+                    del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self.close()
+                raise StopIteration
+
+            info = self._task_info[self._rcvd_idx]
+            if len(info) == 3:  # arrived earlier, parked in the reorder table
+                del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+                return self._process_data(info[2])
+
+            result = self._get_result(info)
+            self._tasks_outstanding -= 1
+            if isinstance(result.data, _IterableDatasetStopIteration):
+                self._workers_status[result.data.worker_id] = False
+                self._try_put_index()
+                continue
+            if result.idx != self._rcvd_idx:
+                if not self._in_order:
+                    del self._task_info[result.idx]
+                    return self._process_data(result)
+                self._task_info[result.idx] += (result,)
+                continue
+            del self._task_info[result.idx]
+            self._rcvd_idx += 1
+            return self._process_data(result)
+
+    def _process_data(self, result: Result) -> Any:
+        self._workers_num_tasks[result.worker_id] -= 1
+        self._try_put_index()
+        return self._deliver(result)
+
+    def _deliver(self, result: Result) -> Any:
+        """Record what delivering ``result`` changes in the progress; its batch, or its error."""
+        worker_id = result.worker_id
+        progress = self._progress
+        if result.state is not None and progress.dataset_states is not None:
+            progress.dataset_states[worker_id] = result.state
+        if result.rng is not None and progress.rng_states is not None:
+            progress.rng_states[worker_id] = result.rng
+        progress.next_worker = (worker_id + 1) % self._num_workers
+        if self._map_style:
+            progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)
+        if isinstance(result.data, ExceptionWrapper):
+            reraise(result.data)
+        return self._unpack(result)
+
+
+def reraise(wrapper: ExceptionWrapper) -> NoReturn:
+    """Raise what ``ExceptionWrapper.reraise()`` raises: same type, torch's message format.
+
+    torch's version keeps the new exception in a local of its own frame, which the exception's
+    traceback references: a reference cycle that keeps the iterator, and so its workers, alive
+    until the cyclic garbage collector happens to run. Here the local is deleted on the way out,
+    so dropping the exception is enough to drop the iterator.
+    """
+    msg = f"Caught {wrapper.exc_type.__name__} {wrapper.where}.\nOriginal {wrapper.exc_msg}"
+    exc: BaseException
+    if wrapper.exc_type is KeyError:
+        exc = KeyError(KeyErrorMessage(msg))
+    elif getattr(wrapper.exc_type, "message", None):
+        exc = wrapper.exc_type(message=msg)
+    else:
+        try:
+            exc = wrapper.exc_type(msg)
+        except Exception:  # noqa: BLE001  # a constructor needing other arguments: torch's fallback
+            exc = RuntimeError(msg)
+    try:
+        raise exc
+    finally:
+        del exc

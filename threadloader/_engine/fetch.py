@@ -1,0 +1,115 @@
+"""Fetch a batch and collate it, as torch's ``_utils/fetch.py`` does, timing each stage.
+
+Semantics are torch's fetchers', line for line: ``__getitems__`` when the dataset has it, else
+one ``__getitem__`` per index; an IterableDataset's batch ends early at ``StopIteration`` and
+raises it when empty (or short, with ``drop_last``). Kept separate from torch's so that fetch
+and collate are timed apart without wrapping user callables.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import _DatasetKind
+
+from threadloader._primitives.timing import StageRecorder
+from threadloader._primitives.worker_globals import library_code
+from threadloader.device.gathered import Gathered, fetch_stacked, parts_getter
+
+
+class Fetcher:
+    """Turns one entry of the index stream into a collated batch.
+
+    Args:
+        kind: ``_DatasetKind.Map`` or ``_DatasetKind.Iterable``.
+        dataset: the dataset (a worker's own copy, for an IterableDataset).
+        auto_collation: whether indices come in batches (``batch_size`` or ``batch_sampler``).
+        collate_fn: the loader's collate function (``default_convert`` without batching).
+        drop_last: drop an IterableDataset's short last batch.
+
+    Raises:
+        Exception: whatever ``iter(dataset)`` raises for an IterableDataset.
+    """
+
+    def __init__(
+        self,
+        kind: int,
+        dataset: Any,
+        auto_collation: bool,
+        collate_fn: Callable[[Any], Any],
+        drop_last: bool,
+    ) -> None:
+        self._dataset = dataset
+        self._auto = auto_collation
+        self._collate = collate_fn
+        self._drop_last = drop_last
+        self._iterable = kind == _DatasetKind.Iterable
+        self._iter: Iterator[Any] | None = iter(dataset) if self._iterable else None
+        self._ended = False
+        # Batches built here for our own default collate (_gathered, point 4).
+        ours = (
+            auto_collation and not self._iterable and getattr(collate_fn, "takes_gathered", False)
+        )
+        self._ours = bool(ours)
+        self._stack_into = getattr(collate_fn, "stack_into", None) if ours else None
+
+    @property
+    def iterator(self) -> Iterator[Any] | None:
+        """The epoch's ``iter(dataset)`` of an IterableDataset; None for a map-style one."""
+        return self._iter
+
+    def fetch(self, index: Any, recorder: StageRecorder) -> Any:
+        """The collated batch for ``index``; its fetch and collate durations go to ``recorder``.
+
+        Raises:
+            StopIteration: an IterableDataset has no (full, with ``drop_last``) batch left.
+        """
+        start = time.perf_counter()
+        data = self._items(index)
+        fetched = time.perf_counter()
+        if self._ours:
+            with library_code():
+                out = self._collate(data)
+        else:
+            out = self._collate(data)  # the user's: its random draws are the worker's
+        done = time.perf_counter()
+        recorder.add_pair("fetch", fetched - start, "collate", done - fetched)
+        return out
+
+    def _items(self, index: Any) -> Any:
+        if self._iter is not None:
+            return self._next_items(index)
+        dataset = self._dataset
+        if not self._auto:
+            return dataset[index]
+        getitems = getattr(dataset, "__getitems__", None)  # per batch, as torch's fetcher
+        if getitems:
+            gather = parts_getter(dataset) if self._ours else None
+            if gather is not None:
+                with library_code():  # threadloader's own datasets' gathering
+                    parts = gather(index)
+                if parts is not None:
+                    return Gathered(parts)
+            return getitems(index)
+        if self._stack_into is not None:
+            return fetch_stacked(dataset, index, self._stack_into)
+        return [dataset[i] for i in index]
+
+    def _next_items(self, index: Any) -> Any:
+        assert self._iter is not None
+        if self._ended:
+            raise StopIteration
+        if not self._auto:
+            return next(self._iter)
+        data = []
+        for _ in index:
+            try:
+                data.append(next(self._iter))
+            except StopIteration:
+                self._ended = True
+                break
+        if not data or (self._drop_last and len(data) < len(index)):
+            raise StopIteration
+        return data

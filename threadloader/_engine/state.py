@@ -1,0 +1,427 @@
+"""A loader's state: what to save, how to check it, and how an epoch resumes from it.
+
+How state works; where the code disagrees with this, the code is wrong.
+
+1. The state is *consumer-aligned*: it describes the batches the training loop received from
+   ``__next__``, never those prefetched by workers.
+2. The index stream of an epoch is fixed by the RNG state at the moment the sampler starts
+   drawing (the loader's ``generator``, or torch's global RNG when there is none) plus the
+   sampler's own state. The loader snapshots it there, and on resume puts it back at the same
+   point, so the same permutation comes out. With a ``generator``, the global RNG is snapshotted
+   too (a sampler without one, like ``RandomSampler(replacement=True)``, seeds its epoch from
+   the global RNG) and the first indices are drawn under it; the user's global RNG is given back.
+3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
+   offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
+   sampler is replayed: its indices for the batches already delivered are drawn and dropped.
+4. A dataset with ``state_dict``/``load_state_dict`` (map-style or iterable), and an
+   IterableDataset's stateful iterator, resume each worker's copy from the state it had when
+   its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``); for
+   an IterableDataset, round-robin order continues with the worker after the one that made the
+   last batch. Any other IterableDataset is replayed: its first batches are fetched again and
+   dropped, with a warning. A map-style dataset's states resume on the same number of
+   workers; on another number each copy keeps its own state, with a warning.
+5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
+   number of workers raises ``ValueError`` naming the mismatch.
+6. With ``save_worker_rng=True`` each worker's own generators (``WorkerInfo.rng``) are saved as
+   of its last delivered batch and put back after its ``worker_init_fn`` on resume, and round
+   robin resumes at the worker after the one that made the last delivered batch, so every
+   later batch is made by the same worker from the same generator state as without the
+   interruption. On another number of workers the generators start fresh, with a warning.
+7. Map-style positions: a batch is behind the loop once ``__next__`` returned it *or raised its
+   error* (the loop may catch the error and go on: its indices were used, as in torch). The state
+   holds the first position not behind the loop and, with ``in_order=False``, the positions after
+   it already delivered; a resume continues at the first and skips the others, so a batch is
+   never lost nor repeated. ``batches_yielded`` stays torch's count of returned batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, _DatasetKind
+from torch.utils.data.dataloader import _get_distributed_settings
+
+from threadloader._engine import dataset_state
+from threadloader._engine.state_codec import encode_rng
+from threadloader._engine.worker_rng import as_plain
+
+STATE_VERSION = 1
+KINDS = {_DatasetKind.Map: "map", _DatasetKind.Iterable: "iterable"}
+
+
+@dataclass
+class Resume:
+    """A checked state, waiting for the next ``iter()`` to resume from it."""
+
+    batches: int  # batches returned before the save (torch's _num_yielded)
+    base_seed: int
+    rng_source: str
+    rng_state: torch.Tensor
+    replay_indices: bool  # map-style with a non-positional sampler: draw and drop indices
+    replay_data: bool  # IterableDataset without state_dict: fetch and drop batches
+    worker_states: list[Any] | None = None  # per-worker dataset states (point 4)
+    worker_state_form: int = dataset_state.FORM  # how they are written (_dataset_state)
+    next_worker: int = 0
+    workers_status: list[bool] | None = None
+    rng_states: list[Any] | None = None  # per-worker generator states (point 6)
+    position: int = 0  # map-style: where the index stream resumes (point 7)
+    skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
+    global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
+
+
+@dataclass
+class Progress:
+    """How far the training loop got in an epoch; shared by an iterator and its loader.
+
+    The iterator writes it as it delivers batches; the loader keeps it, so ``state_dict()``
+    still answers after the iterator was dropped (``break``, ``del``).
+    """
+
+    batches: int = 0  # batches __next__ returned this epoch (torch's _num_yielded)
+    # Of those, the ones delivered before a positional sampler's resumed pass began: its cursor
+    # already counts them, so only ``batches - resumed_batches`` come from the current pass.
+    resumed_batches: int = 0
+    exhausted: bool = False
+    # What the epoch's index stream started from (point 2): set by begin_pass.
+    base_seed: int = 0
+    rng_source: str = "global"
+    rng_state: torch.Tensor | None = None
+    # With a loader generator, the global RNG as well: a sampler may draw from it (point 2).
+    global_rng_state: torch.Tensor | None = None
+    # Per-worker dataset states as of each one's last delivered batch (point 4).
+    dataset_states: list[Any] | None = None
+    next_worker: int = 0
+    workers_alive: list[bool] = field(default_factory=list)
+    # The workers' own generators as of each one's last delivered batch (point 6).
+    rng_states: list[Any] | None = None
+    # Map-style (point 7): every position below ``done`` is behind the loop, and so are those in
+    # ``ahead`` (sorted; out-of-order delivery, or a resume's skipped positions).
+    done: int = 0
+    ahead: tuple[int, ...] = ()
+    # The position this iterator's index stream starts at, and the later ones it skips.
+    pass_start: int = 0
+    pass_skips: tuple[int, ...] = ()
+    # Batches a positional sampler's resumed pass yields (its remaining() as the pass began).
+    pass_total: int | None = None
+
+    def pass_positions(self) -> int:
+        """Positions drawn from the sampler's current pass and behind the loop, in order."""
+        return self.done - self.resumed_batches
+
+    def behind(self, pass_index: int) -> None:
+        """Record that the loop is past the ``pass_index``-th batch of this iterator's stream."""
+        position = self.pass_start + pass_index
+        if position == self.done and not self.ahead and not self.pass_skips:
+            self.done = position + 1  # in order, nothing skipped: every batch but a few
+            return
+        for skipped in self.pass_skips:  # the stream left these out: count past them
+            if skipped > position:
+                break
+            position += 1
+        if position != self.done:
+            self.ahead = tuple(sorted((*self.ahead, position)))
+            return
+        done, ahead = position + 1, self.ahead
+        while ahead and ahead[0] == done:
+            ahead, done = ahead[1:], done + 1
+        self.done, self.ahead = done, ahead
+
+
+class ProgressMixin:
+    """Routes torch's ``_num_yielded`` counter into a ``Progress`` the loader can keep."""
+
+    _progress: Progress
+
+    @property
+    def _num_yielded(self) -> int:
+        return self._progress.batches
+
+    @_num_yielded.setter
+    def _num_yielded(self, value: int) -> None:
+        self._progress.batches = value
+
+
+def positional_sampler(loader: Any) -> tuple[Any, int] | None:
+    """The sampler that can describe its own position, and how many of its indices make a batch.
+
+    Returns:
+        ``(sampler, indices_per_batch)`` when the loader's indices come from a sampler with
+        ``state_dict_at`` (ours), through torch's ``BatchSampler`` or directly; else None.
+    """
+    index_sampler = loader._index_sampler
+    if hasattr(index_sampler, "state_dict_at"):
+        return index_sampler, 1
+    if type(index_sampler) is BatchSampler and hasattr(loader.sampler, "state_dict_at"):
+        return loader.sampler, int(index_sampler.batch_size)
+    return None
+
+
+def rng_source(loader: Any) -> str:
+    return "generator" if loader.generator is not None else "global"
+
+
+def snapshot_rng(loader: Any) -> tuple[str, torch.Tensor]:
+    source = rng_source(loader)
+    if source == "generator":
+        return source, loader.generator.get_state()
+    return source, torch.get_rng_state()
+
+
+def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
+    """Start an epoch's index stream, resuming it if asked; returns the stream to draw from.
+
+    Called by both iterators right before their first index is drawn (point 2).
+    """
+    sampler_iter: Iterator[Any] = it._sampler_iter
+    progress: Progress = it._progress
+    progress.exhausted = False
+    progress.resumed_batches = 0
+    progress.done = progress.pass_start = 0
+    progress.ahead = progress.pass_skips = ()
+    progress.pass_total = None
+    if resume is None:
+        progress.base_seed = int(it._base_seed)
+        progress.rng_source, progress.rng_state = snapshot_rng(loader)
+        progress.global_rng_state = (
+            torch.get_rng_state() if progress.rng_source == "generator" else None
+        )
+        return sampler_iter
+    progress.base_seed = resume.base_seed
+    progress.rng_source, progress.rng_state = resume.rng_source, resume.rng_state
+    progress.global_rng_state = resume.global_rng_state
+    global_state = resume.rng_state if resume.rng_source == "global" else resume.global_rng_state
+    if resume.rng_source == "generator":
+        loader.generator.set_state(resume.rng_state)
+    if global_state is not None:
+        # Draw the first indices under the saved global RNG (a sampler seeds its epoch from it
+        # at its first draw), then give the user theirs back.
+        mine = torch.get_rng_state()
+        torch.set_rng_state(global_state)
+        try:
+            first = list(itertools.islice(sampler_iter, 1))
+        finally:
+            torch.set_rng_state(mine)
+        sampler_iter = Predrawn(first, sampler_iter)
+    if resume.replay_indices:
+        for _ in itertools.islice(sampler_iter, resume.position):
+            pass
+    progress.dataset_states = resume.worker_states
+    progress.batches = resume.batches
+    progress.done = progress.pass_start = resume.position
+    progress.ahead = progress.pass_skips = resume.skips
+    if positional_sampler(loader) is not None:
+        progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
+        progress.pass_total = _resumed_pass_batches(loader)
+    if resume.skips:
+        sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
+    return sampler_iter
+
+
+def without_predrawn(stream: Iterator[Any]) -> Iterator[Any]:
+    """``stream`` without a ``Predrawn`` head: what a sampler rewound to the delivered position
+    (a live mixture-weight change) yields; the head was drawn before the rewind."""
+    return stream.rest if isinstance(stream, Predrawn) else stream
+
+
+class Predrawn(Iterator[Any]):
+    """``head`` (drawn early, under the saved RNG), then ``rest``: the stream ``begin_pass`` made.
+
+    A sampler rewound before the head was delivered (a live mixture-weight change right after
+    ``iter()``) makes the head stale: ``rest`` is the rewound stream without it.
+    """
+
+    def __init__(self, head: list[Any], rest: Iterator[Any]) -> None:
+        self.head, self.rest = head, rest
+
+    def __next__(self) -> Any:
+        if self.head:
+            return self.head.pop(0)
+        return next(self.rest)
+
+
+def continue_persistent(it: Any, loader: Any) -> None:
+    """Undo a new iterator's base-seed draw where the saving loader's would have drawn none.
+
+    A state taken between epochs of a loader with persistent workers starts the next epoch,
+    which that loader would have run on its existing iterator (``_reset``: no new base seed).
+    A new iterator has just drawn one from the generator; restoring the saved generator state
+    and base seed makes the next epoch's order (and worker seeds) the uninterrupted run's.
+    """
+    saved = loader._continue_persistent
+    if saved is None:
+        return
+    loader._continue_persistent = None
+    loader.generator.set_state(saved[0])
+    it._base_seed = saved[1]
+
+
+def epoch_complete(loader: Any, progress: Progress) -> bool:
+    """Every batch of this map-style epoch was delivered, though ``next()`` may not have raised
+    ``StopIteration`` yet (Lightning checkpoints at the epoch's last step so).
+
+    Counted, never probed (drawing ahead would move the sampler's RNG draws): the pass's length
+    is the index sampler's ``len()`` (a whole epoch, also for a replayed resume), or for a
+    positional sampler resumed mid-pass its ``remaining()`` indices in batches, read as the pass
+    began. Unknown lengths answer False (the state stays in progress, as before).
+    """
+    if loader._dataset_kind != _DatasetKind.Map or progress.exhausted or progress.ahead:
+        return False
+    if progress.resumed_batches:
+        total = progress.pass_total
+    else:
+        try:
+            total = len(loader._index_sampler)
+        except TypeError:  # a sampler without len()
+            return False
+    return total is not None and progress.done - progress.resumed_batches >= total
+
+
+def _resumed_pass_batches(loader: Any) -> int | None:
+    """Batches a positional sampler's pass yields, read as it begins (None: it cannot say)."""
+    positional = positional_sampler(loader)
+    if positional is None:
+        return None
+    sampler, per_batch = positional
+    remaining = getattr(sampler, "remaining", None)
+    if not callable(remaining):
+        return None
+    indices = int(remaining())
+    if per_batch == 1:
+        return indices
+    return indices // per_batch if loader._index_sampler.drop_last else -(-indices // per_batch)
+
+
+def stream_ended(it: Any) -> bool:
+    """Whether the iterator's index stream ``it._sampler_iter`` is at its end, ending it.
+
+    Called only once every batch was counted delivered (``epoch_complete``): the draw runs what
+    the sampler does when it ends. A stream that still yields keeps that item for its turn
+    (``Predrawn``), and is asked no more while it holds one.
+    """
+    stream = it._sampler_iter
+    if isinstance(stream, Predrawn) and stream.head:
+        return False
+    try:
+        head = next(stream)
+    except StopIteration:
+        return True
+    it._sampler_iter = Predrawn([head], stream)
+    return False
+
+
+def _skipping(stream: Iterator[Any], offsets: list[int]) -> Iterator[Any]:
+    """``stream`` without its items at ``offsets`` (sorted): batches delivered before the save."""
+    for offset, item in enumerate(stream):
+        if offsets and offset == offsets[0]:
+            offsets.pop(0)
+            continue
+        yield item
+
+
+def warn_replay(dataset: Any, batches: int) -> None:
+    warnings.warn(
+        f"{type(dataset).__name__} has no state_dict()/load_state_dict(): resuming by fetching "
+        f"and dropping the first {batches} batches of the epoch again",
+        stacklevel=3,
+    )
+
+
+def build_state(loader: Any, progress: Progress | None, complete: bool = False) -> dict[str, Any]:
+    """The state of ``loader`` as of the batches its training loop received (point 1).
+
+    ``complete``: every batch of the epoch was delivered, though ``next()`` has not raised
+    ``StopIteration`` yet; the state then starts the next epoch, as after the end.
+    """
+    world_size, rank = _get_distributed_settings()
+    kind = KINDS[loader._dataset_kind]
+    fresh = progress is None or progress.exhausted or progress.rng_state is None or complete
+    batches = 0 if fresh or progress is None else progress.batches
+    map_style = kind == "map"
+    # Point 7: where a map-style stream resumes (an iterable one resumes by its batch count).
+    position = progress.done if map_style and not fresh and progress is not None else batches
+    ahead = list(progress.ahead) if map_style and not fresh and progress is not None else []
+    if fresh or progress is None or progress.rng_state is None:
+        source, rng_state = snapshot_rng(loader)
+        base_seed = progress.base_seed if progress is not None else 0
+    else:
+        source, rng_state, base_seed = progress.rng_source, progress.rng_state, progress.base_seed
+    positional = positional_sampler(loader)
+    sampler_state = None
+    if positional is not None:
+        sampler, per_batch = positional
+        this_pass = position - (progress.resumed_batches if progress is not None else 0)
+        sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
+        if fresh and progress is not None:
+            sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
+    live = not fresh and progress is not None
+    worker_states = None
+    saved = progress.dataset_states if live else None  # type: ignore[union-attr]
+    if progress is not None and progress.exhausted and loader.num_workers == 0:
+        # Between epochs without workers the loader's own dataset carries its state into the
+        # next epoch (with workers, each epoch's copies start from the loader's dataset).
+        saved = progress.dataset_states
+    if saved is not None and any(state is not None for state in saved):
+        worker_states = list(saved)
+    return {
+        "version": STATE_VERSION,
+        "epoch": loader._epochs_started,
+        "in_progress": not fresh,
+        "batches_yielded": batches,
+        "position": position,
+        "delivered_ahead": ahead,
+        "base_seed": base_seed,
+        "rng_source": source,
+        "rng_state": encode_rng(rng_state),
+        "batch_size": loader.batch_size,
+        "sampler_type": type_name(loader.sampler),
+        "sampler": sampler_state,
+        "sampler_epoch": sampler_epoch(loader),
+        "dataset_kind": kind,
+        "dataset_length": dataset_length(loader.dataset) if kind == "map" else None,
+        "num_workers": loader.num_workers,
+        "world_size": world_size,
+        "rank": rank,
+        "worker_states": worker_states,
+        "worker_state_form": dataset_state.FORM,
+        "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
+        "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
+        "worker_rng_states": _rng_states(loader, progress) if live else None,
+        "global_rng_state": (
+            encode_rng(progress.global_rng_state)  # type: ignore[union-attr]
+            if live and progress.global_rng_state is not None  # type: ignore[union-attr]
+            else None
+        ),
+    }
+
+
+def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
+    """Point 6: the saved generator states, when the loader saves them and has any yet."""
+    if not loader.save_worker_rng or progress is None:
+        return None
+    states = progress.rng_states
+    if not states or all(s is None for s in states):
+        return None
+    return [as_plain(s) if s is not None else None for s in states]
+
+
+def dataset_length(dataset: Any) -> int | None:
+    """``len(dataset)``, or None for a dataset without a length."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def sampler_epoch(loader: Any) -> int | None:
+    epoch = getattr(loader.sampler, "epoch", None)
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
+def type_name(obj: Any) -> str:
+    kind = type(obj)
+    return f"{kind.__module__}.{kind.__qualname__}"

@@ -1,0 +1,230 @@
+"""How a saved state is checked against the loader it is loaded into, and turned into a ``Resume``.
+
+Every mismatch that would resume at the wrong place (another dataset length, batch size, sampler,
+world size without a positional sampler, format version) raises ``ValueError`` naming it;
+nothing resumes silently at the wrong place.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data.dataloader import _get_distributed_settings
+
+from threadloader._engine import dataset_state
+from threadloader._engine.state import (
+    KINDS,
+    STATE_VERSION,
+    Resume,
+    dataset_length,
+    positional_sampler,
+    rng_source,
+    snapshot_rng,
+    type_name,
+)
+
+
+def _check_int(state: Mapping[str, Any], key: str, minimum: int | None = 0) -> None:
+    value = state[key]
+    if type(value) is not int or (minimum is not None and value < minimum):
+        wanted = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ValueError(f"loader state {key} must be {wanted}, got {value!r}")
+
+
+def _sampler_checks_sources(loader: Any) -> bool:
+    """A MixtureSampler checks each source's length by name; sources may be added at restart."""
+    from threadloader.streams import MixtureSampler
+
+    return isinstance(loader.sampler, MixtureSampler)
+
+
+_REQUIRED = (
+    "version",
+    "epoch",
+    "in_progress",
+    "batches_yielded",
+    "base_seed",
+    "rng_source",
+    "rng_state",
+    "sampler",
+    "sampler_epoch",
+    "dataset_kind",
+    "dataset_length",
+    "num_workers",
+    "world_size",
+    "worker_states",
+    "next_worker",
+    "workers_status",
+)
+
+
+def _check_same_batches(loader: Any, state: Mapping[str, Any], positional: bool) -> None:
+    """A mid-epoch position counts batches of the saving loader's sampler and batch size.
+
+    ``threadloader.samplers`` save a cursor in samples, so they resume across a change of
+    batch size; any other sampler resumes at ``position`` batches of *this* loader, which is the
+    same place only with the same batch size. States saved before these keys existed pass.
+    """
+    saved_type = state.get("sampler_type")
+    if saved_type is not None and saved_type != type_name(loader.sampler):
+        raise ValueError(
+            f"loader state was saved mid-epoch with a {saved_type} sampler, this loader samples "
+            f"with {type_name(loader.sampler)}: it would resume somewhere else"
+        )
+    saved_size = state.get("batch_size", loader.batch_size)
+    if saved_size != loader.batch_size and (not positional or state.get("delivered_ahead")):
+        raise ValueError(
+            f"loader state was saved mid-epoch with batch_size={saved_size}, this loader has "
+            f"batch_size={loader.batch_size}: its position counts batches of the other size "
+            "(threadloader.samplers resume across a batch size change, unless batches were "
+            "delivered out of order before the save)"
+        )
+
+
+def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
+    """Check ``state`` against ``loader`` and turn it into a pending resume.
+
+    Raises:
+        ValueError: the state is not a loader state of this format, or was saved for another
+            dataset kind or length, or for a world size / worker count it cannot resume on.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"loader state must be a dict, got {type(state).__name__}")  # noqa: TRY004
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ValueError(f"loader state is missing {missing}: not a ThreadDataLoader state")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(
+            f"loader state has format version {state['version']!r}; this threadloader reads "
+            f"version {STATE_VERSION}"
+        )
+    # Types first: nothing (a sampler's epoch, its state) is changed by a state that fails.
+    for key in ("epoch", "batches_yielded", "num_workers", "next_worker"):
+        _check_int(state, key)
+    _check_int(state, "base_seed", minimum=None)
+    if type(state["in_progress"]) is not bool:
+        raise ValueError(f"loader state in_progress must be a bool, got {state['in_progress']!r}")
+    kind = KINDS[loader._dataset_kind]
+    if state["dataset_kind"] != kind:
+        raise ValueError(f"loader state is for a {state['dataset_kind']} dataset, this is {kind}")
+    length = dataset_length(loader.dataset) if kind == "map" else None
+    if state["dataset_length"] != length and not _sampler_checks_sources(loader):
+        raise ValueError(
+            f"loader state is for a dataset of length {state['dataset_length']}, "
+            f"this dataset has length {length}"
+        )
+    batches = state["batches_yielded"]  # an int >= 0: checked with the other fields above
+    if state["rng_source"] not in ("generator", "global"):
+        raise ValueError(f"loader state rng_source {state['rng_source']!r} is not understood")
+    if state["rng_source"] != rng_source(loader):
+        raise ValueError(
+            f"loader state drew its order from the {state['rng_source']} RNG, this loader from "
+            f"the {rng_source(loader)} one: pass the same `generator=` (or none) to resume"
+        )
+    if not isinstance(state["rng_state"], torch.Tensor):
+        raise ValueError(  # noqa: TRY004
+            "loader state rng_state must be an RNG state (base64 text, or a uint8 tensor)"
+        )
+    expected_rng = snapshot_rng(loader)[1]
+    if state["rng_state"].dtype != expected_rng.dtype or state["rng_state"].shape != (
+        expected_rng.shape
+    ):
+        raise ValueError(
+            f"loader state rng_state is a {state['rng_state'].dtype} tensor of shape "
+            f"{tuple(state['rng_state'].shape)}, not a {state['rng_source']} RNG state "
+            f"({expected_rng.dtype}, {tuple(expected_rng.shape)})"
+        )
+    # Point 7; states saved before these keys existed resume at their batch count.
+    if "position" in state:
+        _check_int(state, "position")
+    position = state.get("position", batches)
+    skips = state.get("delivered_ahead") or []
+    if (
+        not isinstance(skips, list)
+        or not all(type(p) is int for p in skips)
+        or skips != sorted(set(skips))
+        or (skips and skips[0] <= position)
+    ):
+        raise ValueError(
+            f"loader state position {position!r} / delivered_ahead {skips!r} are not a position "
+            "and the sorted positions after it"
+        )
+    positional = positional_sampler(loader)
+    world_size, _ = _get_distributed_settings()
+    replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
+    if state["in_progress"] and kind == "map":
+        _check_same_batches(loader, state, positional is not None)
+    if replay_indices and state["world_size"] != world_size:
+        raise ValueError(
+            f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "
+            "only threadloader.samplers resume on another world size; a replayed sampler would "
+            "resume at the wrong place"
+        )
+    if positional is not None and state["sampler"] is None:
+        raise ValueError("loader state has no sampler state, but this loader's sampler needs one")
+    worker_states = state["worker_states"]
+    form = state.get("worker_state_form", 1)  # optional: older states held raw dataset states
+    if form == 1 and not (kind == "iterable" and dataset_state.is_stateful(loader.dataset)):
+        worker_states = None
+    stateful_iterable = kind == "iterable" and worker_states is not None
+    replay_data = kind == "iterable" and not stateful_iterable and batches > 0
+    expected = max(loader.num_workers, 1)
+    if worker_states is not None and len(worker_states) != expected:
+        if stateful_iterable:
+            raise ValueError(
+                f"loader state holds {len(worker_states)} IterableDataset worker states, this "
+                f"loader has {expected} workers: an IterableDataset resumes on the same number "
+                "of workers"
+            )
+        warnings.warn(
+            f"loader state holds the dataset states of {len(worker_states)} workers, this "
+            f"loader has {expected}: each worker's copy of the dataset keeps its own state",
+            stacklevel=3,
+        )
+        worker_states = None
+    global_rng_state = state.get("global_rng_state")  # optional, as worker_rng_states
+    if global_rng_state is not None and (
+        not isinstance(global_rng_state, torch.Tensor)
+        or global_rng_state.dtype != torch.uint8
+        or global_rng_state.shape != torch.get_rng_state().shape
+    ):
+        raise ValueError("loader state global_rng_state is not a torch global RNG state")
+    rng_states = state.get("worker_rng_states")  # optional: states saved without it resume
+    if replay_data:
+        # The replayed batches draw again from the seeded generators, which brings them to the
+        # saved states by themselves: restoring those first would advance them twice.
+        rng_states = None
+    elif rng_states is not None and len(rng_states) != loader.num_workers:
+        warnings.warn(
+            f"loader state holds the generators of {len(rng_states)} workers, this loader has "
+            f"{loader.num_workers}: the workers' own generators start fresh (seeded), so random "
+            "draws from them differ from an uninterrupted run",
+            stacklevel=3,
+        )
+        rng_states = None
+    epoch = state["sampler_epoch"]
+    if epoch is not None and callable(getattr(loader.sampler, "set_epoch", None)):
+        # Trainers (Lightning) may call iter() before set_epoch() on resume, and the workers'
+        # first indices are drawn at iter(): the sampler must already be in the saved epoch.
+        loader.sampler.set_epoch(epoch)
+    if positional is not None:
+        positional[0].load_state_dict(state["sampler"])
+    return Resume(
+        batches=batches,
+        base_seed=int(state["base_seed"]),
+        rng_source=state["rng_source"],
+        rng_state=state["rng_state"],
+        replay_indices=replay_indices,
+        replay_data=replay_data,
+        worker_states=worker_states,
+        worker_state_form=form,
+        next_worker=int(state["next_worker"]),
+        workers_status=state["workers_status"] if stateful_iterable else None,
+        rng_states=list(rng_states) if rng_states is not None else None,
+        position=position if kind == "map" else batches,
+        skips=tuple(skips) if kind == "map" else (),
+        global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
+    )

@@ -1,0 +1,275 @@
+"""One worker: its own ``WorkerInfo``, seeds, global RNGs and dataset copy, its task queue, and how
+it runs one task.
+
+A worker is torch's worker process turned into a thread of the training process (``workers``
+says what that means); ``Worker.enter`` makes the calling thread act as this worker, and
+``leave`` undoes it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import numpy.random  # else imported on first use: 5 ms into each isolation helper's start
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data import _DatasetKind
+from torch.utils.data._utils.worker import (
+    _RNG,
+    WorkerInfo,
+    _generate_state,
+    _IterableDatasetStopIteration,
+)
+
+from threadloader._engine import dataset_state, worker_info
+from threadloader._engine.datapipes import reseed
+from threadloader._engine.dataset_copy import worker_copy
+from threadloader._engine.fetch import Fetcher
+from threadloader._engine.tasks import NOTHING, NewEpoch, Result, Task, WorkerSpec
+from threadloader._engine.worker_rng import load_rng_state, rng_state
+from threadloader._primitives import worker_globals
+from threadloader._primitives.queues import BoundedQueue
+from threadloader._primitives.timing import StageRecorder
+from threadloader._primitives.worker_globals import WorkerRNGs
+
+
+def _make_rngs(base_seed: int, worker_id: int) -> tuple[_RNG, WorkerRNGs]:
+    """The worker's ``WorkerInfo.rng`` and its process-global RNGs, seeded as torch seeds a
+    worker process.
+
+    torch's worker process runs ``random.seed(seed)``, ``torch.manual_seed(seed)`` and
+    ``np.random.seed(_generate_state(base_seed, worker_id))``: the same seeds, here for the
+    worker's own generators, which its thread's global RNG functions reach (``_primitives.worker_globals``).
+    """
+    seed = base_seed + worker_id
+    numpy_seed = _generate_state(base_seed, worker_id)
+    rng = _RNG(
+        random_generator=random.Random(seed),
+        torch_generator=torch.Generator().manual_seed(seed),
+        numpy_generator=np.random.default_rng(numpy_seed),
+    )
+    return rng, WorkerRNGs(rng, np.random.RandomState(numpy_seed))
+
+
+class Worker:
+    """One worker: its info, its task queue, and the lock held while one of its tasks runs.
+
+    ``busy`` serialises the worker's tasks whoever runs them: the worker thread, or the training
+    thread when it takes a task the worker has not started (``threaded``). Per-worker state (the
+    dataset iterator, the worker's generators) is therefore never used by two threads at once,
+    and a worker's tasks run in dispatch order, so its random draws are reproducible.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        worker_id: int,
+        base_seed: int,
+        capacity: int,
+        recorder: StageRecorder,
+    ) -> None:
+        self.id = worker_id
+        self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
+        self.spec = spec
+        worker_globals.install()
+        rng, self.rngs = _make_rngs(base_seed, worker_id)
+        # Made as this worker: a __setstate__ or __copy__ that draws must not move the
+        # training thread's RNGs (a worker process unpickles its copy itself).
+        outer = worker_globals.swap(self.rngs)
+        try:
+            dataset = worker_copy(spec.dataset)
+        finally:
+            worker_globals.swap(outer)
+        self.info = WorkerInfo(
+            id=worker_id,
+            num_workers=spec.num_workers,
+            seed=base_seed + worker_id,
+            dataset=dataset,
+            rng=rng,
+            worker_method="thread",
+        )
+        self.tasks: BoundedQueue[Task | NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
+        self.busy = threading.Lock()
+        self.ready = False  # worker_init_fn ran and the fetcher exists (set under `busy`)
+        self.generation = 0
+        self._fetcher: Any = None
+        self._pending_error: ExceptionWrapper | None = None
+        self._ended = False  # the IterableDataset ran out this epoch
+
+    def _where(self) -> str:
+        return f"in threadloader worker thread {self.id}"
+
+    def start_epoch(self, generation: int, seed: int | None = None) -> None:
+        """(Re)create the dataset fetcher; errors surface with this worker's next task.
+
+        Args:
+            generation: the epoch's generation.
+            seed: a later epoch's shared seed for an IterDataPipe graph (``datapipes``).
+        """
+        self.generation = generation
+        self._ended = False
+        try:
+            reseed(self.info.dataset, seed)
+            self._fetcher = Fetcher(
+                self.spec.dataset_kind,
+                self.info.dataset,
+                self.spec.auto_collation,
+                self.spec.collate_fn,
+                self.spec.drop_last,
+            )
+        except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+            self._pending_error = ExceptionWrapper(where=self._where())
+
+    def initialize(self) -> None:
+        """Run ``worker_init_fn`` and create the fetcher, as torch's worker does at start."""
+        try:
+            if self.spec.worker_init_fn is not None:
+                self.spec.worker_init_fn(self.id)
+            resume = self.spec.resume_states
+            state = resume[self.id] if resume is not None else None
+            form = self.spec.resume_state_form
+            dataset_state.restore_dataset(self.info.dataset, state, form)
+            # After worker_init_fn: the saved state already includes what it drew.
+            rng = self.spec.resume_rng
+            if rng is not None and rng[self.id] is not None:
+                load_rng_state(self.rngs, rng[self.id])
+        except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+            self._pending_error = ExceptionWrapper(where=self._where())
+        else:
+            self.start_epoch(self.generation)
+            if self._fetcher is not None and state is not None:
+                try:  # after iter(dataset), as StatefulDataLoader (_dataset_state point 2)
+                    dataset_state.restore_iterator(self._fetcher.iterator, state, form)
+                except BaseException:  # noqa: BLE001  # delivered to the training thread
+                    self._pending_error = ExceptionWrapper(where=self._where())
+        self.ready = True
+
+    def initialize_here(self) -> None:
+        """``initialize`` on the calling thread, as this worker, unless it ran; holding ``busy``.
+
+        For a thread that is not this worker's own (its ``WorkerInfo`` is installed for the
+        call): the training thread starting an epoch without threads, or whichever isolation
+        runner first claims one of this worker's tasks.
+        """
+        if self.ready:
+            return
+        previous = current_context()
+        try:
+            self.enter()
+            self.initialize()
+        finally:
+            leave(previous)
+
+    def enter(self) -> tuple[WorkerInfo | None, WorkerRNGs | None]:
+        """Make the calling thread act as this worker: its WorkerInfo and global RNGs.
+
+        Returns:
+            What to hand ``leave`` to make the thread what it was before (``current_context``
+            read before the call is the same, and safe against a Ctrl-C inside it).
+        """
+        return worker_info.swap(self.info), worker_globals.swap(self.rngs)
+
+    def snapshot(self) -> Any:
+        """This worker's dataset state now (``dataset_state``), if the loader tracks it."""
+        if not self.spec.capture_state:
+            return None
+        iterator = self._fetcher.iterator if self._fetcher is not None else None
+        return dataset_state.snapshot(self.info.dataset, iterator)
+
+    def run_timed(self, task: Task, recorder: StageRecorder, cpu_time: bool = True) -> Result:
+        """``run`` on the calling thread as this worker (its WorkerInfo installed), timed.
+
+        Whichever thread runs it (this worker's, the training thread, an isolation runner),
+        holding ``busy``. The result carries when the fetch began and, with ``cpu_time``, the
+        thread CPU time and the wall time it took: what the concurrency controller judges a
+        limit by.
+        """
+        previous = current_context()  # read first: a Ctrl-C inside enter() still leaves
+        started = time.perf_counter()
+        cpu = time.thread_time() if cpu_time else None
+        state = rng = None
+        try:
+            self.enter()
+            data = self.run(task, recorder)
+            wall = None
+            if cpu is not None:
+                cpu = time.thread_time() - cpu
+                wall = time.perf_counter() - started
+            if data is not NOTHING and not isinstance(data, ExceptionWrapper):
+                try:  # user code (state_dict(), as this worker): its error is the batch's
+                    state = self.snapshot()
+                    if self.spec.capture_rng:
+                        rng = rng_state(self.rngs)
+                except BaseException:  # noqa: BLE001  # delivered to the training thread
+                    data = ExceptionWrapper(
+                        where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
+                    )
+                    state = rng = None
+        finally:
+            leave(previous)
+        return Result(task.idx, self.id, task.generation, data, state, started, cpu, wall, rng)
+
+    def run(self, task: Task, recorder: StageRecorder) -> Any:
+        """Fetch and collate ``task``'s batch (pinned, when the collate pins); holding ``busy``.
+
+        Args:
+            task: the batch to make.
+            recorder: where the stage durations go: the running thread's.
+
+        Returns:
+            The batch; an ``ExceptionWrapper`` naming this worker and the batch's indices;
+            ``_IterableDatasetStopIteration`` when the IterableDataset just ran out; or
+            ``NOTHING`` when it had already run out (torch's worker sends nothing then either).
+            ``None`` is a batch like any other (a dataset or collate_fn may return it).
+        """
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            return error
+        if self._ended:
+            return NOTHING
+        if self._fetcher is None:
+            # Its start failed and that error was raised with its first batch; say so again
+            # for each later one (torch's worker process fails on an unbound name there).
+            try:
+                raise RuntimeError(
+                    f"threadloader worker thread {self.id} failed to start (worker_init_fn or "
+                    f"the dataset's setup raised; that error came with an earlier batch), so it "
+                    f"cannot make batch {task.idx}"
+                )
+            except RuntimeError:
+                return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
+        try:
+            return self._fetcher.fetch(task.index, recorder)
+        except StopIteration:
+            if self.spec.dataset_kind != _DatasetKind.Iterable:
+                return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
+            self._ended = True
+            return _IterableDatasetStopIteration(self.id)
+        except KeyboardInterrupt:
+            if threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C while the training thread makes a batch itself: the loop's own
+            return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
+        except BaseException:  # noqa: BLE001  # a SystemExit must not silently kill the thread
+            return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
+
+
+def current_context() -> tuple[WorkerInfo | None, WorkerRNGs | None]:
+    """The calling thread's worker context now, for a later ``leave``."""
+    return worker_info.current(), worker_globals.current()
+
+
+def leave(previous: tuple[WorkerInfo | None, WorkerRNGs | None]) -> None:
+    """Undo ``Worker.enter`` on the calling thread."""
+    worker_globals.swap(previous[1])
+    worker_info.swap(previous[0])
+
+
+def _indices(task: Task) -> str:
+    if task.index is None:
+        return ""
+    text = repr(task.index)
+    return f", indices {text if len(text) <= 200 else text[:197] + '...'}"

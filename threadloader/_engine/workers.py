@@ -1,0 +1,224 @@
+"""Worker threads: what one worker is, what its thread runs, and the pool that owns them all.
+
+A worker is torch's worker process turned into a thread of the training process:
+
+- it gets a ``WorkerInfo`` of its own (``worker_method="thread"``, ``rng`` set), installed in a
+  thread-local that torch's ``get_worker_info()`` consults (see ``worker_info``);
+- its seed is ``base_seed + worker_id`` as in torch, which seeds *its own* generators
+  (``random.Random``, ``torch.Generator``, numpy ``Generator`` and legacy ``RandomState``); it
+  never calls ``torch.set_num_threads`` (that would change the whole process);
+- each worker sees its own copy of the dataset object (``dataset_copy``: shallow, so the data
+  it references is in memory once), and its thread's global RNG functions reach its own
+  generators (``_primitives.worker_globals``), as a worker process has its own of both.
+
+The pool owns every thread it starts and joins them in ``close()``, which is idempotent and safe
+from a finalizer, from an interpreter-exit hook and from one of its own threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from threadloader._engine.tasks import NOTHING, NewEpoch, Result, WorkerSpec
+from threadloader._engine.worker import Worker, current_context, leave
+from threadloader._primitives import exit_hook, worker_globals
+from threadloader._primitives.gate import Gate
+from threadloader._primitives.queues import BoundedQueue, QueueClosed
+from threadloader._primitives.timing import StageRecorder
+
+#: Seconds ``close()`` waits in all for threads to finish their current task. A thread still
+#: inside a slow ``__getitem__`` after that is left to finish it on its own (it is a daemon and
+#: will fetch nothing more): shutdown must not hang on user code.
+JOIN_TIMEOUT_S = 10.0
+
+
+def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
+    """What one worker thread runs: wait for a task and a gate slot, run it, hand it back.
+
+    The task stays at the head of the worker's queue until the worker holds a gate slot and its
+    ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
+    """
+    previous = current_context()
+    try:
+        worker.enter()  # for the thread's whole life
+        _serve(worker, gate, results)
+    finally:
+        # Nothing left on this thread's torch mode stack when it ends (ours, or one user code
+        # left): an object there is released by a C++ thread-local destructor, which aborts the
+        # process if Python is finalizing.
+        leave(previous)
+        worker_globals.clear_modes()
+
+
+def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
+    with worker.busy:
+        if not worker.ready:  # else the training thread did (``WorkerPool(start=False)``)
+            worker.initialize()
+    while True:
+        if not gate.wait_open():
+            return
+        try:
+            msg = worker.tasks.peek()
+        except QueueClosed:
+            return
+        if isinstance(msg, NewEpoch):
+            with worker.busy:
+                if worker.tasks.take_head_if(msg):
+                    worker.start_epoch(msg.generation, msg.seed)
+            continue
+        if not gate.enter():
+            return
+        if not worker.busy.acquire(blocking=False):
+            # The training thread is running this worker's task: wait for it without holding
+            # a slot of the gate, which another worker can use meanwhile.
+            gate.exit()
+            with worker.busy:
+                pass
+            del msg
+            continue
+        try:
+            if not worker.tasks.take_head_if(msg):
+                continue  # the training thread ran it, or a new epoch dropped it
+            if msg.generation == worker.generation:
+                result = worker.run_timed(msg, worker.recorder)
+                if result.data is not NOTHING:
+                    results.put(result)
+                del result
+        finally:
+            worker.busy.release()
+            gate.exit()
+        del msg  # a blocked peek() must not pin the last batch's task (CPython's thread.py)
+
+
+class WorkerPool:
+    """The worker threads of one iterator: started together, closed and joined together.
+
+    Args:
+        spec: what the workers share.
+        base_seed: torch's per-iterator seed; worker ``i`` gets ``base_seed + i``.
+        max_tasks: the dispatcher's bound on tasks in flight (``num_workers * prefetch_factor``).
+        name: thread-name prefix, e.g. ``threadloader-7f3a``, so a stack dump reads on its own.
+        recorders: one stage recorder per worker, for ``stats()``.
+        start: start the threads now. ``False`` (an epoch that begins with the training thread
+            fetching alone, and no ``worker_init_fn``): the calling thread initializes every
+            worker now, and the threads start on the first ``start()``, if ever.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        base_seed: int,
+        max_tasks: int,
+        name: str,
+        recorders: list[StageRecorder],
+        start: bool = True,
+    ) -> None:
+        n = spec.num_workers
+        # Bounds (see _queues): each worker holds at most max_tasks tasks plus one NewEpoch;
+        # results hold at most the tasks in flight plus one stale result per worker.
+        self.results: BoundedQueue[Result] = BoundedQueue(max_tasks + 2 * n, f"{name}-results")
+        self.workers = [Worker(spec, i, base_seed, max_tasks + 1, recorders[i]) for i in range(n)]
+        self.gate = Gate(n)
+        self.generation = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._name = name
+        exit_hook.track(self)
+        if start:
+            self.start()
+            return
+        try:
+            for w in self.workers:
+                # No user code runs here (no worker_init_fn): only the fetcher is made, and
+                # which thread makes it cannot be told apart.
+                with w.busy:
+                    w.initialize_here()
+        except BaseException:  # a KeyboardInterrupt: untrack the pool before it is dropped
+            self.close()
+            raise
+
+    def start(self) -> None:
+        """Start the worker threads, unless started (or closed) already; from the owner only."""
+        error: BaseException | None = None
+        with self._lock:
+            if self._threads or self._closed:
+                return
+            try:
+                for w in self.workers:
+                    t = threading.Thread(
+                        target=_worker_loop,
+                        args=(w, self.gate, self.results),
+                        name=f"{self._name}-worker{w.id}",
+                        daemon=True,  # never block exit; the exit hook joins them first
+                    )
+                    t.start()
+                    self._threads.append(t)
+            except BaseException as e:  # noqa: BLE001  # re-raised below, once closed
+                error = e
+        if error is not None:
+            self.close()  # joins the threads that did start
+            raise error
+
+    def __repr__(self) -> str:
+        alive = sum(t.is_alive() for t in self._threads)
+        return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
+
+    def new_epoch(self, seed: int | None = None) -> int:
+        """Drop every task not started, and restart each worker's fetcher (persistent workers).
+
+        Args:
+            seed: the iterator's new shared seed, for an IterDataPipe graph (``datapipes``).
+
+        Returns:
+            The new generation: results of earlier generations are stale.
+        """
+        self.generation += 1
+        generation = self.generation
+        for w in self.workers:
+            w.tasks.replace_all(NewEpoch(generation, seed))
+        # Results the training thread never read (a break, a live weight change) would hold
+        # room the new tasks need: the queue's bound counts one stale result per worker only.
+        self.results.drop_where(lambda r: r.generation != generation)
+        return generation
+
+    def close(self, wait: bool = True, redeliver: bool = False) -> None:
+        """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook.
+
+        Args:
+            wait: join the threads, for at most ``JOIN_TIMEOUT_S`` in all. A thread still inside
+                user code after that finishes that call on its own and exits, having nothing
+                left to fetch. With ``False``, join none now: the pool stays with the exit hook,
+                whose ``close()`` joins what is left at interpreter exit (a later ``close()``
+                joins too).
+            redeliver: called from a finalizer, which drops exceptions: a Ctrl-C during the
+                join is sent to the main thread again (``exit_hook.redeliver_interrupt``).
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while joining, unless ``redeliver``.
+        """
+        with self._lock:
+            self._closed = True
+        # Every call wakes the threads again (each close is idempotent): a Ctrl-C may have
+        # stopped an earlier call halfway (_finalizers point 2).
+        for w in self.workers:
+            w.tasks.close()
+        self.gate.close()
+        self.results.close()
+        if not wait:
+            return  # still tracked: the exit hook joins a thread still in user code then
+        me = threading.current_thread()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        try:
+            for t in self._threads:
+                if t is not me:
+                    t.join(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            # Ctrl-C while joining: stop waiting (the rest exit on their own, and the exit
+            # hook joins them), and make sure the main thread raises it: a finalizer would not.
+            if not redeliver:
+                raise
+            exit_hook.redeliver_interrupt()
+            return
+        exit_hook.untrack(self)

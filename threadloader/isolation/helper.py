@@ -1,0 +1,405 @@
+"""What runs in the isolation helper process: N runner threads, and the loop feeding them.
+
+``isolation="process"`` moves the worker threads out of the training process, so that their
+Python work no longer competes with the training loop for its GIL. The helper is one process
+(started with forkserver or spawn by ``parent``) that holds the one copy of the dataset and
+runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
+worker its ``WorkerInfo``, seeds, ``worker_init_fn`` and IterableDataset copy.
+
+How the helper behaves; where the code disagrees with this, the code is wrong.
+
+1. The training process sends every task on one pipe, in batch order, each naming the worker
+   torch's round robin chose. Runner threads claim them from a ``TaskBoard`` (``task_board``):
+   any runner runs any worker's task, as that worker (its ``WorkerInfo`` installed, its
+   ``busy`` lock held), one worker's tasks one at a time and in order. The runner collates the
+   batch into a shared-memory slot (``shm_ring``) and writes the result message itself. An
+   epoch message restarts persistent workers and drops the abandoned epoch's tasks still queued.
+   How many runners fetch at once is the pacer's number (``_Pacer``): with one, a GIL-holding
+   dataset's batches are all made by one thread, with no hand-off between threads per batch.
+2. Slots the training process released come back through the ring's mailbox, read when a
+   runner takes a slot (``shm_ring`` point 5): no thread wakes up for them.
+3. The main thread waits on the control pipe, which carries nothing: its EOF -- the training
+   process's ``close()``, or the kernel closing it when that process dies, even by SIGKILL --
+   or a change of parent pid ends the process at once with ``os._exit``. Runner threads are not
+   joined: one stuck in user code must not keep the process alive, and nothing in the helper
+   needs cleaning up (its shared memory has no name). Runners end when the task pipe does.
+4. Ctrl-C in a terminal reaches the whole process group; the helper ignores SIGINT and lets the
+   training process decide, as torch's workers do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler, send_handle
+from typing import Any
+
+import torch
+from torch._utils import ExceptionWrapper
+
+from threadloader._engine import worker_info
+from threadloader._engine.tasks import NOTHING, Result, Task, WorkerSpec
+from threadloader._engine.worker import Worker
+from threadloader._primitives.concurrency import ConcurrencyController
+from threadloader._primitives.timing import StageRecorder
+from threadloader.device.pinned import pageable_allocator, pinned_collate
+from threadloader.isolation.packing import Packed, pack
+from threadloader.isolation.shm_ring import RingWriter, Segment, SlotAllocator
+from threadloader.isolation.task_board import EPOCH, TaskBoard
+
+# Message tags. Training process -> helper, on the task pipe: ``task_board``'s TASK and EPOCH.
+# The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
+# Helper -> training process, on the result socket:
+RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, rng, stage timings, fetch limit,
+#              the dataset's stats() snapshot or None)
+SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
+RETIRE = 12  # (RETIRE, seg_id)
+FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
+
+#: Seconds between checks that the training process still exists, when no message arrives.
+PARENT_CHECK_S = 1.0
+#: Slots per segment beyond the batches in flight: the batch being delivered, the one the
+#: training loop still holds, and releases still travelling back with a later task (a worker
+#: reads them when it reads that task). A slot costs memory only once written, and free slots
+#: are reused last-freed-first, so spare slots cost address space, not memory.
+SPARE_SLOTS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class HelperSpec:
+    """Everything the helper needs, sent once when it starts.
+
+    Attributes:
+        worker: what the worker threads share (the loader's dataset, collate_fn, ...).
+        base_seed: torch's per-iterator seed; worker ``i`` gets ``base_seed + i``.
+        max_tasks: batches in flight at most (``num_workers * prefetch_factor``).
+        collate_into_slots: ``collate_fn`` is torch's ``default_collate``, so batches can be
+            stacked straight into shared memory.
+    """
+
+    worker: WorkerSpec
+    base_seed: int
+    max_tasks: int
+    collate_into_slots: bool
+
+
+class PickledOnce:
+    """Carries an object into the helper as bytes, unpickled by the helper's own code.
+
+    Pickled while the process starts (inside multiprocessing's pickling of the process
+    object), so torch's reductions can hand tensors over as shared memory instead of copying
+    them; unpickled by ``helper_main`` inside a ``try``, so a dataset whose class cannot be
+    imported there is reported as an error instead of killing the helper before it can speak.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self._data: bytes | None = None
+
+    def __getstate__(self) -> bytes:
+        return bytes(ForkingPickler.dumps(self.obj, pickle.HIGHEST_PROTOCOL))
+
+    def __setstate__(self, state: bytes) -> None:
+        self.obj = None
+        self._data = state
+
+    def load(self) -> Any:
+        """The object, unpickled from the bytes received."""
+        assert self._data is not None
+        return pickle.loads(self._data)
+
+
+class _Sender:
+    """The one writer of the result socket: every message goes through ``send`` under a lock."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+        self.ring: RingWriter | None = None
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send ``msg`` (after any pending segment retirements); exit if the parent is gone."""
+        self.send_bytes(ForkingPickler.dumps(msg))
+
+    def send_bytes(self, payload: bytes | memoryview) -> None:
+        """Send a message pickled by ``ForkingPickler``; exit if the parent is gone."""
+        try:
+            with self._lock:
+                self._flush_retired()
+                self._conn.send_bytes(payload)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            _exit_now(0)
+
+    def announce(self, segment: Segment, fd: int) -> None:
+        """Tell the training process about a new segment and pass it the descriptor."""
+        try:
+            with self._lock:
+                self._conn.send((SEGMENT, segment.seg_id, segment.slot_bytes, segment.count))
+                send_handle(self._conn, fd, 0)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            _exit_now(0)
+
+    def _flush_retired(self) -> None:
+        if self.ring is not None and self.ring.has_retired:
+            for seg_id in self.ring.take_retired():
+                self._conn.send((RETIRE, seg_id))
+
+
+class _Timings(StageRecorder):
+    """Collects one batch's stage durations, to travel with its result to ``stats()``.
+
+    One per batch, written by the one thread making it: a list, without the recorder's lock.
+    """
+
+    def __init__(self) -> None:  # no super().__init__: no lock, no stage table
+        self.name = "batch"
+        self.events: list[tuple[str, float]] = []
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.events.append((stage, seconds))
+
+    def add_pair(self, stage: str, seconds: float, stage2: str, seconds2: float) -> None:
+        self.events += ((stage, seconds), (stage2, seconds2))
+
+
+class _IntoSlot:
+    """The collate_fn the helper's workers run: collate, then put the batch into a slot.
+
+    With torch's ``default_collate`` the slot is taken first and the batch is stacked straight
+    into it (``pinned_collate`` with a slot allocator); any other ``collate_fn`` runs as the
+    user wrote it and its tensors are copied in by ``pack``.
+    """
+
+    def __init__(self, collate_fn: Callable[[Any], Any], ring: RingWriter, direct: bool) -> None:
+        self._collate_fn = collate_fn
+        self._ring = ring
+        self._direct = direct
+        self.takes_gathered = direct  # _gathered point 4: pinned_collate below
+
+    def __call__(self, batch: Any) -> Packed:
+        allocator = None
+        if self._direct:
+            slot = self._ring.acquire()
+            if slot is not None:
+                allocator = SlotAllocator(slot)
+        if allocator is None:
+            if self._direct:  # no slot free: torch's worker semantics all the same
+                return pack(
+                    pinned_collate(batch, pageable_allocator, as_worker=True), self._ring, None
+                )
+            return pack(self._collate_fn(batch), self._ring, None)
+        try:
+            data = pinned_collate(batch, allocator, as_worker=True)
+        except BaseException:
+            self._ring.release([allocator.slot.key])
+            raise
+        return pack(data, self._ring, allocator)
+
+
+class _Pacer:
+    """How many runner threads fetch at once: the in-process loader's controller, run here.
+
+    A GIL-holding dataset (token windows, Python transforms) makes two threads slower than
+    one, each waiting for the other's GIL hand-offs; a GIL-releasing one (image decode, numpy)
+    scales. ``ConcurrencyController`` hill-climbs the limit on the rate at which batches are
+    made, keeping fewer threads when more do not help: they also leave more CPU to the
+    training process. Batches and their order never depend on it.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        clock: Callable[[], float] = time.perf_counter,
+        cpus: int | None = None,
+    ) -> None:
+        self._controller = ConcurrencyController(num_workers, minimum=1, clock=clock, cpus=cpus)
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return self._controller.limit
+
+    def on_batch(self, started: float, cpu: float | None, wall: float | None = None) -> int | None:
+        """Count one batch made; the new limit when it changes, else None.
+
+        Args:
+            started: when the batch's fetch began (``time.perf_counter``).
+            cpu: the thread CPU time the fetch took.
+            wall: the wall-clock time the fetch took.
+
+        They matter as in-process: ``started`` keeps batches made under the previous limit out
+        of the new limit's window, ``cpu`` and ``wall`` keep the controller from trying fewer
+        threads while they mostly wait (I/O) or already run in parallel (``_primitives.concurrency``).
+        """
+        with self._lock:
+            return self._controller.on_batch(started, cpu, wall)
+
+
+def _runner_loop(first: Worker, helper: _Helper) -> None:
+    """A runner thread's body; a failure of the helper's own code ends the helper, loudly."""
+    try:
+        _run_tasks(first, helper)
+    except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+        where = f"in threadloader's isolation helper process, runner thread {first.id}"
+        helper.sender.send((FATAL, ExceptionWrapper(where=where)))
+        _exit_now(1)
+
+
+def _run_tasks(first: Worker, helper: _Helper) -> None:
+    """What one runner thread runs: start worker ``first``, then any worker's tasks in order.
+
+    Which thread runs a task does not matter to the dataset: each task runs as its worker, with
+    that worker's ``WorkerInfo`` installed and its ``busy`` lock held (``task_board``).
+    """
+    with first.busy:
+        # Whichever runner gets there first starts a worker: another runner may claim its
+        # first task before the runner started for it has run at all.
+        first.initialize_here()
+    board, pacer, sender = helper.board, helper.pacer, helper.sender
+    done: int | None = None
+    while True:
+        msg = board.take(done)
+        if msg is None:
+            return  # the training process closed the pipe: the helper is ending
+        worker = helper.workers[msg[1]]
+        done = worker.id
+        if msg[0] == EPOCH:
+            with worker.busy:
+                worker.initialize_here()
+                worker.start_epoch(msg[2], msg[3])
+            continue
+        _, _, idx, generation, index = msg
+        if generation != worker.generation:
+            continue  # an abandoned epoch's
+        timings = _Timings()
+        with worker.busy:
+            worker.initialize_here()
+            result = worker.run_timed(Task(idx, index, generation), timings)
+        if result.data is not NOTHING:
+            dataset_stats = helper.dataset_stats() if helper.dataset_stats is not None else None
+            _send_result(sender, result, timings.events, pacer.limit, dataset_stats)
+            limit = pacer.on_batch(result.started, result.cpu, result.wall)
+            if limit is not None:
+                board.set_limit(limit)
+        del result, msg  # a blocked take() must not pin the last batch
+
+
+def _send_result(
+    sender: _Sender, result: Result, timings: Any, limit: int, dataset_stats: Any
+) -> None:
+    head = (RESULT, result.idx, result.worker_id, result.generation)
+    msg = (*head, result.data, result.state, result.rng, timings, limit, dataset_stats)
+    try:
+        if (
+            type(result.data) is Packed
+            and result.state is None
+            and result.rng is None
+            and dataset_stats is None
+        ):
+            # Bytes, ints, strings and dtypes only: plain pickle, without ForkingPickler's
+            # per-call copy of the reducer table (torch's reducers are for tensors).
+            payload: bytes | memoryview = pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        else:
+            payload = ForkingPickler.dumps(msg)
+    except Exception:  # noqa: BLE001  # e.g. an unpicklable IterableDataset state: say so
+        where = f"in threadloader worker thread {result.worker_id}, batch {result.idx}"
+        error = ExceptionWrapper(where=where)
+        payload = ForkingPickler.dumps((*head, error, None, None, timings, limit, None))
+    sender.send_bytes(payload)
+
+
+class _Helper:
+    """The helper's state: the ring, the task board, the workers and the runner threads."""
+
+    def __init__(self, spec: HelperSpec, tasks: Connection, sender: _Sender, mailbox: int) -> None:
+        self.sender = sender
+        self.ring = RingWriter(sender.announce, 2 * spec.max_tasks + SPARE_SLOTS, mailbox)
+        sender.ring = self.ring
+        collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
+        worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
+        n = worker_spec.num_workers
+        # A dataset with stats() (RemoteFiles) counts its reads here: they travel with each
+        # result, for the training process's loader.stats().
+        stats = getattr(spec.worker.dataset, "stats", None)
+        self.dataset_stats: Callable[[], Any] | None = stats if callable(stats) else None
+        self.pacer = _Pacer(n)
+        self.board = TaskBoard(tasks, n, limit=self.pacer.limit)
+        self.workers = [
+            Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in range(n)
+        ]
+        # One runner per worker: each starts its worker, then runs any worker's tasks.
+        self.threads = [
+            threading.Thread(
+                target=_runner_loop,
+                args=(w, self),
+                name=f"threadloader-helper-runner{w.id}",
+                daemon=True,
+            )
+            for w in self.workers
+        ]
+        for t in self.threads:
+            t.start()
+
+
+def _wait_for_the_end(control: Connection, ring: RingWriter) -> None:
+    """Return when the control pipe ends or the parent is gone (point 3)."""
+    parent = os.getppid()
+    while True:
+        try:
+            if control.poll(PARENT_CHECK_S):
+                return  # EOF: nothing else is ever sent
+        except OSError:
+            return
+        if os.getppid() != parent:
+            return
+        ring.read_mailbox()  # keep it from filling while no worker needs a slot
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001, S110  # a closed stream must not stop the exit
+            pass
+    os._exit(code)
+
+
+def helper_main(
+    spec: PickledOnce,
+    control: Connection,
+    mailbox: Connection,
+    tasks: Connection,
+    results: Connection,
+) -> None:
+    """The helper process's entry point (a ``multiprocessing.Process`` target).
+
+    Args:
+        spec: the ``HelperSpec``, still pickled.
+        control: read end of the control pipe, whose EOF means "exit".
+        mailbox: read end of the release mailbox (``shm_ring`` point 5).
+        tasks: read end of the task pipe (``task_board``).
+        results: this process's end of the result socket.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)  # as torch's workers: N threads already use the cores
+    worker_info.install()
+    sender = _Sender(results)
+    try:
+        os.set_blocking(mailbox.fileno(), False)
+        helper = _Helper(spec.load(), tasks, sender, mailbox.fileno())
+    except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
+        error = ExceptionWrapper(where="in threadloader's isolation helper process, starting")
+        sender.send((FATAL, error))
+        _exit_now(1)
+        return
+    try:
+        _wait_for_the_end(control, helper.ring)
+    finally:
+        _exit_now(0)

@@ -1,0 +1,268 @@
+"""The training process's handle on one helper process: its pipes, its slot ring, its tasks, and how
+it ends, whether the epoch finished, was abandoned, or the helper died.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import TYPE_CHECKING, Any
+
+from threadloader._engine.dispatch import reraise as _reraise
+from threadloader._primitives.concurrency import usable_cpus
+from threadloader.isolation.helper import (
+    FATAL,
+    RESULT,
+    RETIRE,
+    SEGMENT,
+    HelperSpec,
+    PickledOnce,
+    helper_main,
+)
+from threadloader.isolation.ring_reader import RingReader
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+#: Seconds ``close()`` waits for the helper to exit before killing it.
+CLOSE_WAIT_S = 5.0
+
+
+#: How long a helper that died of a failure waits for a Ctrl-C that may have killed it to reach
+#: this process too (``_Link._died``).
+INTERRUPT_GRACE_S = 0.2
+
+
+#: Longest time the training thread polls for the helper's next result before it sleeps
+#: (point 6). Waits longer than this make the wake-up's cost small by comparison.
+SPIN_S = 0.001
+
+
+#: Lets another runnable thread or process have the CPU between two polls (POSIX only). On
+#: 2 cores, with the helper on one and the polling on the other, a third busy thread (the
+#: benches' memory sampler) otherwise waited for a CPU: 8 runs with it, 31.9k -> 32.9k samples/s.
+yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+
+
+def let_a_ctrl_c_arrive() -> None:
+    """Wait ``INTERRUPT_GRACE_S`` for a Ctrl-C that may have killed another process of ours.
+
+    Raises:
+        KeyboardInterrupt: it arrived (it reaches this process a little after, or before, the
+            other one's death; an exception unwinding runs no signal handler, so without a wait
+            the loop would see the death first, or only).
+    """
+    time.sleep(INTERRUPT_GRACE_S)
+    run_signal_handlers()
+
+
+def run_signal_handlers() -> None:
+    """Nothing: entering a Python function runs the handlers of signals flagged meanwhile."""
+
+
+class HelperDied(RuntimeError):
+    """The helper process ended while the training process was waiting for it."""
+
+
+class _Link:
+    """This process's handle on one helper: its process, its pipes, its ring, and its end.
+
+    Pipes: a control pipe (the helper exits on its EOF), the ring's release mailbox, the task
+    pipe (every worker's tasks, ``task_board``), and one result socket back (a socket:
+    descriptors travel on it).
+
+    Args:
+        ctx: the multiprocessing context to start the helper with.
+        spec: what the helper runs.
+        name: the helper's process name, e.g. ``threadloader-helper-7f3a``.
+
+    Raises:
+        Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
+    """
+
+    def __init__(self, ctx: BaseContext, spec: HelperSpec, name: str) -> None:
+        control_r, control_w = ctx.Pipe(duplex=False)
+        mailbox_r, mailbox_w = ctx.Pipe(duplex=False)  # raw records, never Connection.send
+        tasks_r, tasks_w = ctx.Pipe(duplex=False)  # every worker's tasks (``task_board``)
+        result_here, result_there = ctx.Pipe(duplex=True)
+        self.control: Connection = control_w
+        self.mailbox: Connection = mailbox_w
+        os.set_blocking(mailbox_w.fileno(), False)
+        self.tasks: Connection = tasks_w
+        self.results: Connection = result_here
+        self.reader = RingReader(mailbox_w.fileno())
+        self.closed = False
+        self._cpus = usable_cpus()
+        self.spin = False  # poll before sleeping on the next wait (point 6)
+        self.polled = self.spun = 0  # waits that polled; of them, ended without sleeping
+        theirs = [control_r, mailbox_r, tasks_r, result_there]
+        self.process = ctx.Process(  # type: ignore[attr-defined]
+            target=helper_main,
+            args=(
+                PickledOnce(spec),
+                control_r,
+                mailbox_r,
+                tasks_r,
+                result_there,
+            ),
+            name=name,
+            daemon=True,  # multiprocessing ends it at interpreter exit too
+        )
+        try:
+            self.process.start()
+        except BaseException as exc:
+            for conn in [*theirs, *self._ours()]:
+                conn.close()
+            self.closed = True
+            if isinstance(exc, (EOFError, OSError)):
+                # The forkserver died: a terminal's Ctrl-C kills one still starting (it ignores
+                # SIGINT only once it runs). The Ctrl-C, not this error, is the loop's.
+                let_a_ctrl_c_arrive()
+            raise
+        for conn in theirs:
+            conn.close()
+        self._waiting = select.poll()
+        self._waiting.register(self.results.fileno(), select.POLLIN)
+
+    def _ours(self) -> list[Connection]:
+        return [self.control, self.mailbox, self.tasks, self.results]
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<helper pid={self.process.pid} {state} {self.reader!r}>"
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        """Send ``msg`` (``task_board``'s TASK or EPOCH) to the helper.
+
+        Raises:
+            HelperDied: the helper is gone.
+            RuntimeError: this link was closed.
+        """
+        self._check_open()
+        try:
+            self.tasks.send(msg)
+        except OSError:
+            raise self._died() from None
+
+    def ready(self) -> bool:
+        """Whether a message is waiting (a snapshot)."""
+        # Connection.poll(0) builds a selector per call: ten times the cost of this.
+        return not self.closed and bool(self._waiting.poll(0))
+
+    def receive(self, timeout: float | None) -> tuple[Any, ...]:
+        """The next result message, mapping or unmapping segments announced before it.
+
+        Args:
+            timeout: seconds to wait at most; None waits until a message or the helper's end.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout``.
+            HelperDied: the helper process ended.
+            RuntimeError: this link was closed, or the helper could not start (the original
+                exception's type, from its ``ExceptionWrapper``).
+        """
+        self._check_open()
+        started = time.perf_counter()
+        if self.spin and (timeout is None or timeout > SPIN_S):
+            self.polled += 1
+            self.spun += self._poll_for(SPIN_S)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn = self.results
+        while True:
+            try:
+                arrived = deadline is None or conn.poll(max(0.0, deadline - time.monotonic()))
+                msg = conn.recv() if arrived else None
+            except (EOFError, OSError):
+                raise self._died() from None
+            if msg is None:
+                raise TimeoutError
+            tag = msg[0]
+            if tag == RESULT:
+                # Poll next time while waits are short and the helper leaves a CPU (msg[8]:
+                # its fetching threads) to the polling.
+                waited = time.perf_counter() - started
+                self.spin = waited <= SPIN_S and msg[8] < self._cpus
+                return msg
+            if tag == SEGMENT:
+                _, seg_id, slot_bytes, count = msg
+                self.reader.add_segment(seg_id, slot_bytes, count, recv_handle(conn))
+            elif tag == RETIRE:
+                self.reader.retire(msg[1])
+            elif tag == FATAL:
+                self.close()
+                _reraise(msg[1])
+
+    def _poll_for(self, seconds: float) -> bool:
+        """Poll the result socket for up to ``seconds``; whether a message arrived."""
+        poll = self._waiting.poll  # releases the GIL on each call
+        end = time.perf_counter() + seconds
+        while not poll(0):
+            if time.perf_counter() >= end:
+                return False
+            yield_cpu()  # to any thread or process waiting for this CPU
+        return True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                "this threadloader iterator was closed (KeyboardInterrupt, timeout or close()); "
+                "start a new epoch with iter(loader)"
+            )
+
+    def _died(self) -> HelperDied:
+        self.process.join(CLOSE_WAIT_S)
+        code = self.process.exitcode
+        self.close()
+        if code in (1, -signal.SIGINT):
+            # A terminal's Ctrl-C reaches the whole process group, and a helper still starting
+            # (before it ignores SIGINT) dies of it: the Ctrl-C, not this error, is the loop's.
+            let_a_ctrl_c_arrive()
+        return HelperDied(
+            f"DataLoader worker (pid(s) {self.process.pid}) exited unexpectedly: "
+            f"threadloader's isolation helper process ended with exit code {code}"
+        )
+
+    def close(self) -> None:
+        """Tell the helper to exit, close the pipes, join it (kill it if it lingers).
+
+        Idempotent; safe from a finalizer and from any thread.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while waiting (the helper is killed first).
+        """
+        if self.closed:
+            return
+        self._close_pipes()
+        process = self.process
+        if process.pid is None:
+            return
+        try:
+            process.join(CLOSE_WAIT_S)
+        except KeyboardInterrupt:  # Ctrl-C while waiting: stop it now, and keep the Ctrl-C
+            process.kill()
+            raise
+        if process.exitcode is None:
+            process.kill()
+            process.join(CLOSE_WAIT_S)
+
+    def kill(self) -> None:
+        """Close the pipes and kill the helper, waiting for nothing. Idempotent.
+
+        What a Ctrl-C that stopped ``close`` anywhere leaves to do (``_primitives.finalizers`` point 2).
+        """
+        self._close_pipes()
+        if self.process.pid is not None and self.process.exitcode is None:
+            self.process.kill()
+
+    def _close_pipes(self) -> None:
+        self.closed = True
+        for conn in self._ours():  # the control pipe's EOF tells the helper to exit
+            try:
+                conn.close()  # a second close does nothing
+            except OSError:
+                pass

@@ -1,0 +1,266 @@
+"""One epoch with the worker threads in a helper process: ``isolation="process"``.
+
+On a GIL build of Python, worker threads compete with the training thread for the GIL: the
+training loop's own Python work (launching kernels, optimizer steps) gets slower even when the
+loader is fast. Isolation moves the N worker threads into one helper process
+(``helper``) and brings batches back through a shared-memory slot ring
+(``shm_ring``): the training process only draws indices, writes one small message per batch
+and reads one back. Compared with torch's N worker processes: one copy of the dataset instead of
+N, threads that share it, and no per-tensor shared-memory file per batch.
+
+How an epoch behaves; where the code disagrees with this, the code is wrong.
+
+1. The sampler runs here, in the training process, and dispatch follows torch's
+   ``_MultiProcessingDataLoaderIter`` exactly (as ``_engine.threaded`` does): batch ``i`` goes to the
+   next live worker in round-robin order, at most ``prefetch_factor * num_workers`` batches are
+   in flight, one new batch is dispatched for each delivered. So batches, their order, which
+   worker made which batch, seeds and resume (``_state.begin_pass``) are those of the threaded
+   iterator, and of torch.
+2. The helper starts with ``forkserver`` (``spawn`` where there is none, or the loader's
+   ``multiprocessing_context`` when it is one of these two), never ``fork``: forking a process
+   that runs threads can copy a lock another thread holds. The forkserver preloads threadloader
+   and torch, so a helper starts in tens of milliseconds. The loader's dataset, collate_fn and
+   worker_init_fn are pickled once per helper (``PickledOnce``): one copy of the dataset.
+3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
+   rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
+   slot, and the slot goes back to the helper only when nothing references the batch any more
+   (``shm_ring`` point 4); released slots go into the ring's mailbox when the next task is
+   sent (point 5 there).
+4. A worker error is raised from ``__next__`` at that batch's turn with the original type, the
+   worker id, the batch's indices and the original traceback text; the epoch goes on if
+   ``next()`` is called again, as in torch. The helper dying (killed, out of memory) raises
+   ``RuntimeError`` naming its pid and exit code. A ``timeout`` expiring ends the epoch.
+5. Drained, abandoned (``break``, ``del``, garbage collection), ``KeyboardInterrupt``, timeout,
+   interpreter exit: the helper is told to exit, its pipes are closed, and it is joined (then
+   killed if it has not exited within ``CLOSE_WAIT_S``). The finalizer holds the link to the
+   helper, never this iterator; a Ctrl-C landing in it kills the helper and reaches the loop
+   (``_primitives.finalizers`` point 2). The helper also exits on its own when this process dies, even
+   by SIGKILL (``helper`` point 3).
+6. Waiting for a result: when the last wait was shorter than ``SPIN_S`` and the helper's
+   fetching threads leave a CPU free, the training thread polls the result socket for up to
+   ``SPIN_S`` before it goes to sleep. Waking a sleeping process costs the process that wakes
+   it, and not only the system call: on the 2-core VM of bench/, each result sent to a sleeping
+   training process cost the helper ~70 us more on its next batch (token windows: 37k -> 46k
+   samples/s with the polling). The training thread polls only while it would wait for data
+   anyway, stops polling once waits grow longer than ``SPIN_S`` (batches that take
+   milliseconds, where a wake-up is cheap by comparison) or the helper needs every CPU, and
+   releases the GIL and yields the CPU on every poll.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import time
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data._utils.collate import default_collate
+
+from threadloader._engine.datapipes import graph_walks
+from threadloader._engine.dispatch import DispatchingIter, prefetch_factor
+from threadloader._engine.state import (
+    Progress,
+    Resume,
+    continue_persistent,
+)
+from threadloader._engine.tasks import Result
+from threadloader._engine.worker_handles import HelperHandle
+from threadloader._primitives.concurrency import ConcurrencyController
+from threadloader._primitives.finalizers import Finalizer
+from threadloader.device.pinned import pin_batch, pinned_allocator
+from threadloader.isolation.helper import (
+    HelperSpec,
+)
+from threadloader.isolation.link import _Link
+from threadloader.isolation.packing import Packed
+from threadloader.isolation.task_board import EPOCH, TASK
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from torch.utils.data import DataLoader
+
+#: Values the loader's ``isolation=`` option accepts.
+ISOLATION_MODES = (None, "process")
+_PRELOAD = "threadloader.isolation.helper"
+
+
+def check_isolation(isolation: object, multiprocessing_context: object = None) -> None:
+    """Validate ``ThreadDataLoader(isolation=..., multiprocessing_context=...)``.
+
+    Args:
+        isolation: the option's value.
+        multiprocessing_context: the loader's context (a name or a context object), if any.
+
+    Raises:
+        ValueError: ``isolation`` is not None or "process", or the helper would be started
+            with ``fork``.
+    """
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(f"isolation must be None or 'process', got {isolation!r}")
+    if isolation is not None and multiprocessing_context is not None:
+        method = (
+            multiprocessing_context
+            if isinstance(multiprocessing_context, str)
+            else getattr(multiprocessing_context, "get_start_method", lambda: None)()
+        )
+        if method == "fork":
+            raise ValueError(
+                "isolation='process' starts its helper process with 'forkserver' or 'spawn', "
+                "not 'fork': forking a process that runs threads can copy a lock another thread "
+                "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
+            )
+
+
+def helper_context(multiprocessing_context: Any = None) -> BaseContext:
+    """The multiprocessing context that starts helpers: forkserver, or spawn where there is none.
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+
+    Returns:
+        A context whose start method is ``forkserver`` or ``spawn``.
+
+    Raises:
+        ValueError: the given context starts processes with ``fork``.
+    """
+    check_isolation("process", multiprocessing_context)
+    if multiprocessing_context is None:
+        methods = multiprocessing.get_all_start_methods()
+        multiprocessing_context = "forkserver" if "forkserver" in methods else "spawn"
+    ctx = (
+        multiprocessing.get_context(multiprocessing_context)
+        if isinstance(multiprocessing_context, str)
+        else multiprocessing_context
+    )
+    if ctx.get_start_method() == "forkserver":
+        _preload_in_forkserver(ctx)
+    return ctx
+
+
+def _preload_in_forkserver(ctx: Any) -> None:
+    # The preload list only counts when the forkserver starts; keep what the user asked for.
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return
+    modules = list(getattr(server, "_preload_modules", ["__main__"]))
+    if _PRELOAD not in modules:
+        ctx.set_forkserver_preload([*modules, _PRELOAD])
+
+
+class IsolatedDataLoaderIter(DispatchingIter):
+    """The iterator of ``ThreadDataLoader(..., num_workers=N, isolation="process")``, N > 0.
+
+    Same interface as ``ThreadedDataLoaderIter``: a ``Progress`` the loader keeps for
+    ``state_dict()``, an ``EpochStats`` in ``_stats`` for ``stats()``, and ``close()``.
+
+    Args:
+        loader: the loader this epoch belongs to.
+        resume: a checked state to resume from (``ThreadDataLoader.load_state_dict``).
+
+    Raises:
+        ValueError: the loader's ``multiprocessing_context`` starts processes with ``fork``.
+        Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
+    """
+
+    def __init__(self, loader: DataLoader[Any], resume: Resume | None = None) -> None:
+        self._progress = Progress()
+        with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
+            super().__init__(loader)
+        continue_persistent(self, loader)
+        self._resume = resume
+        if resume is not None:
+            self._base_seed = resume.base_seed
+        self._prefetch_factor = prefetch_factor(loader)
+        self._in_order: bool = loader.in_order
+        self._log_every_s = getattr(loader, "log_every_s", None)
+        spec = HelperSpec(
+            worker=self._worker_spec(loader, resume, self._collate_fn),
+            base_seed=int(self._base_seed),
+            max_tasks=self._max_tasks,
+            collate_into_slots=self._auto_collation and self._collate_fn is default_collate,
+        )
+        ctx = helper_context(loader.multiprocessing_context)
+        self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
+        # The finalizer holds the link, never self: break, del and GC all end the helper.
+        self._finalizer = Finalizer(self, self._link.close, on_interrupt=self._link.kill)
+        # torch's iterator lists its worker processes here: each worker's stand-in is the helper.
+        self._workers = [HelperHandle(self._link.process, i) for i in range(self._num_workers)]
+        self._generation = 0
+        # The helper adapts how many of its threads fetch at once and reports it with each
+        # result; this controller only carries that number to stats().
+        self._concurrency = ConcurrencyController(self._num_workers, minimum=1)
+        self._new_stats()
+        self._reset(loader, first_iter=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} delivered={self._rcvd_idx} dispatched={self._send_idx} "
+            f"in_flight={self._tasks_outstanding} {self._link!r}>"
+        )
+
+    @property
+    def helper_pid(self) -> int | None:
+        """The helper process's pid (None before it started)."""
+        return self._link.process.pid
+
+    def close(self) -> None:
+        """End the helper process now. Idempotent; later ``next()`` calls raise RuntimeError.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while waiting for the helper (which is killed then).
+        """
+        if self._finalizer.detach() is not None:
+            self._link.close()
+
+    def _restart_workers(self) -> None:
+        self._generation += 1
+        self._link.reader.give_back(self._parked_slots())
+        self._link.reader.send_released()
+        self._link.send((EPOCH, self._generation, self._shared_seed))
+
+    def _parked_slots(self) -> list[Any]:
+        """Slots of batches parked in the reorder table of an abandoned epoch."""
+        task_info = getattr(self, "_task_info", {})
+        return [
+            info[2].data.key
+            for info in task_info.values()
+            if len(info) == 3 and isinstance(info[2].data, Packed) and info[2].data.key is not None
+        ]
+
+    def _send(self, worker_id: int, idx: int, index: Any) -> None:
+        self._link.reader.send_released()
+        self._link.send((TASK, worker_id, idx, self._generation, index))
+
+    def _get_result(self, in_flight: tuple[Any, ...]) -> Result:
+        """The next result of this epoch from the helper; stale epochs' are given back."""
+        link = self._link
+        if not link.ready():
+            self._ready = False
+        wait = self._timeout if self._timeout > 0 else None
+        while True:
+            try:
+                msg = link.receive(wait)
+            except TimeoutError:
+                self.close()
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            _, idx, worker_id, generation, data, state, rng, timings, limit, dataset_stats = msg
+            if dataset_stats is not None:
+                self._stats.dataset = dataset_stats
+            self._concurrency.limit = limit  # the helper's, for stats()
+            if generation == self._generation:
+                # Only this epoch's timings: an abandoned epoch's belong to no snapshot.
+                recorder = self._stats.workers[worker_id]
+                for stage, seconds in timings:
+                    recorder.add(stage, seconds)
+                return Result(idx, worker_id, generation, data, state, rng=rng)
+            if isinstance(data, Packed):
+                link.reader.discard(data)
+
+    def _unpack(self, result: Result) -> Any:
+        data = self._link.reader.unpack(result.data)
+        if self._pin_memory:
+            start = time.perf_counter()
+            data = pin_batch(data, pinned_allocator)  # the one copy pinning needs frees the slot
+            self._stats.caller.add("pin", time.perf_counter() - start)
+        return data

@@ -165,3 +165,25 @@ def test_building_like_is_per_thread() -> None:
     assert seen == [DataLoader]
     assert type(mine) is ThreadDataLoader and mine.log_every_s == 7.0
     assert type(DataLoader([1])) is DataLoader
+
+
+def test_patching_from_many_threads_leaves_nothing_behind() -> None:
+    """Concurrent patched() blocks and builds: every block undoes its own layer, none is lost."""
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(40):
+                with threadloader.patched(log_every_s=1.0):
+                    assert type(DataLoader([1])) is ThreadDataLoader
+        except BaseException as e:  # noqa: BLE001  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert not threadloader.is_patched() and _divert.layers == []
+    assert type(DataLoader([1])) is DataLoader

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 import threadloader
 from threadloader.integrations import run
@@ -232,3 +233,29 @@ def test_bad_options_are_usage_errors(in_process: Path, capfd: pytest.CaptureFix
     assert err.startswith("python -m threadloader run: error: argument --isolation")
     assert err.count("\n") == 1
     assert not threadloader.is_patched()
+
+
+def test_options_reach_the_scripts_loaders(
+    in_process: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--isolation and --log-every become the options of every loader the script builds."""
+    (in_process / "options.py").write_text(
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(list(range(4)), num_workers=1)\n"
+        "print(type(loader).__name__, loader.isolation, loader.log_every_s)\n"
+    )
+    assert run.main(["--isolation", "process", "--log-every", "30", "options.py"]) == 0
+    assert capfd.readouterr().out == "ThreadDataLoader process 30.0\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_device_without_cuda_is_a_usage_error(
+    in_process: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--device cuda where there is none: one line, status 2, before the script runs."""
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--device", "cuda", "scripts/train.py"])
+    assert exit_info.value.code == 2
+    err = capfd.readouterr()
+    assert err.out == "" and err.err.startswith("python -m threadloader run: error:")
+    assert "CUDA" in err.err and err.err.count("\n") == 1

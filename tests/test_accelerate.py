@@ -5,6 +5,7 @@ Single process in this one; ``test_accelerate_ranks.py`` runs 2 ranks under torc
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 pytest.importorskip("accelerate")
 from accelerate import Accelerator
 
+import threadloader
 from threadloader import ThreadDataLoader
 
 
@@ -94,3 +96,39 @@ def test_skip_first_batches_keeps_the_threads() -> None:
     skipped: Any = accelerator.skip_first_batches(prepared, 2)
     assert type(skipped.base_dataloader) is ThreadDataLoader
     assert _ids(list(skipped)) == _ids(list(prepared))[2:]
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["torch", "patched"])
+def test_patched_dataloader_keeps_torchs_checkpoint_semantics(
+    tmp_path: Path, patched: bool
+) -> None:
+    """A DataLoader built under the patch: save_state stores no loader state (as for torch's), so
+    Accelerate's documented load_state + skip_first_batches resume skips once, not twice, and
+    gives what it gives with torch's DataLoader."""
+
+    def make() -> tuple[Accelerator, Any]:
+        accelerator = Accelerator(cpu=True)
+        with threadloader.patched() if patched else contextlib.nullcontext():
+            loader = DataLoader(
+                Ids(),
+                batch_size=4,
+                shuffle=True,
+                num_workers=2,
+                generator=torch.Generator().manual_seed(7),  # the replay's order: seeded
+            )
+        assert (type(loader) is ThreadDataLoader) == patched
+        return accelerator, accelerator.prepare(loader)
+
+    accelerator, prepared = make()
+    it = iter(prepared)
+    head = [next(it) for _ in range(2)]
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    rest = list(it)
+    assert not (tmp_path / "ckpt" / "dl_state_dict.bin").exists()
+
+    accelerator, resumed = make()
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    skipped: Any = accelerator.skip_first_batches(resumed, 2)
+    assert (type(skipped.base_dataloader) is ThreadDataLoader) == patched
+    assert _ids(list(skipped)) == _ids(rest)
+    assert sorted(i for b in _ids(head + rest) for i in b) == list(range(24))

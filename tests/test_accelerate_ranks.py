@@ -1,6 +1,7 @@
-"""``torchrun --nproc_per_node=2 -m threadloader run SCRIPT``: an unchanged Accelerate script on 2
-CPU ranks (gloo) trains on worker threads, sharded by Accelerate, and ``save_state`` /
-``load_state`` resume it mid-epoch exactly on each rank (tests/dist_scripts/accelerate_ranks.py)."""
+"""``torchrun --nproc_per_node=2 -m threadloader run SCRIPT``: an Accelerate script on 2 CPU ranks
+(gloo) trains on worker threads, sharded by Accelerate, and resumes mid-epoch exactly on each
+rank: its own ``DataLoader`` with ``load_state`` + ``skip_first_batches`` as for torch's, a
+``ThreadDataLoader`` with ``load_state`` alone (tests/dist_scripts/accelerate_ranks.py)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,29 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def test_each_rank_trains_on_its_shard_from_worker_threads(logs: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("kind", ["torch", "stateful"])
+def test_each_rank_trains_on_its_shard_from_worker_threads(
+    logs: list[dict[str, Any]], kind: str
+) -> None:
     """Both ranks' loaders are ThreadDataLoaders; no worker process; each epoch is split."""
     assert [log["world"] for log in logs] == [2, 2]
-    assert all(log["inner"] == "ThreadDataLoader" and log["children"] == 0 for log in logs)
+    assert all(
+        log[kind]["inner"] == "ThreadDataLoader" and log[kind]["children"] == 0 for log in logs
+    )
     for epoch in (0, 1):
         part = slice(epoch * STEPS_PER_EPOCH, (epoch + 1) * STEPS_PER_EPOCH)
-        shards = [{i for batch in log["first"][part] for i in batch} for log in logs]
+        shards = [{i for batch in log[kind]["first"][part] for i in batch} for log in logs]
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == set(range(N))
 
 
-def test_load_state_resumes_each_rank_exactly(logs: list[dict[str, Any]]) -> None:
-    """After load_state: the batches the uninterrupted run trained on after the checkpoint."""
+@pytest.mark.parametrize("kind", ["torch", "stateful"])
+def test_resume_gives_each_rank_the_uninterrupted_batches(
+    logs: list[dict[str, Any]], kind: str
+) -> None:
+    """After load_state (and, for the script's own DataLoader, skip_first_batches as Accelerate
+    documents for it): the batches the uninterrupted run trained on after the checkpoint."""
     for log in logs:
-        assert len(log["first"]) == 2 * STEPS_PER_EPOCH
-        assert log["resumed"] == log["first"][SAVED_AFTER:]
+        assert len(log[kind]["first"]) == 2 * STEPS_PER_EPOCH
+        assert log[kind]["resumed"] == log[kind]["first"][SAVED_AFTER:]
+        # A ThreadDataLoader is stateful, as a StatefulDataLoader; a DataLoader keeps torch's.
+        assert log[kind]["saved_loader_state"] == (kind == "stateful")

@@ -6,6 +6,7 @@ Each test runs the same script both ways, in parallel, and compares what python 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -196,6 +197,9 @@ def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    logger = logging.getLogger("threadloader")  # --log-every sets it up
+    monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+    monkeypatch.setattr(logger, "level", logger.level)
     yield tmp_path
     while threadloader.is_patched():
         threadloader.unpatch()

@@ -4,11 +4,17 @@ for torch's DataLoader, unchanged. Run by tests/test_accelerate_ranks.py::
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
         -m threadloader run tests/dist_scripts/accelerate_ranks.py OUT
 
-Each rank prepares model, optimizer and a shuffling DataLoader with ``accelerator.prepare``,
-trains 2 steps, ``save_state`` (a checkpoint mid-epoch 0), trains on to the end of epoch 1 (the
+Each rank prepares model, optimizer and a shuffling loader with ``accelerator.prepare``, trains
+2 steps, ``save_state`` (a checkpoint mid-epoch 0), trains on to the end of epoch 1 (the
 uninterrupted run). Then, as a restarted job would, it seeds as before, prepares new ones,
-``load_state`` and trains to the end of epoch 1. It writes ``OUT/rank{r}.json``: the sample
-ids of every step of both runs, the inner loader's class and the worker processes seen.
+``load_state`` and trains to the end of epoch 1. Twice:
+
+- ``torch``: the script's own ``DataLoader`` (a ThreadDataLoader under ``run``), resumed as
+  Accelerate documents for it: ``load_state``, then ``skip_first_batches`` past the 2 steps.
+- ``stateful``: a ``ThreadDataLoader``, resumed as a StatefulDataLoader: ``load_state`` alone.
+
+It writes ``OUT/rank{r}.json``: per trial, the sample ids of every step of both runs, the inner
+loader's class, and the most worker processes seen.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
+
+from threadloader import ThreadDataLoader
 
 N, BATCH = 32, 4  # 4 steps an epoch on each of 2 ranks
 
@@ -35,12 +43,13 @@ class Ids(Dataset[torch.Tensor]):
         return torch.tensor([float(i)])
 
 
-def prepare() -> tuple[Accelerator, Any, Any, Any]:
+def prepare(kind: str) -> tuple[Accelerator, Any, Any, Any]:
     set_seed(0)  # as a training script does on every start
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(Ids(), batch_size=BATCH, shuffle=True, num_workers=2)
+    make = DataLoader if kind == "torch" else ThreadDataLoader
+    loader = make(Ids(), batch_size=BATCH, shuffle=True, num_workers=2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     return accelerator, model, optimizer, loader
 
@@ -52,33 +61,36 @@ def step(accelerator: Accelerator, model: Any, optimizer: Any, batch: torch.Tens
     return batch[:, 0].long().tolist()
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    accelerator, model, optimizer, loader = prepare()
-    rank = accelerator.process_index
-    children = 0
+def trial(kind: str, out: Path) -> dict[str, Any]:
+    accelerator, model, optimizer, loader = prepare(kind)
     it = iter(loader)
     first = [step(accelerator, model, optimizer, next(it)) for _ in range(2)]
-    accelerator.save_state(str(out / "ckpt"))
+    accelerator.save_state(str(out / f"ckpt-{kind}"))
     first += [step(accelerator, model, optimizer, b) for b in it]
     first += [step(accelerator, model, optimizer, b) for b in loader]
-    children = max(children, len(multiprocessing.active_children()))
+    children = len(multiprocessing.active_children())
     accelerator.wait_for_everyone()
 
-    accelerator, model, optimizer, loader = prepare()
-    accelerator.load_state(str(out / "ckpt"))
-    resumed = [step(accelerator, model, optimizer, b) for b in loader]
+    accelerator, model, optimizer, loader = prepare(kind)
+    accelerator.load_state(str(out / f"ckpt-{kind}"))
+    epoch = accelerator.skip_first_batches(loader, 2) if kind == "torch" else loader
+    resumed = [step(accelerator, model, optimizer, b) for b in epoch]
     resumed += [step(accelerator, model, optimizer, b) for b in loader]
-    children = max(children, len(multiprocessing.active_children()))
-    log = {
-        "rank": rank,
-        "world": accelerator.num_processes,
+    return {
         "inner": type(loader.base_dataloader).__name__,
-        "children": children,
+        "children": max(children, len(multiprocessing.active_children())),
+        "saved_loader_state": (out / f"ckpt-{kind}" / "dl_state_dict.bin").exists(),
         "first": first,
         "resumed": resumed,
     }
-    (out / f"rank{rank}.json").write_text(json.dumps(log))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    log: dict[str, Any] = {kind: trial(kind, out) for kind in ("torch", "stateful")}
+    state = PartialState()
+    log.update(rank=state.process_index, world=state.num_processes)
+    (out / f"rank{state.process_index}.json").write_text(json.dumps(log))
 
 
 if __name__ == "__main__":

@@ -36,13 +36,18 @@ _hook_installed = False
 build_listeners: list[Callable[[ThreadDataLoader[Any], str], None]] = []
 
 
-def _current_options() -> dict[str, Any] | None:
-    """The options diverted builds get in this thread now; None when nothing is diverted."""
+#: Set (True) on a loader that a ``patch()`` diverted: code written for torch's DataLoader.
+BUILT_BY_PATCH = "_threadloader_built_by_patch"
+
+
+def _current_options() -> tuple[dict[str, Any], bool] | None:
+    """(options, whether from a patch rather than a rebuild) for builds in this thread now;
+    None when nothing is diverted."""
     templates = getattr(_local, "templates", None)
     if templates:
-        return templates[-1]
+        return templates[-1], False
     active = layers  # read without the lock: a list's last item is read atomically
-    return active[-1][1] if active else None
+    return (active[-1][1], True) if active else None
 
 
 def _is_stateful_dataloader(cls: type) -> bool:
@@ -73,7 +78,7 @@ def _dataloader_new(cls: type, *args: Any, **kwargs: Any) -> Any:
     """``DataLoader.__new__`` while the hook is installed: divert, else ``object.__new__``."""
     if args or kwargs:  # a call with no arguments is copy/pickle re-creating an instance
         options = _current_options()
-        if options is not None:
+        if options is not None:  # (options, by_patch)
             if cls is _DataLoader:
                 diverted = object.__new__(_Diverted)
                 diverted.__dict__["_threadloader_divert"] = options
@@ -97,7 +102,8 @@ class _Diverted(ThreadDataLoader[Any]):
     """A ThreadDataLoader while a diverted call builds it; ``ThreadDataLoader`` once built."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        options = dict(self.__dict__.pop("_threadloader_divert"))
+        given, by_patch = self.__dict__.pop("_threadloader_divert")
+        options = dict(given)
         try:
             bound = _SIGNATURE.bind_partial(self, *args, **kwargs).arguments
         except TypeError:  # ThreadDataLoader.__init__ below raises it, as torch's would
@@ -117,6 +123,8 @@ class _Diverted(ThreadDataLoader[Any]):
         for name, value in options.items():
             kwargs.setdefault(name, value)
         ThreadDataLoader.__init__(self, *args, **kwargs)
+        if by_patch:
+            self.__dict__[BUILT_BY_PATCH] = True
         self.__class__ = ThreadDataLoader  # type: ignore[assignment]
 
 
@@ -145,6 +153,7 @@ class _BoundNew:
 
 
 def install_hook() -> None:
+    """Give ``DataLoader`` the ``__new__`` hook, once (it stays: see ``integrations.patch``)."""
     global _hook_installed
     with lock:
         if not _hook_installed:

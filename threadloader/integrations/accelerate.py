@@ -19,11 +19,16 @@ with the same arguments plus the given loader's options (``isolation``, ``device
 placement, RNG synchronisation, ``end_of_dataloader`` and gradient accumulation stay Accelerate's.
 Loaders that are not ThreadDataLoaders pass through untouched.
 
-Checkpoints: the prepared adapter is marked ``use_stateful_dataloader = True``, the attribute
+Checkpoints: a ThreadDataLoader the user built is stateful, as a StatefulDataLoader is: the
+prepared adapter is marked ``use_stateful_dataloader = True``, the attribute
 ``Accelerator.save_state`` / ``load_state`` read to save and restore a loader's ``state_dict()``
-(``dl_state_dict.bin`` beside the model), as they do for a StatefulDataLoader. The adapter
-snapshots the inner loader's consumer-aligned state before each batch it yields, so a state
-saved after N batches resumes at batch N+1 of the same epoch, on each process its own shard.
+(``dl_state_dict.bin`` beside the model). The adapter snapshots the inner loader's
+consumer-aligned state before each batch it yields, so a state saved after N batches resumes at
+batch N+1 of the same epoch, on each process its own shard. A loader ``threadloader.patch()``
+built from a ``DataLoader(...)`` call was written for torch's DataLoader and keeps its
+checkpoint semantics: not marked, so ``save_state`` stores no loader state and Accelerate's
+documented ``load_state`` + ``skip_first_batches`` resume skips once, not twice. (With
+``DataLoaderConfiguration(use_stateful_dataloader=True)`` Accelerate marks every loader itself.)
 
 Installed by ``import threadloader.integrations.accelerate``, by ``threadloader.patch()`` when
 Accelerate is imported, and by building a ThreadDataLoader while Accelerate is imported (the
@@ -38,7 +43,7 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from threadloader.integrations._divert import building_like
+from threadloader.integrations._divert import BUILT_BY_PATCH, building_like
 from threadloader.loader import ThreadDataLoader
 
 __all__ = ["install", "thread_loader_of"]
@@ -66,9 +71,17 @@ def _wrap(method: Any) -> Any:
         template = thread_loader_of(dataloader)
         if template is None:
             return method(self, dataloader, *args, **kwargs)
+        if "base_dataloader" in vars(dataloader):  # a prepared loader: keep what it was
+            stateful = bool(vars(dataloader).get("use_stateful_dataloader", False))
+        else:  # built by code written for torch's DataLoader: keep torch's checkpoints
+            stateful = not vars(template).get(BUILT_BY_PATCH, False)
         with building_like(template):
             rebuilt = method(self, dataloader, *args, **kwargs)
-        if thread_loader_of(rebuilt) is not None and "base_dataloader" in rebuilt.__dict__:
+        if (
+            stateful
+            and thread_loader_of(rebuilt) is not None
+            and "base_dataloader" in vars(rebuilt)
+        ):
             rebuilt.use_stateful_dataloader = True  # save_state/load_state take its state
         return rebuilt
 

@@ -14,7 +14,9 @@ As in the original: argparse options, ``-j`` workers, a shuffling ``DataLoader``
 ``--dummy`` dataset of synthetic images (here generated, as ``torchvision.datasets.FakeData``
 does), ``RandomResizedCrop`` / ``RandomHorizontalFlip`` / ``Normalize`` transforms drawing from
 the global torch RNG (written here: torchvision is not a dependency), SGD with momentum, and
-``AverageMeter`` progress lines. The model is a small ResNet-like net so that a CPU runs it.
+``AverageMeter`` progress lines, the model and batches on CUDA when there is one
+(``python -m threadloader run --device cuda ...`` then delivers the batches there already). The
+model is a small ResNet-like net so that a CPU runs it.
 """
 
 from __future__ import annotations
@@ -174,8 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         random.seed(args.seed)
         torch.manual_seed(args.seed)
         torch.backends.cudnn.deterministic = True  # as the original (CPU kernels here are)
-    model = TinyResNet(args.classes)
-    criterion = nn.CrossEntropyLoss()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = TinyResNet(args.classes).to(device)
+    criterion = nn.CrossEntropyLoss().to(device)
     optimizer = torch.optim.SGD(
         model.parameters(), args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     step = 0
     for epoch in range(args.epochs):
-        step = train(train_loader, model, criterion, optimizer, epoch, args, step)
+        step = train(train_loader, model, criterion, optimizer, epoch, device, args, step)
         if args.steps is not None and step >= args.steps:
             break
 
@@ -205,6 +208,7 @@ def train(
     criterion: nn.Module,
     optimizer: torch.optim.Optimizer,
     epoch: int,
+    device: torch.device,
     args: Any,
     step: int,
 ) -> int:
@@ -217,6 +221,9 @@ def train(
     end = time.time()
     for i, (images, target) in enumerate(loader):
         data_time.update(time.time() - end)
+        # A no-op for batches already there (python -m threadloader run --device cuda).
+        images = images.to(device, non_blocking=True)
+        target = target.to(device, non_blocking=True)
         loss = criterion(model(images), target)
         optimizer.zero_grad()
         loss.backward()

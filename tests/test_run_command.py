@@ -37,6 +37,7 @@ def main():
         "batches": batches, "loader": type(loader).__name__,
         "subclass": type(Mine(list(range(4)))).__name__,
         "main_module": sys.modules["__main__"].__dict__ is globals(),
+        "globals": sorted(k for k in globals() if k.startswith("__")),
     }
     print(json.dumps(seen))
 
@@ -153,7 +154,7 @@ def test_script_sees_what_python_gives_it(runs: Runs) -> None:
     assert expected["loader"] == "DataLoader" and seen["loader"] == "ThreadDataLoader"
     assert seen["subclass"] == expected["subclass"] == "Mine"
     assert seen["argv"] == ["scripts/train.py", "--lr", "0.1", "-v"]
-    for key in ("argv", "name", "path0", "file", "batches", "main_module"):
+    for key in ("argv", "name", "path0", "file", "batches", "main_module", "globals"):
         assert seen[key] == expected[key], key
 
 

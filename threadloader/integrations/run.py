@@ -218,6 +218,7 @@ def _exec_script(path: str) -> None:
         __spec__=None,
         __package__=None,
         __builtins__=builtins,
+        __annotations__={},  # the interpreter's own __main__ starts with one
     )
     code = compile(source, absolute, "exec", dont_inherit=True)
     saved = sys.modules["__main__"]

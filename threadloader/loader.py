@@ -373,7 +373,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             settle_dataset(self.dataset, resume.worker_states[0], resume.worker_state_form)
         self._pending_state = copy.deepcopy(dict(state))
-        for key in ("rng_state", "global_rng_state"):
+        for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
             if isinstance(self._pending_state.get(key), torch.Tensor):
                 self._pending_state[key] = encode_rng(self._pending_state[key])
         self._continue_persistent = None

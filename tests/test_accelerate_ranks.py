@@ -70,3 +70,10 @@ def test_resume_gives_each_rank_the_uninterrupted_batches(
         assert log[kind]["resumed"] == log[kind]["first"][SAVED_AFTER:]
         # A ThreadDataLoader is stateful, as a StatefulDataLoader; a DataLoader keeps torch's.
         assert log[kind]["saved_loader_state"] == (kind == "stateful")
+
+
+def test_a_threadloader_resumes_a_later_epoch_on_each_rank(logs: list[dict[str, Any]]) -> None:
+    """From the checkpoint 2 steps into epoch 1: the rest of epoch 1 of the uninterrupted run
+    (the order of a later epoch comes from the sampler's generator, saved in the loader state)."""
+    for log in logs:
+        assert log["stateful"]["resumed_epoch1"] == log["stateful"]["first"][STEPS_PER_EPOCH + 2 :]

@@ -4,14 +4,16 @@ for torch's DataLoader, unchanged. Run by tests/test_accelerate_ranks.py::
     python -m torch.distributed.run --standalone --nproc_per_node=2 \
         -m threadloader run tests/dist_scripts/accelerate_ranks.py OUT
 
-Each rank prepares model, optimizer and a shuffling loader with ``accelerator.prepare``, trains
-2 steps, ``save_state`` (a checkpoint mid-epoch 0), trains on to the end of epoch 1 (the
-uninterrupted run). Then, as a restarted job would, it seeds as before, prepares new ones,
-``load_state`` and trains to the end of epoch 1. Twice:
+Each rank prepares model, optimizer and a shuffling loader with ``accelerator.prepare`` and
+trains 2 epochs (the uninterrupted run), with ``save_state`` after 2 steps of each. Then, as a
+restarted job would, it seeds as before, prepares new ones, ``load_state`` and trains to the end
+of epoch 1. Twice:
 
 - ``torch``: the script's own ``DataLoader`` (a ThreadDataLoader under ``run``), resumed as
   Accelerate documents for it: ``load_state``, then ``skip_first_batches`` past the 2 steps.
-- ``stateful``: a ``ThreadDataLoader``, resumed as a StatefulDataLoader: ``load_state`` alone.
+- ``stateful``: a ``ThreadDataLoader``, resumed as a StatefulDataLoader: ``load_state`` alone,
+  from the checkpoint in epoch 0 and from the one in epoch 1 (the sampler's generator, which
+  Accelerate seeds at ``prepare``, is in the loader's state).
 
 It writes ``OUT/rank{r}.json``: per trial, the sample ids of every step of both runs, the inner
 loader's class, and the most worker processes seen.
@@ -65,24 +67,32 @@ def trial(kind: str, out: Path) -> dict[str, Any]:
     accelerator, model, optimizer, loader = prepare(kind)
     it = iter(loader)
     first = [step(accelerator, model, optimizer, next(it)) for _ in range(2)]
-    accelerator.save_state(str(out / f"ckpt-{kind}"))
+    accelerator.save_state(str(out / f"ckpt-{kind}-0"))  # mid-epoch 0
     first += [step(accelerator, model, optimizer, b) for b in it]
-    first += [step(accelerator, model, optimizer, b) for b in loader]
+    it = iter(loader)
+    first += [step(accelerator, model, optimizer, next(it)) for _ in range(2)]
+    accelerator.save_state(str(out / f"ckpt-{kind}-1"))  # mid-epoch 1
+    first += [step(accelerator, model, optimizer, b) for b in it]
     children = len(multiprocessing.active_children())
     accelerator.wait_for_everyone()
 
     accelerator, model, optimizer, loader = prepare(kind)
-    accelerator.load_state(str(out / f"ckpt-{kind}"))
+    accelerator.load_state(str(out / f"ckpt-{kind}-0"))
     epoch = accelerator.skip_first_batches(loader, 2) if kind == "torch" else loader
     resumed = [step(accelerator, model, optimizer, b) for b in epoch]
     resumed += [step(accelerator, model, optimizer, b) for b in loader]
-    return {
+    log = {
         "inner": type(loader.base_dataloader).__name__,
         "children": max(children, len(multiprocessing.active_children())),
-        "saved_loader_state": (out / f"ckpt-{kind}" / "dl_state_dict.bin").exists(),
+        "saved_loader_state": (out / f"ckpt-{kind}-0" / "dl_state_dict.bin").exists(),
         "first": first,
         "resumed": resumed,
     }
+    if kind == "stateful":  # Accelerate's skip_first_batches cannot resume a later epoch
+        accelerator, model, optimizer, loader = prepare(kind)
+        accelerator.load_state(str(out / f"ckpt-{kind}-1"))
+        log["resumed_epoch1"] = [step(accelerator, model, optimizer, b) for b in loader]
+    return log
 
 
 def main() -> None:

@@ -7,8 +7,15 @@ installed) on a built-in workload or on your own dataset, and prints a table::
     python -m threadloader compare --workload images --seconds 5 --num-workers 4
     python -m threadloader compare --dataset mypkg.data:make_dataset --batch-size 64 --json
 
-This module only parses arguments and prints; the work is in ``threadloader/runner.py``.
-Every input error ends with one line on stderr and exit status 2.
+``run`` runs a training script as ``python`` would, with every torch DataLoader it (or a library
+it calls: Hugging Face Trainer, Accelerate) builds made a ThreadDataLoader::
+
+    python -m threadloader run train.py --lr 0.1                     # the script's own arguments
+    python -m threadloader run --report --isolation process -m mypkg.train
+
+This module only parses arguments and prints; the work is in ``threadloader/runner.py`` and
+``threadloader/integrations/run.py``. Every input error ends with one line on stderr and exit
+status 2; ``run`` exits with the script's status.
 """
 
 from __future__ import annotations
@@ -151,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--json", action="store_true", help="print JSON instead of the table")
     cmp.add_argument("--plot", metavar="OUT.png", help="also write a bar chart (needs matplotlib)")
     cmp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sub.add_parser(
+        "run",
+        help="run a training script with every torch DataLoader made a ThreadDataLoader",
+        add_help=False,  # main() hands everything after "run" to threadloader.integrations.run
+    )
     cmp.add_argument(
         "--traceback",
         action="store_true",
@@ -213,11 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments after the program name; ``sys.argv[1:]`` when None.
 
     Returns:
-        The exit status: 0 on success, 2 on bad input, 130 after Ctrl-C.
+        The exit status: 0 on success, 2 on bad input, 130 after Ctrl-C; for ``run``, the
+        script's.
 
     Raises:
-        SystemExit: From argparse, for ``--help`` (status 0) and unparsable arguments (2).
+        SystemExit: From argparse, for ``--help`` (status 0) and unparsable arguments (2); for
+            ``run``, the script's own ``sys.exit()``.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # the script's arguments are not ours to parse
+        from threadloader.integrations import run
+
+        return run.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "compare":
         return _compare_command(args)

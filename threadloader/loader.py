@@ -44,6 +44,9 @@ THREADS_PER_CORE_WARNING = 32
 #: Unused batch buffers kept for reuse: one is freed by the loop for each one a worker needs,
 #: so two cover the steady state, and at most two batches' memory is held beyond torch's.
 RECYCLED_BUFFERS = 2
+#: Called with every ThreadDataLoader at the end of its ``__init__``: how integrations (a higher
+#: layer) learn of a loader, e.g. to hook a framework that will rebuild it (Accelerate).
+BUILT_HOOKS: list[Callable[[Any], None]] = []
 
 worker_info.install()
 
@@ -195,6 +198,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
+        for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
+            hook(self)
 
     def __iter__(self) -> Any:
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
@@ -249,6 +254,18 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None
+        # A resumed epoch's base seed comes from the state, but torch's iterator draws one from
+        # the global RNG all the same: give that draw back, so that a global RNG restored with
+        # the checkpoint (Accelerate's load_state does) seeds the next epochs as it would have
+        # without the interruption (torchdata's StatefulDataLoader draws nothing either).
+        undo = resume is not None and resume.rng_source == "global"
+        global_rng = torch.get_rng_state() if undo else None
+        it = self._new_iterator(resume)
+        if global_rng is not None:
+            torch.set_rng_state(global_rng)
+        return it
+
+    def _new_iterator(self, resume: Resume | None) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
@@ -356,7 +373,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             settle_dataset(self.dataset, resume.worker_states[0], resume.worker_state_form)
         self._pending_state = copy.deepcopy(dict(state))
-        for key in ("rng_state", "global_rng_state"):
+        for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
             if isinstance(self._pending_state.get(key), torch.Tensor):
                 self._pending_state[key] = encode_rng(self._pending_state[key])
         self._continue_persistent = None

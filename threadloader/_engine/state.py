@@ -10,6 +10,8 @@ How state works; where the code disagrees with this, the code is wrong.
    point, so the same permutation comes out. With a ``generator``, the global RNG is snapshotted
    too (a sampler without one, like ``RandomSampler(replacement=True)``, seeds its epoch from
    the global RNG) and the first indices are drawn under it; the user's global RNG is given back.
+   A generator of the sampler's own (``RandomSampler(generator=g)``, or the one Accelerate gives
+   a sampler it shards over processes) is snapshotted and put back the same way.
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
    offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
    sampler is replayed: its indices for the batches already delivered are drawn and dropped.
@@ -72,6 +74,7 @@ class Resume:
     position: int = 0  # map-style: where the index stream resumes (point 7)
     skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
     global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
+    sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Progress:
     rng_state: torch.Tensor | None = None
     # With a loader generator, the global RNG as well: a sampler may draw from it (point 2).
     global_rng_state: torch.Tensor | None = None
+    sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
     # Per-worker dataset states as of each one's last delivered batch (point 4).
     dataset_states: list[Any] | None = None
     next_worker: int = 0
@@ -172,6 +176,22 @@ def snapshot_rng(loader: Any) -> tuple[str, torch.Tensor]:
     return source, torch.get_rng_state()
 
 
+def sampler_generator(loader: Any) -> torch.Generator | None:
+    """A ``torch.Generator`` the loader's sampler draws from that is not the loader's own (point
+    2): ``RandomSampler(generator=g)``, also inside a ``BatchSampler`` or a wrapper that keeps it
+    as ``.sampler`` / ``.batch_sampler`` (Accelerate's ``BatchSamplerShard``); None if none."""
+    found = [loader.batch_sampler if loader.batch_sampler is not None else loader.sampler]
+    for _ in range(4):
+        nested = []
+        for obj in found:
+            generator = getattr(obj, "generator", None)
+            if isinstance(generator, torch.Generator):
+                return None if generator is loader.generator else generator
+            nested += [getattr(obj, name, None) for name in ("sampler", "batch_sampler")]
+        found = [obj for obj in nested if obj is not None]
+    return None
+
+
 def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     """Start an epoch's index stream, resuming it if asked; returns the stream to draw from.
 
@@ -184,19 +204,24 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.done = progress.pass_start = 0
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
+    own = sampler_generator(loader)
     if resume is None:
         progress.base_seed = int(it._base_seed)
         progress.rng_source, progress.rng_state = snapshot_rng(loader)
         progress.global_rng_state = (
             torch.get_rng_state() if progress.rng_source == "generator" else None
         )
+        progress.sampler_rng_state = own.get_state() if own is not None else None
         return sampler_iter
     progress.base_seed = resume.base_seed
     progress.rng_source, progress.rng_state = resume.rng_source, resume.rng_state
     progress.global_rng_state = resume.global_rng_state
+    progress.sampler_rng_state = resume.sampler_rng_state
     global_state = resume.rng_state if resume.rng_source == "global" else resume.global_rng_state
     if resume.rng_source == "generator":
         loader.generator.set_state(resume.rng_state)
+    if own is not None and resume.sampler_rng_state is not None:
+        own.set_state(resume.sampler_rng_state)
     if global_state is not None:
         # Draw the first indices under the saved global RNG (a sampler seeds its epoch from it
         # at its first draw), then give the user theirs back.
@@ -396,7 +421,18 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
             if live and progress.global_rng_state is not None  # type: ignore[union-attr]
             else None
         ),
+        "sampler_rng_state": _sampler_rng_state(loader, progress if live else None),
     }
+
+
+def _sampler_rng_state(loader: Any, progress: Progress | None) -> str | None:
+    """Point 2: the sampler's own generator as the epoch began (``progress``), or as it is now,
+    for a state that starts the next epoch (None)."""
+    if progress is not None:
+        saved = progress.sampler_rng_state
+        return encode_rng(saved) if saved is not None else None
+    own = sampler_generator(loader)
+    return encode_rng(own.get_state()) if own is not None else None
 
 
 def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:

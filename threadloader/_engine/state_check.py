@@ -22,6 +22,7 @@ from threadloader._engine.state import (
     dataset_length,
     positional_sampler,
     rng_source,
+    sampler_generator,
     snapshot_rng,
     type_name,
 )
@@ -192,6 +193,22 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         or global_rng_state.shape != torch.get_rng_state().shape
     ):
         raise ValueError("loader state global_rng_state is not a torch global RNG state")
+    sampler_rng_state = state.get("sampler_rng_state")  # optional, as global_rng_state
+    own = sampler_generator(loader)
+    if sampler_rng_state is not None and (
+        not isinstance(sampler_rng_state, torch.Tensor) or sampler_rng_state.dtype != torch.uint8
+    ):
+        raise ValueError("loader state sampler_rng_state is not a generator state")
+    if sampler_rng_state is not None and own is None:
+        warnings.warn(
+            "loader state holds the state of its sampler's own generator, and this loader's "
+            "sampler has none: the resumed order follows this loader's sampler (pass the same "
+            "sampler, e.g. a RandomSampler with generator=, to resume the saved order)",
+            stacklevel=3,
+        )
+        sampler_rng_state = None
+    if own is not None and sampler_rng_state is not None and not state["in_progress"]:
+        own.set_state(sampler_rng_state)  # the next epoch draws from it, as it would have
     rng_states = state.get("worker_rng_states")  # optional: states saved without it resume
     if replay_data:
         # The replayed batches draw again from the seeded generators, which brings them to the
@@ -227,4 +244,5 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         position=position if kind == "map" else batches,
         skips=tuple(skips) if kind == "map" else (),
         global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
+        sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
     )

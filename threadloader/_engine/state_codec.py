@@ -40,7 +40,7 @@ def decode_state(state: Any) -> Any:
     if not isinstance(state, Mapping):
         return state
     decoded = dict(state)
-    for key in ("rng_state", "global_rng_state"):
+    for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
         if key in decoded:
             decoded[key] = decode_rng(decoded[key])
     return decoded

@@ -99,8 +99,13 @@ class ThreadDataLoader(DataLoader[T_co]):
         device_prefetch: (ours, keyword-only) batches kept on the device ahead of the loop;
             ``None`` (default): 2 with ``device``. Needs ``device``.
         isolation: (ours, keyword-only) ``None`` runs the worker threads in this process;
-            ``"process"`` runs them in one helper process, so they never compete with the
-            training thread for the GIL.
+            ``"process"`` runs them in helper processes (``helpers``), so they never compete
+            with the training thread for the GIL.
+        helpers: (ours, keyword-only) with ``isolation="process"``, how many helper processes
+            share the worker threads: worker ``w`` runs in helper ``w % helpers``. Each helper
+            holds one copy of the dataset and runs its workers' threads on its own GIL, so
+            Python-bound item code scales over helpers as over torch's worker processes.
+            ``None`` (default): one helper. At most ``num_workers``.
         log_every_s: (ours, keyword-only) log a one-line throughput / data-wait summary through
             the ``threadloader`` logger at INFO level at most this often; off by default.
         save_worker_rng: (ours, keyword-only) make ``state_dict()`` hold each worker's own
@@ -115,10 +120,11 @@ class ThreadDataLoader(DataLoader[T_co]):
             unknown ``isolation`` mode; ``device_prefetch`` < 1; an unknown device string; a
             ``threadloader.Mixture`` sampled by anything but its own ``MixtureSampler`` (the
             weights would be ignored); with ``num_workers=0``, ``isolation="process"`` or
-            ``save_worker_rng=True``; ``device_prefetch`` without ``device`` (each would be
+            ``save_worker_rng=True``; ``helpers`` not a positive number, above ``num_workers``
+            or without ``isolation="process"``; ``device_prefetch`` without ``device`` (each would be
             accepted and do nothing, as torch refuses ``persistent_workers`` without workers).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
-        TypeError: ``save_worker_rng`` is not a bool.
+        TypeError: ``save_worker_rng`` is not a bool, or ``helpers`` is not an int.
     """
 
     def __init__(
@@ -145,6 +151,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         device: str | int | torch.device | None = None,
         device_prefetch: int | None = None,
         isolation: str | None = None,
+        helpers: int | None = None,
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
     ) -> None:
@@ -157,6 +164,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self.device = device
         self.device_prefetch = device_prefetch
         self.isolation = isolation
+        self.helpers = helpers
         self.log_every_s = log_every_s
         self.save_worker_rng = save_worker_rng
         self.snapshot_every_n_steps = snapshot_every_n_steps
@@ -431,6 +439,7 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
 
     Raises:
         ValueError: naming the option and what it needs.
+        TypeError: ``helpers`` is not an int.
     """
     if loader.num_workers == 0 and loader.isolation is not None:
         raise ValueError(
@@ -438,6 +447,20 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
             "num_workers > 0 (with num_workers=0 every batch is made in the training thread); "
             "set num_workers > 0, or isolation=None"
         )
+    if loader.helpers is not None:
+        if isinstance(loader.helpers, bool) or not isinstance(loader.helpers, int):
+            raise TypeError(f"helpers must be an int, got {type(loader.helpers).__name__}")
+        if loader.isolation != "process":
+            raise ValueError(
+                f"helpers={loader.helpers} sets how many helper processes run the worker "
+                "threads, so it needs isolation='process' (without it the threads run in this "
+                "process)"
+            )
+        if not 1 <= loader.helpers <= max(loader.num_workers, 1):
+            raise ValueError(
+                f"helpers must be between 1 and num_workers={loader.num_workers} (each helper "
+                f"runs at least one worker), got {loader.helpers}"
+            )
     if loader.num_workers == 0 and loader.save_worker_rng:
         raise ValueError(
             "save_worker_rng=True saves each worker's own generators, so it needs "

@@ -38,7 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, defaul
 from threadloader.compare.workloads import WorkloadSpec, make_workload
 
 NUM_WORKERS = 2
-THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "torchdata2", "spdl2")
+THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "thread2p", "torchdata2", "spdl2")
 MEMORY_LOADERS: tuple[str, ...] = ("dl0", "dl4", "thread4")
 MEMORY_CASE_TIMEOUT_S = 300  # one epoch takes 15-40 s on 2 cores
 
@@ -100,6 +100,14 @@ def _open_loader(loader: str, spec: WorkloadSpec) -> tuple[Iterator[Any], Callab
 
         thread_it = iter(ThreadDataLoader(ds, batch_size=bs, num_workers=NUM_WORKERS))
         return thread_it, getattr(thread_it, "close", lambda: None)
+    if loader == "thread2p":
+        from threadloader import ThreadDataLoader
+
+        isolated = ThreadDataLoader(
+            ds, batch_size=bs, num_workers=NUM_WORKERS, isolation="process", helpers=NUM_WORKERS
+        )
+        isolated_it = iter(isolated)
+        return isolated_it, getattr(isolated_it, "close", lambda: None)
     if loader == "torchdata2":
         import torchdata.nodes as tn
 

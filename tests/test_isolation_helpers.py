@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import gc
 import os
+import pathlib
 import signal
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import pytest
@@ -39,6 +43,7 @@ from test_worker_errors import FailsAtFive
 from test_worker_info import SeedReporter, _seeds_by_worker, keep_list
 from torch.utils.data import Dataset, get_worker_info
 
+import threadloader
 from threadloader import ThreadDataLoader
 from threadloader.isolation.parent import combined_stats
 from threadloader.remote import RemoteStats
@@ -233,3 +238,52 @@ def test_dataset_stats_of_the_helpers_add_up() -> None:
     assert total.retries == 2 and total.skipped_urls == ("s3://x/1", "s3://x/2")
     assert combined_stats([None, a]) is a and combined_stats([None, None]) is None
     assert combined_stats([{"n": 1}, {"n": 2}]) == {"n": 2}
+
+
+def _run_script(tmp_path: Any, source: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    repo = str(pathlib.Path(threadloader.__file__).parents[1])  # this checkout's, not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, str(script)],
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+
+
+def test_building_an_isolated_loader_starts_the_helper_server(tmp_path: Any) -> None:
+    """The forkserver starts when the loader is built, so it imports torch while the script
+    builds its model, not after the first iter()."""
+    done = _run_script(
+        tmp_path,
+        """
+        import multiprocessing.forkserver as forkserver
+        from threadloader import ThreadDataLoader
+
+        if __name__ == "__main__":
+            assert forkserver._forkserver._forkserver_pid is None
+            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
+            print("started", forkserver._forkserver._forkserver_pid is not None)
+            print("batches", len(list(loader)))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["started", "True", "batches", "8"]
+
+
+def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None:
+    """A script that builds its loader outside ``if __name__ == "__main__"`` runs: the server,
+    importing the script as multiprocessing does, does not start a server of its own."""
+    done = _run_script(
+        tmp_path,
+        """
+        from threadloader import ThreadDataLoader
+
+        loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process", helpers=2)
+
+        if __name__ == "__main__":
+            print("batches", len(list(loader)))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["batches", "8"]

@@ -33,7 +33,11 @@ from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
-from threadloader.isolation.parent import IsolatedDataLoaderIter, check_isolation
+from threadloader.isolation.parent import (
+    IsolatedDataLoaderIter,
+    check_isolation,
+    start_helper_server,
+)
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -203,6 +207,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
+        if self.isolation == "process":
+            start_helper_server(multiprocessing_context)
 
     def __iter__(self) -> Any:
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must

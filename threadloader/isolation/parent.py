@@ -140,6 +140,26 @@ def helper_context(multiprocessing_context: Any = None) -> BaseContext:
     return ctx
 
 
+def start_helper_server(multiprocessing_context: Any = None) -> None:
+    """Start the forkserver that helpers are forked from, without waiting for it.
+
+    Called when a loader with ``isolation="process"`` is built: the server imports torch and
+    threadloader while the script goes on (building its model), so the first ``iter()`` forks a
+    helper from a server that is ready instead of waiting for those imports.
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return  # this process is importing __main__ for multiprocessing: start nothing here
+    ctx = helper_context(multiprocessing_context)
+    if ctx.get_start_method() == "forkserver":
+        try:
+            multiprocessing.forkserver.ensure_running()
+        except OSError:  # iter() tries again, and raises what starting a helper raises
+            pass
+
+
 def _preload_in_forkserver(ctx: Any) -> None:
     # The preload list only counts when the forkserver starts; keep what the user asked for.
     server = multiprocessing.forkserver._forkserver

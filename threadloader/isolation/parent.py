@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 #: Values the loader's ``isolation=`` option accepts.
-ISOLATION_MODES = (None, "process")
+ISOLATION_MODES = (None, "process", "auto")
 _PRELOAD = "threadloader.isolation.helper"
 
 
@@ -95,11 +95,11 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
         multiprocessing_context: the loader's context (a name or a context object), if any.
 
     Raises:
-        ValueError: ``isolation`` is not None or "process", or the helper would be started
-            with ``fork``.
+        ValueError: ``isolation`` is not None, "process" or "auto", or helpers would be
+            started with ``fork``.
     """
     if isolation not in ISOLATION_MODES:
-        raise ValueError(f"isolation must be None or 'process', got {isolation!r}")
+        raise ValueError(f"isolation must be None, 'process' or 'auto', got {isolation!r}")
     if isolation is not None and multiprocessing_context is not None:
         method = (
             multiprocessing_context
@@ -108,7 +108,7 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
         )
         if method == "fork":
             raise ValueError(
-                "isolation='process' starts its helper process with 'forkserver' or 'spawn', "
+                f"isolation={isolation!r} starts helper processes with 'forkserver' or 'spawn', "
                 "not 'fork': forking a process that runs threads can copy a lock another thread "
                 "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
             )
@@ -225,13 +225,16 @@ class IsolatedDataLoaderIter(DispatchingIter):
     Args:
         loader: the loader this epoch belongs to.
         resume: a checked state to resume from (``ThreadDataLoader.load_state_dict``).
+        helpers: how many helper processes; None: the loader's ``helpers``, else one.
 
     Raises:
         ValueError: the loader's ``multiprocessing_context`` starts processes with ``fork``.
         Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
     """
 
-    def __init__(self, loader: DataLoader[Any], resume: Resume | None = None) -> None:
+    def __init__(
+        self, loader: DataLoader[Any], resume: Resume | None = None, *, helpers: int | None = None
+    ) -> None:
         self._progress = Progress()
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
             super().__init__(loader)
@@ -243,7 +246,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._in_order: bool = loader.in_order
         self._log_every_s = getattr(loader, "log_every_s", None)
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
-        count = min(getattr(loader, "helpers", None) or 1, self._num_workers)
+        count = min(helpers or getattr(loader, "helpers", None) or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
         self._links = Links(_start_links(ctx, self, worker_spec, count))
         # The finalizer holds the links, never self: break, del and GC all end the helpers.

@@ -38,8 +38,8 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, defaul
 from threadloader.compare.workloads import WorkloadSpec, make_workload
 
 NUM_WORKERS = 2
-THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "torchdata2", "spdl2")
-MEMORY_LOADERS: tuple[str, ...] = ("dl0", "dl4", "thread4")
+THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "thread2p", "torchdata2", "spdl2")
+MEMORY_LOADERS: tuple[str, ...] = ("dl0", "dl2", "dl4", "thread4", "thread2p")
 MEMORY_CASE_TIMEOUT_S = 300  # one epoch takes 15-40 s on 2 cores
 
 # (warm-up batches, timed batches): sized so the slowest loader's round takes a few seconds, and
@@ -100,6 +100,14 @@ def _open_loader(loader: str, spec: WorkloadSpec) -> tuple[Iterator[Any], Callab
 
         thread_it = iter(ThreadDataLoader(ds, batch_size=bs, num_workers=NUM_WORKERS))
         return thread_it, getattr(thread_it, "close", lambda: None)
+    if loader == "thread2p":
+        from threadloader import ThreadDataLoader
+
+        isolated = ThreadDataLoader(
+            ds, batch_size=bs, num_workers=NUM_WORKERS, isolation="process", helpers=NUM_WORKERS
+        )
+        isolated_it = iter(isolated)
+        return isolated_it, getattr(isolated_it, "close", lambda: None)
     if loader == "torchdata2":
         import torchdata.nodes as tn
 
@@ -283,12 +291,16 @@ def _memory_case(loader: str, size: str) -> dict[str, Any]:
     }
     if loader == "dl0":
         dl: DataLoader[Any] = DataLoader(spec.dataset, num_workers=0, **kwargs)
-    elif loader == "dl4":
-        dl = DataLoader(spec.dataset, num_workers=4, **kwargs)
+    elif loader in ("dl2", "dl4"):
+        dl = DataLoader(spec.dataset, num_workers=int(loader[2:]), **kwargs)
     elif loader == "thread4":
         from threadloader import ThreadDataLoader
 
         dl = ThreadDataLoader(spec.dataset, num_workers=4, **kwargs)
+    elif loader == "thread2p":
+        from threadloader import ThreadDataLoader
+
+        dl = ThreadDataLoader(spec.dataset, num_workers=2, isolation="process", helpers=2, **kwargs)
     else:
         raise ValueError(f"unknown loader {loader!r}")
     expected, samples = len(dl.dataset), 0  # type: ignore[arg-type]
@@ -312,5 +324,7 @@ def _memory_case(loader: str, size: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "memory":
-        sys.exit("usage: python bench/bench_loaders.py memory dl0|dl4|thread4 small|bench")
+        sys.exit(
+            "usage: python bench/bench_loaders.py memory dl0|dl2|dl4|thread4|thread2p small|bench"
+        )
     print(json.dumps(_memory_case(sys.argv[2], sys.argv[3])))

@@ -254,7 +254,7 @@ def test_an_isolated_close_stopped_halfway_by_ctrl_c_still_ends_the_helper(monke
     loader = ThreadDataLoader(Large(), batch_size=4, num_workers=2, isolation="process")
     it = iter(loader)
     next(it)
-    link = it._link
+    link = it._links.links[0]
     calls = []
     ours = link._ours
 

@@ -421,7 +421,7 @@ def test_fork_context_is_refused() -> None:
     """multiprocessing_context='fork' is refused, naming the reason and what to pass instead."""
     with pytest.raises(ValueError, match="not 'fork'"):
         iter(IsolatedLoader(Numbers(), num_workers=2, multiprocessing_context="fork"))
-    with pytest.raises(ValueError, match="isolation must be None or 'process'"):
+    with pytest.raises(ValueError, match="isolation must be None, 'process' or 'auto'"):
         parent.check_isolation("processes")
 
 
@@ -488,7 +488,7 @@ def test_stats_count_batches_data_wait_and_helper_stage_times() -> None:
 def _waits(loader: ThreadDataLoader[Any]) -> tuple[list[int], int, int]:
     iterator = iter(loader)
     got = [int(b) for b in iterator]
-    link = iterator._link  # type: ignore[attr-defined]
+    link = iterator._links.links[0]  # type: ignore[attr-defined]
     return got, link.polled, link.spun
 
 
@@ -566,7 +566,7 @@ def test_slots_return_when_batches_are_dropped() -> None:
     iterator = iter(IsolatedLoader(Ids(400), batch_size=4, num_workers=2))
     for batch in iterator:
         assert batch.shape == (4,)
-    segments = iterator._link.reader._segments.values()  # type: ignore[attr-defined]
+    segments = iterator._links.links[0].reader._segments.values()  # type: ignore[attr-defined]
     first = next(iter(segments)).count
     # Without reuse, 100 batches would need 100 slots; releases that lag on a loaded machine
     # may add one segment as large as the first.

@@ -136,6 +136,23 @@ def test_options_apply_where_valid() -> None:
     assert not threadloader.is_patched()
 
 
+def test_helpers_apply_to_isolated_loaders_up_to_their_workers() -> None:
+    """helpers= reaches loaders with isolation, at most one helper per worker; without
+    isolation it is refused at patch()."""
+    with threadloader.patched(isolation="process", helpers=3):
+        wide = DataLoader(Noisy(), batch_size=4, num_workers=4)
+        narrow = DataLoader(Noisy(), batch_size=4, num_workers=2)
+        inline = DataLoader(Noisy(), batch_size=4)
+        assert (wide.helpers, narrow.helpers, inline.helpers) == (3, 2, None)
+    with threadloader.patched(isolation="auto"):
+        assert DataLoader(Noisy(), batch_size=4, num_workers=2).isolation == "auto"
+    with pytest.raises(ValueError, match="helpers needs isolation"):
+        threadloader.patch(helpers=2)
+    with pytest.raises(ValueError, match="helpers must be a positive int"):
+        threadloader.patch(isolation="process", helpers=0)
+    assert not threadloader.is_patched()
+
+
 def test_stateful_dataloader_is_diverted_and_resumes() -> None:
     """torchdata's StatefulDataLoader(...) builds a ThreadDataLoader; its state resumes."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")

@@ -253,6 +253,19 @@ def test_options_reach_the_scripts_loaders(
     assert capfd.readouterr().out == "ThreadDataLoader process 30.0\n"
 
 
+def test_helpers_and_auto_reach_the_scripts_loaders(
+    in_process: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """--isolation auto and --helpers become the options of the script's loaders."""
+    (in_process / "helper_opts.py").write_text(
+        "from torch.utils.data import DataLoader\n"
+        "loader = DataLoader(list(range(4)), num_workers=3)\n"
+        "print(loader.isolation, loader.helpers)\n"
+    )
+    assert run.main(["--isolation", "auto", "--helpers", "2", "helper_opts.py"]) == 0
+    assert capfd.readouterr().out == "auto 2\n"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_device_without_cuda_is_a_usage_error(
     in_process: Path, capfd: pytest.CaptureFixture[str]

@@ -79,7 +79,7 @@ def _send_and_end(ours: Any, runners: Runners, sent: list[tuple[Any, ...]]) -> N
 def test_one_runner_at_a_time_makes_batches_in_the_order_sent() -> None:
     """limit 1: three runners, three workers; tasks run one at a time, in batch order."""
     theirs, ours = Pipe(duplex=False)
-    board = TaskBoard(theirs, num_workers=3, limit=1)
+    board = TaskBoard(theirs, worker_ids=range(3), limit=1)
     runners = Runners(board, 3)
     sent = _tasks(30, workers=3)
     _send_and_end(ours, runners, sent)
@@ -91,7 +91,7 @@ def test_one_runner_at_a_time_makes_batches_in_the_order_sent() -> None:
 def test_runners_share_the_limit_and_never_run_one_worker_twice_at_once() -> None:
     """limit 2: two tasks run at once, never two of one worker; each worker's in the order sent."""
     theirs, ours = Pipe(duplex=False)
-    board = TaskBoard(theirs, num_workers=2, limit=2)
+    board = TaskBoard(theirs, worker_ids=range(2), limit=2)
     runners = Runners(board, 3, work_s=0.01)
     sent = _tasks(20, workers=2) + [(TASK, 0, 20 + i, 0, [20 + i]) for i in range(6)]
     _send_and_end(ours, runners, sent)
@@ -107,7 +107,7 @@ def test_runners_share_the_limit_and_never_run_one_worker_twice_at_once() -> Non
 def test_an_epoch_restart_drops_the_abandoned_epochs_queued_tasks() -> None:
     """Tasks of the old epoch not started are dropped; each worker restarts before new tasks."""
     theirs, ours = Pipe(duplex=False)
-    board = TaskBoard(theirs, num_workers=2, limit=1)
+    board = TaskBoard(theirs, worker_ids=range(2), limit=1)
     for msg in _tasks(6, workers=2):  # all queued before any runner reads
         ours.send(msg)
     ours.send((EPOCH, 1, 42))
@@ -135,7 +135,7 @@ def test_an_epoch_restart_drops_the_abandoned_epochs_queued_tasks() -> None:
 def test_raising_the_limit_wakes_a_waiting_runner() -> None:
     """A runner waiting under limit 1 starts a second worker's task once the limit is 2."""
     theirs, ours = Pipe(duplex=False)
-    board = TaskBoard(theirs, num_workers=2, limit=1)
+    board = TaskBoard(theirs, worker_ids=range(2), limit=1)
     runners = Runners(board, 2, work_s=1.0)
     ours.send((TASK, 0, 0, 0, [0]))
     ours.send((TASK, 1, 1, 0, [1]))
@@ -154,7 +154,7 @@ def test_raising_the_limit_wakes_a_waiting_runner() -> None:
 def test_the_pipe_ending_ends_every_runner() -> None:
     """The training process closing the pipe (or dying) ends the reader and every waiting runner."""
     theirs, ours = Pipe(duplex=False)
-    board = TaskBoard(theirs, num_workers=2, limit=1)
+    board = TaskBoard(theirs, worker_ids=range(2), limit=1)
     runners = Runners(board, 3)
     time.sleep(0.05)  # one runner blocks reading the pipe, the others wait on the board
     ours.close()

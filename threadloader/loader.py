@@ -33,7 +33,12 @@ from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
-from threadloader.isolation.parent import IsolatedDataLoaderIter, check_isolation
+from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice
+from threadloader.isolation.parent import (
+    IsolatedDataLoaderIter,
+    check_isolation,
+    start_helper_server,
+)
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -102,8 +107,17 @@ class ThreadDataLoader(DataLoader[T_co]):
         device_prefetch: (ours, keyword-only) batches kept on the device ahead of the loop;
             ``None`` (default): 2 with ``device``. Needs ``device``.
         isolation: (ours, keyword-only) ``None`` runs the worker threads in this process;
-            ``"process"`` runs them in one helper process, so they never compete with the
-            training thread for the GIL.
+            ``"process"`` runs them in helper processes (``helpers``), so they never compete
+            with the training thread for the GIL; ``"auto"`` runs the first epoch in threads and
+            moves the workers into helper processes from an epoch whose items held the GIL on
+            (never with ``persistent_workers``; ``stats().mode`` says what ran and why).
+        helpers: (ours, keyword-only) with ``isolation="process"`` (or ``"auto"`` once it
+            moves them), how many helper processes
+            share the worker threads: worker ``w`` runs in helper ``w % helpers``. Each helper
+            holds one copy of the dataset and runs its workers' threads on its own GIL, so
+            Python-bound item code scales over helpers as over torch's worker processes.
+            ``None`` (default): one helper (``"auto"``: one per worker, up to the usable CPUs).
+            At most ``num_workers``.
         log_every_s: (ours, keyword-only) log a one-line throughput / data-wait summary through
             the ``threadloader`` logger at INFO level at most this often; off by default.
         save_worker_rng: (ours, keyword-only) make ``state_dict()`` hold each worker's own
@@ -118,10 +132,11 @@ class ThreadDataLoader(DataLoader[T_co]):
             unknown ``isolation`` mode; ``device_prefetch`` < 1; an unknown device string; a
             ``threadloader.Mixture`` sampled by anything but its own ``MixtureSampler`` (the
             weights would be ignored); with ``num_workers=0``, ``isolation="process"`` or
-            ``save_worker_rng=True``; ``device_prefetch`` without ``device`` (each would be
+            ``save_worker_rng=True``; ``helpers`` not a positive number, above ``num_workers``
+            or without ``isolation="process"`` or ``"auto"``; ``device_prefetch`` without ``device`` (each would be
             accepted and do nothing, as torch refuses ``persistent_workers`` without workers).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
-        TypeError: ``save_worker_rng`` is not a bool.
+        TypeError: ``save_worker_rng`` is not a bool, or ``helpers`` is not an int.
     """
 
     def __init__(
@@ -148,6 +163,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         device: str | int | torch.device | None = None,
         device_prefetch: int | None = None,
         isolation: str | None = None,
+        helpers: int | None = None,
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
     ) -> None:
@@ -160,6 +176,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         self.device = device
         self.device_prefetch = device_prefetch
         self.isolation = isolation
+        self.helpers = helpers
+        self._auto = AutoIsolation()
+        self._epoch_choice: Choice | None = None  # where the latest epoch's workers ran
         self.log_every_s = log_every_s
         self.save_worker_rng = save_worker_rng
         self.snapshot_every_n_steps = snapshot_every_n_steps
@@ -198,6 +217,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
+        if self.isolation == "process":
+            start_helper_server(multiprocessing_context)
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
 
@@ -245,12 +266,15 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self._stats is None:
             raise RuntimeError("stats() needs an epoch: iterate over the loader first")
         snapshot = self._stats.snapshot()
-        if self.isolation is not None:
-            dataset_stats = self._stats.dataset  # the helper's copy does the reading
+        choice = self._epoch_choice
+        if choice is not None and choice.mode == PROCESS:
+            dataset_stats = self._stats.dataset  # the helpers' copies do the reading
         else:
             own = getattr(self.dataset, "stats", None)
             dataset_stats = own() if callable(own) else None
-        return dataclasses.replace(snapshot, dataset=dataset_stats)
+        mode = choice.mode if choice is not None else THREADS
+        reason = choice.reason if choice is not None else None
+        return dataclasses.replace(snapshot, dataset=dataset_stats, mode=mode, mode_reason=reason)
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None
@@ -267,11 +291,22 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     def _new_iterator(self, resume: Resume | None) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
+            self._epoch_choice = None
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
-        if self.isolation == "process":
-            return IsolatedDataLoaderIter(self, resume)
+        self._epoch_choice = choice = self._choose_mode()
+        if choice.mode == PROCESS:
+            return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
         return ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
+
+    def _choose_mode(self) -> Choice:
+        """Where this epoch's workers run: the ``isolation`` option, or ``"auto"``'s choice."""
+        if self.isolation == "auto":
+            last = self._stats.snapshot() if self._stats is not None else None
+            return self._auto.next_epoch(self, last)
+        if self.isolation == "process":
+            return Choice(PROCESS, "isolation='process'", helpers=self.helpers)
+        return Choice(THREADS, "isolation=None")
 
     def set_mixture_weights(self, weights: Mapping[str, float]) -> int:
         """Change a ``threadloader.Mixture``'s weights from the next batch the loop requests.
@@ -448,6 +483,7 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
 
     Raises:
         ValueError: naming the option and what it needs.
+        TypeError: ``helpers`` is not an int.
     """
     if loader.num_workers == 0 and loader.isolation is not None:
         raise ValueError(
@@ -455,6 +491,20 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
             "num_workers > 0 (with num_workers=0 every batch is made in the training thread); "
             "set num_workers > 0, or isolation=None"
         )
+    if loader.helpers is not None:
+        if isinstance(loader.helpers, bool) or not isinstance(loader.helpers, int):
+            raise TypeError(f"helpers must be an int, got {type(loader.helpers).__name__}")
+        if loader.isolation not in ("process", "auto"):
+            raise ValueError(
+                f"helpers={loader.helpers} sets how many helper processes run the worker "
+                "threads, so it needs isolation='process' or 'auto' (without it the threads run "
+                "in this process)"
+            )
+        if not 1 <= loader.helpers <= max(loader.num_workers, 1):
+            raise ValueError(
+                f"helpers must be between 1 and num_workers={loader.num_workers} (each helper "
+                f"runs at least one worker), got {loader.helpers}"
+            )
     if loader.num_workers == 0 and loader.save_worker_rng:
         raise ValueError(
             "save_worker_rng=True saves each worker's own generators, so it needs "

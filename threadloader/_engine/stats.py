@@ -92,6 +92,9 @@ class LoaderStats:
             (``RemoteFiles``: reads, retries, skipped items, cache hits, misses and bytes);
             None otherwise. With ``isolation="process"`` it is the helper's copy's, as of the
             last batch received (the training process's copy reads nothing).
+        mode: where the epoch's workers ran: ``"threads"`` (this process) or ``"process"``
+            (helper processes).
+        mode_reason: why (``isolation="auto"``: the measurement behind the choice).
     """
 
     batches: int
@@ -109,6 +112,8 @@ class LoaderStats:
     gil_bound: bool
     advice: str | None
     dataset: Any = None
+    mode: str = "threads"
+    mode_reason: str | None = None
 
     def __str__(self) -> str:
         lines = [
@@ -136,6 +141,8 @@ class LoaderStats:
         lines.append(f"  busy s      workers [{busy}], training thread {self.caller_busy_s:.2f}")
         if self.dataset is not None:
             lines.append(f"  dataset     {self.dataset}")
+        if self.mode_reason:
+            lines.append(f"  mode        {self.mode}: {self.mode_reason}")
         if self.advice:
             lines.append(f"  advice      {self.advice}")
         return "\n".join(lines)

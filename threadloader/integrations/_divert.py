@@ -24,7 +24,14 @@ from threadloader.loader import ThreadDataLoader
 _DataLoader: Any = _torch_dataloader.DataLoader  # the real class, never replaced
 _SIGNATURE = inspect.signature(ThreadDataLoader.__init__)
 #: ThreadDataLoader's keyword-only options a patch may set as defaults for diverted builds.
-OPTION_NAMES = ("isolation", "device", "device_prefetch", "log_every_s", "save_worker_rng")
+OPTION_NAMES = (
+    "isolation",
+    "helpers",
+    "device",
+    "device_prefetch",
+    "log_every_s",
+    "save_worker_rng",
+)
 _STATEFUL_MODULE = "torchdata.stateful_dataloader.stateful_dataloader"
 
 lock = threading.RLock()
@@ -112,6 +119,10 @@ class _Diverted(ThreadDataLoader[Any]):
         if not workers:  # our worker options need workers: a num_workers=0 loader stays valid
             options.pop("isolation", None)
             options.pop("save_worker_rng", None)
+        if "isolation" not in options:
+            options.pop("helpers", None)
+        elif "helpers" in options and isinstance(workers, int):
+            options["helpers"] = min(options["helpers"], workers)  # at most one per worker
         if "isolation" in options:
             try:
                 check_isolation(options["isolation"], bound.get("multiprocessing_context"))
@@ -120,6 +131,7 @@ class _Diverted(ThreadDataLoader[Any]):
                     f"threadloader.patch: this loader runs without isolation: {e}", stacklevel=3
                 )
                 options.pop("isolation")
+                options.pop("helpers", None)
         for name, value in options.items():
             kwargs.setdefault(name, value)
         ThreadDataLoader.__init__(self, *args, **kwargs)

@@ -54,6 +54,12 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"patch() got unexpected option(s) {', '.join(unknown)}")
     check_isolation(options.get("isolation"))
+    helpers = options.get("helpers")
+    if helpers is not None:
+        if isinstance(helpers, bool) or not isinstance(helpers, int) or helpers < 1:
+            raise ValueError(f"helpers must be a positive int, got {helpers!r}")
+        if options.get("isolation") not in ("process", "auto"):
+            raise ValueError("helpers needs isolation='process' or 'auto'")
     check_device_args(options.get("device"), options.get("device_prefetch"))
     log_every_s = options.get("log_every_s")
     if log_every_s is not None and not log_every_s > 0:
@@ -66,6 +72,7 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def patch(
     *,
     isolation: str | None = None,
+    helpers: int | None = None,
     device: str | int | torch.device | None = None,
     device_prefetch: int | None = None,
     log_every_s: float | None = None,
@@ -79,8 +86,11 @@ def patch(
     innermost one's options apply. Process-wide and thread-safe.
 
     Args:
-        isolation: ``isolation=`` for diverted loaders with workers (``"process"``: one helper
-            process runs the worker threads). Loaders with ``num_workers=0`` get None.
+        isolation: ``isolation=`` for diverted loaders with workers (``"process"``: helper
+            processes run the worker threads; ``"auto"``: from an epoch whose items held the
+            GIL on). Loaders with ``num_workers=0`` get None.
+        helpers: ``helpers=`` for diverted loaders with isolation, at most their
+            ``num_workers``.
         device: ``device=`` for diverted loaders: batches arrive on this device.
         device_prefetch: ``device_prefetch=`` for diverted loaders; needs ``device``.
         log_every_s: ``log_every_s=`` for diverted loaders: a throughput line at most this often.
@@ -88,6 +98,7 @@ def patch(
 
     Raises:
         ValueError: an option ``ThreadDataLoader`` would reject (unknown isolation mode,
+            ``helpers`` below 1 or without isolation,
             ``log_every_s`` <= 0, ``device_prefetch`` without ``device`` or < 1, bad device).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
         TypeError: ``save_worker_rng`` is not a bool.
@@ -95,6 +106,7 @@ def patch(
     options = _check_options(
         {
             "isolation": isolation,
+            "helpers": helpers,
             "device": device,
             "device_prefetch": device_prefetch,
             "log_every_s": log_every_s,
@@ -144,6 +156,7 @@ def is_patched() -> bool:
 def patched(
     *,
     isolation: str | None = None,
+    helpers: int | None = None,
     device: str | int | torch.device | None = None,
     device_prefetch: int | None = None,
     log_every_s: float | None = None,
@@ -153,6 +166,7 @@ def patched(
 
     Args:
         isolation: as ``patch``.
+        helpers: as ``patch``.
         device: as ``patch``.
         device_prefetch: as ``patch``.
         log_every_s: as ``patch``.
@@ -167,6 +181,7 @@ def patched(
     options = _check_options(
         {
             "isolation": isolation,
+            "helpers": helpers,
             "device": device,
             "device_prefetch": device_prefetch,
             "log_every_s": log_every_s,

@@ -49,7 +49,7 @@ EXIT_USAGE = 2
 PROG = "python -m threadloader run"
 USAGE = f"{PROG} [OPTIONS] (SCRIPT | -m MODULE) [ARGS...]"
 #: Options that take a value, to find where the script's path starts.
-_VALUE_OPTIONS = ("--isolation", "--device", "--log-every")
+_VALUE_OPTIONS = ("--isolation", "--helpers", "--device", "--log-every")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +64,16 @@ def _positive_seconds(text: str) -> float:
         value = -1.0
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return value
 
 
@@ -83,8 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--isolation",
-        choices=("process",),
-        help="run each loader's worker threads in one helper process (isolation='process')",
+        choices=("process", "auto"),
+        help="run each loader's worker threads in helper processes (isolation='process'), or "
+        "from an epoch whose items held the GIL on (isolation='auto')",
+    )
+    parser.add_argument(
+        "--helpers",
+        type=_positive_int,
+        metavar="P",
+        help="with --isolation: how many helper processes share a loader's workers (helpers=)",
     )
     parser.add_argument(
         "--device", help="deliver batches on this device, e.g. cuda (device=); default: host"
@@ -171,6 +188,7 @@ def _keep_stats_parts(state: dict[str, Any], kept: dict[str, Any]) -> None:
     kept.update(
         _stats=state.get("_stats"),
         isolation=state.get("isolation"),
+        _epoch_choice=state.get("_epoch_choice"),
         num_workers=state.get("num_workers", 0),
         dataset=_DatasetStats(own) if callable(own) else None,
     )
@@ -300,7 +318,12 @@ def main(argv: Sequence[str]) -> int:
     if not target:
         parser.error("missing SCRIPT or -m MODULE")
     try:
-        _patch.patch(isolation=args.isolation, device=args.device, log_every_s=args.log_every)
+        _patch.patch(
+            isolation=args.isolation,
+            helpers=args.helpers,
+            device=args.device,
+            log_every_s=args.log_every,
+        )
     except (ValueError, RuntimeError, TypeError) as e:
         parser.error(str(e))
     if args.log_every is not None:

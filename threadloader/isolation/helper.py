@@ -79,7 +79,10 @@ class HelperSpec:
     Attributes:
         worker: what the worker threads share (the loader's dataset, collate_fn, ...).
         base_seed: torch's per-iterator seed; worker ``i`` gets ``base_seed + i``.
-        max_tasks: batches in flight at most (``num_workers * prefetch_factor``).
+        max_tasks: batches in flight at most for this helper's workers (``prefetch_factor``
+            per worker).
+        worker_ids: the workers this helper runs (all of them with one helper; worker ``w``
+            runs in helper ``w % P`` of ``P``).
         collate_into_slots: ``collate_fn`` is torch's ``default_collate``, so batches can be
             stacked straight into shared memory.
     """
@@ -88,6 +91,7 @@ class HelperSpec:
     base_seed: int
     max_tasks: int
     collate_into_slots: bool
+    worker_ids: tuple[int, ...]
 
 
 class PickledOnce:
@@ -285,7 +289,8 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
         if result.data is not NOTHING:
             dataset_stats = helper.dataset_stats() if helper.dataset_stats is not None else None
             _send_result(sender, result, timings.events, pacer.limit, dataset_stats)
-            limit = pacer.on_batch(result.started, result.cpu, result.wall)
+            started = result.started  # set by run_timed
+            limit = None if started is None else pacer.on_batch(started, result.cpu, result.wall)
             if limit is not None:
                 board.set_limit(limit)
         del result, msg  # a blocked take() must not pin the last batch
@@ -324,16 +329,16 @@ class _Helper:
         sender.ring = self.ring
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
-        n = worker_spec.num_workers
+        ids = spec.worker_ids
         # A dataset with stats() (RemoteFiles) counts its reads here: they travel with each
         # result, for the training process's loader.stats().
         stats = getattr(spec.worker.dataset, "stats", None)
         self.dataset_stats: Callable[[], Any] | None = stats if callable(stats) else None
-        self.pacer = _Pacer(n)
-        self.board = TaskBoard(tasks, n, limit=self.pacer.limit)
-        self.workers = [
-            Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in range(n)
-        ]
+        self.pacer = _Pacer(len(ids))
+        self.board = TaskBoard(tasks, ids, limit=self.pacer.limit)
+        self.workers = {
+            i: Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in ids
+        }
         # One runner per worker: each starts its worker, then runs any worker's tasks.
         self.threads = [
             threading.Thread(
@@ -342,7 +347,7 @@ class _Helper:
                 name=f"threadloader-helper-runner{w.id}",
                 daemon=True,
             )
-            for w in self.workers
+            for w in self.workers.values()
         ]
         for t in self.threads:
             t.start()

@@ -172,30 +172,50 @@ class _Link:
             self.polled += 1
             self.spun += self._poll_for(SPIN_S)
         deadline = None if timeout is None else time.monotonic() + timeout
-        conn = self.results
         while True:
             try:
-                arrived = deadline is None or conn.poll(max(0.0, deadline - time.monotonic()))
-                msg = conn.recv() if arrived else None
+                arrived = deadline is None or self.results.poll(
+                    max(0.0, deadline - time.monotonic())
+                )
             except (EOFError, OSError):
                 raise self._died() from None
-            if msg is None:
+            if not arrived:
                 raise TimeoutError
-            tag = msg[0]
-            if tag == RESULT:
+            msg = self.take_message()
+            if msg is not None:
                 # Poll next time while waits are short and the helper leaves a CPU (msg[8]:
                 # its fetching threads) to the polling.
                 waited = time.perf_counter() - started
                 self.spin = waited <= SPIN_S and msg[8] < self._cpus
+                return msg
+
+    def take_message(self) -> tuple[Any, ...] | None:
+        """Read one message (waiting for it); a result is returned, a segment's news is applied.
+
+        Returns:
+            The ``RESULT`` message, or None when the message was about a segment.
+
+        Raises:
+            HelperDied: the helper process ended.
+            RuntimeError: the helper could not start (the original exception's type).
+        """
+        conn = self.results
+        try:
+            msg = conn.recv()
+            tag = msg[0]
+            if tag == RESULT:
                 return msg
             if tag == SEGMENT:
                 _, seg_id, slot_bytes, count = msg
                 self.reader.add_segment(seg_id, slot_bytes, count, recv_handle(conn))
             elif tag == RETIRE:
                 self.reader.retire(msg[1])
-            elif tag == FATAL:
-                self.close()
-                _reraise(msg[1])
+        except (EOFError, OSError):
+            raise self._died() from None
+        if tag == FATAL:
+            self.close()
+            _reraise(msg[1])
+        return None
 
     def _poll_for(self, seconds: float) -> bool:
         """Poll the result socket for up to ``seconds``; whether a message arrived."""
@@ -266,3 +286,80 @@ class _Link:
                 conn.close()  # a second close does nothing
             except OSError:
                 pass
+
+
+class Links:
+    """The training process's handles on its helpers: worker ``w`` runs in helper ``w % P``.
+
+    Results are read from whichever helper has one, starting after the helper read last, so
+    that no helper's results wait behind another's. The group, never an iterator, is what a
+    finalizer holds.
+
+    Args:
+        links: one ``_Link`` per helper, started.
+    """
+
+    def __init__(self, links: list[_Link]) -> None:
+        self.links = links
+        self._waiting = select.poll()
+        for link in links:
+            self._waiting.register(link.results.fileno(), select.POLLIN)
+        self._next = 0
+
+    def __repr__(self) -> str:
+        return " ".join(repr(link) for link in self.links)
+
+    def for_worker(self, worker_id: int) -> _Link:
+        """The link to the helper that runs worker ``worker_id``."""
+        return self.links[worker_id % len(self.links)]
+
+    def ready(self) -> bool:
+        """Whether any helper's message is waiting (a snapshot)."""
+        return any(link.ready() for link in self.links)
+
+    def receive(self, timeout: float | None) -> tuple[Any, ...]:
+        """The next result message from any helper.
+
+        Args:
+            timeout: seconds to wait at most; None waits until a message or a helper's end.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout``.
+            HelperDied: a helper process ended.
+            RuntimeError: a link was closed, or a helper could not start.
+        """
+        if len(self.links) == 1:
+            return self.links[0].receive(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        count = len(self.links)
+        while True:
+            for step in range(count):
+                i = (self._next + step) % count
+                link = self.links[i]
+                link._check_open()
+                if link.ready():
+                    msg = link.take_message()
+                    if msg is not None:
+                        self._next = (i + 1) % count
+                        return msg
+            wait_ms = None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                wait_ms = max(1, int(left * 1000))
+            self._waiting.poll(wait_ms)  # a helper's end shows as ready: read, it raises
+
+    def close(self) -> None:
+        """Close every link (``_Link.close``); a Ctrl-C meanwhile kills the rest, then is raised."""
+        try:
+            for link in self.links:
+                link.close()
+        except KeyboardInterrupt:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Kill every helper, waiting for nothing (``_Link.kill``)."""
+        for link in self.links:
+            link.kill()

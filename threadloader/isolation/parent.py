@@ -2,11 +2,12 @@
 
 On a GIL build of Python, worker threads compete with the training thread for the GIL: the
 training loop's own Python work (launching kernels, optimizer steps) gets slower even when the
-loader is fast. Isolation moves the N worker threads into one helper process
-(``helper``) and brings batches back through a shared-memory slot ring
-(``shm_ring``): the training process only draws indices, writes one small message per batch
-and reads one back. Compared with torch's N worker processes: one copy of the dataset instead of
-N, threads that share it, and no per-tensor shared-memory file per batch.
+loader is fast. Isolation moves the N worker threads into P helper processes
+(``helper``; ``helpers=P``, one by default, worker ``w`` in helper ``w % P``) and brings
+batches back through a shared-memory slot ring per helper (``shm_ring``): the training process
+only draws indices, writes one small message per batch and reads one back. Compared with torch's
+N worker processes: P copies of the dataset instead of N, threads that share each, and no
+per-tensor shared-memory file per batch. With P > 1, Python-bound item code runs on P GILs.
 
 How an epoch behaves; where the code disagrees with this, the code is wrong.
 
@@ -20,7 +21,7 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    ``multiprocessing_context`` when it is one of these two), never ``fork``: forking a process
    that runs threads can copy a lock another thread holds. The forkserver preloads threadloader
    and torch, so a helper starts in tens of milliseconds. The loader's dataset, collate_fn and
-   worker_init_fn are pickled once per helper (``PickledOnce``): one copy of the dataset.
+   worker_init_fn are pickled once per helper (``PickledOnce``): one copy of the dataset each.
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more
@@ -28,10 +29,11 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    sent (point 5 there).
 4. A worker error is raised from ``__next__`` at that batch's turn with the original type, the
    worker id, the batch's indices and the original traceback text; the epoch goes on if
-   ``next()`` is called again, as in torch. The helper dying (killed, out of memory) raises
-   ``RuntimeError`` naming its pid and exit code. A ``timeout`` expiring ends the epoch.
+   ``next()`` is called again, as in torch. A helper dying (killed, out of memory) raises
+   ``RuntimeError`` naming its pid and exit code, and ends the others. A ``timeout`` expiring
+   ends the epoch.
 5. Drained, abandoned (``break``, ``del``, garbage collection), ``KeyboardInterrupt``, timeout,
-   interpreter exit: the helper is told to exit, its pipes are closed, and it is joined (then
+   interpreter exit: every helper is told to exit, its pipes are closed, and it is joined (then
    killed if it has not exited within ``CLOSE_WAIT_S``). The finalizer holds the link to the
    helper, never this iterator; a Ctrl-C landing in it kills the helper and reaches the loop
    (``_primitives.finalizers`` point 2). The helper also exits on its own when this process dies, even
@@ -63,7 +65,7 @@ from threadloader._engine.state import (
     Resume,
     continue_persistent,
 )
-from threadloader._engine.tasks import Result
+from threadloader._engine.tasks import Result, WorkerSpec
 from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
@@ -71,7 +73,7 @@ from threadloader.device.pinned import pin_batch, pinned_allocator
 from threadloader.isolation.helper import (
     HelperSpec,
 )
-from threadloader.isolation.link import _Link
+from threadloader.isolation.link import Links, _Link
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
 
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 #: Values the loader's ``isolation=`` option accepts.
-ISOLATION_MODES = (None, "process")
+ISOLATION_MODES = (None, "process", "auto")
 _PRELOAD = "threadloader.isolation.helper"
 
 
@@ -93,11 +95,11 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
         multiprocessing_context: the loader's context (a name or a context object), if any.
 
     Raises:
-        ValueError: ``isolation`` is not None or "process", or the helper would be started
-            with ``fork``.
+        ValueError: ``isolation`` is not None, "process" or "auto", or helpers would be
+            started with ``fork``.
     """
     if isolation not in ISOLATION_MODES:
-        raise ValueError(f"isolation must be None or 'process', got {isolation!r}")
+        raise ValueError(f"isolation must be None, 'process' or 'auto', got {isolation!r}")
     if isolation is not None and multiprocessing_context is not None:
         method = (
             multiprocessing_context
@@ -106,7 +108,7 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
         )
         if method == "fork":
             raise ValueError(
-                "isolation='process' starts its helper process with 'forkserver' or 'spawn', "
+                f"isolation={isolation!r} starts helper processes with 'forkserver' or 'spawn', "
                 "not 'fork': forking a process that runs threads can copy a lock another thread "
                 "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
             )
@@ -138,6 +140,26 @@ def helper_context(multiprocessing_context: Any = None) -> BaseContext:
     return ctx
 
 
+def start_helper_server(multiprocessing_context: Any = None) -> None:
+    """Start the forkserver that helpers are forked from, without waiting for it.
+
+    Called when a loader with ``isolation="process"`` is built: the server imports torch and
+    threadloader while the script goes on (building its model), so the first ``iter()`` forks a
+    helper from a server that is ready instead of waiting for those imports.
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return  # this process is importing __main__ for multiprocessing: start nothing here
+    ctx = helper_context(multiprocessing_context)
+    if ctx.get_start_method() == "forkserver":
+        try:
+            multiprocessing.forkserver.ensure_running()
+        except OSError:  # iter() tries again, and raises what starting a helper raises
+            pass
+
+
 def _preload_in_forkserver(ctx: Any) -> None:
     # The preload list only counts when the forkserver starts; keep what the user asked for.
     server = multiprocessing.forkserver._forkserver
@@ -146,6 +168,52 @@ def _preload_in_forkserver(ctx: Any) -> None:
     modules = list(getattr(server, "_preload_modules", ["__main__"]))
     if _PRELOAD not in modules:
         ctx.set_forkserver_preload([*modules, _PRELOAD])
+
+
+def _start_links(
+    ctx: BaseContext, owner: object, worker_spec: WorkerSpec, count: int
+) -> list[_Link]:
+    """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails."""
+    it: Any = owner
+    links: list[_Link] = []
+    try:
+        for helper in range(count):
+            ids = tuple(range(helper, it._num_workers, count))
+            spec = HelperSpec(
+                worker=worker_spec,
+                base_seed=int(it._base_seed),
+                max_tasks=it._prefetch_factor * len(ids),
+                collate_into_slots=it._auto_collation and it._collate_fn is default_collate,
+                worker_ids=ids,
+            )
+            name = f"threadloader-helper-{id(owner):x}" + (f"-{helper}" if count > 1 else "")
+            links.append(_Link(ctx, spec, name=name))
+    except BaseException:
+        Links(links).kill()
+        raise
+    return links
+
+
+def combined_stats(snapshots: list[Any]) -> Any:
+    """The dataset's ``stats()`` over every helper's copy: their sum where the type adds up.
+
+    Args:
+        snapshots: each helper's latest snapshot, None for a helper that sent none yet.
+
+    Returns:
+        The one snapshot there is, the sum of all of them (``RemoteStats`` adds up), or the
+        latest helper's when the type does not support ``+``.
+    """
+    present = [s for s in snapshots if s is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    total = present[0]
+    for snapshot in present[1:]:
+        try:
+            total = total + snapshot
+        except TypeError:
+            return present[-1]
+    return total
 
 
 class IsolatedDataLoaderIter(DispatchingIter):
@@ -157,13 +225,16 @@ class IsolatedDataLoaderIter(DispatchingIter):
     Args:
         loader: the loader this epoch belongs to.
         resume: a checked state to resume from (``ThreadDataLoader.load_state_dict``).
+        helpers: how many helper processes; None: the loader's ``helpers``, else one.
 
     Raises:
         ValueError: the loader's ``multiprocessing_context`` starts processes with ``fork``.
         Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
     """
 
-    def __init__(self, loader: DataLoader[Any], resume: Resume | None = None) -> None:
+    def __init__(
+        self, loader: DataLoader[Any], resume: Resume | None = None, *, helpers: int | None = None
+    ) -> None:
         self._progress = Progress()
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
             super().__init__(loader)
@@ -174,35 +245,40 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._prefetch_factor = prefetch_factor(loader)
         self._in_order: bool = loader.in_order
         self._log_every_s = getattr(loader, "log_every_s", None)
-        spec = HelperSpec(
-            worker=self._worker_spec(loader, resume, self._collate_fn),
-            base_seed=int(self._base_seed),
-            max_tasks=self._max_tasks,
-            collate_into_slots=self._auto_collation and self._collate_fn is default_collate,
-        )
+        worker_spec = self._worker_spec(loader, resume, self._collate_fn)
+        count = min(helpers or getattr(loader, "helpers", None) or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
-        self._link = _Link(ctx, spec, name=f"threadloader-helper-{id(self):x}")
-        # The finalizer holds the link, never self: break, del and GC all end the helper.
-        self._finalizer = Finalizer(self, self._link.close, on_interrupt=self._link.kill)
-        # torch's iterator lists its worker processes here: each worker's stand-in is the helper.
-        self._workers = [HelperHandle(self._link.process, i) for i in range(self._num_workers)]
+        self._links = Links(_start_links(ctx, self, worker_spec, count))
+        # The finalizer holds the links, never self: break, del and GC all end the helpers.
+        self._finalizer = Finalizer(self, self._links.close, on_interrupt=self._links.kill)
+        # torch's iterator lists its worker processes here: each worker's stand-in is its helper.
+        self._workers = [
+            HelperHandle(self._links.for_worker(i).process, i) for i in range(self._num_workers)
+        ]
         self._generation = 0
-        # The helper adapts how many of its threads fetch at once and reports it with each
-        # result; this controller only carries that number to stats().
-        self._concurrency = ConcurrencyController(self._num_workers, minimum=1)
+        # Each helper adapts how many of its threads fetch at once and reports it with each
+        # result; this controller only carries their sum to stats().
+        self._limits = [1] * count
+        self._dataset_stats: list[Any] = [None] * count
+        self._concurrency = ConcurrencyController(self._num_workers, minimum=count)
         self._new_stats()
         self._reset(loader, first_iter=True)
 
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} delivered={self._rcvd_idx} dispatched={self._send_idx} "
-            f"in_flight={self._tasks_outstanding} {self._link!r}>"
+            f"in_flight={self._tasks_outstanding} {self._links!r}>"
         )
 
     @property
     def helper_pid(self) -> int | None:
-        """The helper process's pid (None before it started)."""
-        return self._link.process.pid
+        """The first helper process's pid (None before it started)."""
+        return self._links.links[0].process.pid
+
+    @property
+    def helper_pids(self) -> list[int | None]:
+        """Every helper process's pid; worker ``w`` runs in helper ``w % len(helper_pids)``."""
+        return [link.process.pid for link in self._links.links]
 
     def close(self) -> None:
         """End the helper process now. Idempotent; later ``next()`` calls raise RuntimeError.
@@ -211,43 +287,50 @@ class IsolatedDataLoaderIter(DispatchingIter):
             KeyboardInterrupt: Ctrl-C while waiting for the helper (which is killed then).
         """
         if self._finalizer.detach() is not None:
-            self._link.close()
+            self._links.close()
 
     def _restart_workers(self) -> None:
         self._generation += 1
-        self._link.reader.give_back(self._parked_slots())
-        self._link.reader.send_released()
-        self._link.send((EPOCH, self._generation, self._shared_seed))
+        parked = self._parked_slots()
+        for i, link in enumerate(self._links.links):
+            link.reader.give_back(parked.get(i, ()))
+            link.reader.send_released()
+            link.send((EPOCH, self._generation, self._shared_seed))
 
-    def _parked_slots(self) -> list[Any]:
-        """Slots of batches parked in the reorder table of an abandoned epoch."""
+    def _parked_slots(self) -> dict[int, list[Any]]:
+        """Slots of batches parked in the reorder table of an abandoned epoch, by helper."""
         task_info = getattr(self, "_task_info", {})
-        return [
-            info[2].data.key
-            for info in task_info.values()
-            if len(info) == 3 and isinstance(info[2].data, Packed) and info[2].data.key is not None
-        ]
+        count = len(self._links.links)
+        parked: dict[int, list[Any]] = {}
+        for info in task_info.values():
+            if len(info) == 3 and isinstance(info[2].data, Packed) and info[2].data.key is not None:
+                parked.setdefault(info[2].worker_id % count, []).append(info[2].data.key)
+        return parked
 
     def _send(self, worker_id: int, idx: int, index: Any) -> None:
-        self._link.reader.send_released()
-        self._link.send((TASK, worker_id, idx, self._generation, index))
+        link = self._links.for_worker(worker_id)
+        link.reader.send_released()
+        link.send((TASK, worker_id, idx, self._generation, index))
 
     def _get_result(self, in_flight: tuple[Any, ...]) -> Result:
-        """The next result of this epoch from the helper; stale epochs' are given back."""
-        link = self._link
-        if not link.ready():
+        """The next result of this epoch from a helper; stale epochs' are given back."""
+        links = self._links
+        if not links.ready():
             self._ready = False
         wait = self._timeout if self._timeout > 0 else None
         while True:
             try:
-                msg = link.receive(wait)
+                msg = links.receive(wait)
             except TimeoutError:
                 self.close()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
             _, idx, worker_id, generation, data, state, rng, timings, limit, dataset_stats = msg
+            helper = worker_id % len(links.links)
             if dataset_stats is not None:
-                self._stats.dataset = dataset_stats
-            self._concurrency.limit = limit  # the helper's, for stats()
+                self._dataset_stats[helper] = dataset_stats
+                self._stats.dataset = combined_stats(self._dataset_stats)
+            self._limits[helper] = limit
+            self._concurrency.limit = sum(self._limits)  # the helpers', for stats()
             if generation == self._generation:
                 # Only this epoch's timings: an abandoned epoch's belong to no snapshot.
                 recorder = self._stats.workers[worker_id]
@@ -255,10 +338,10 @@ class IsolatedDataLoaderIter(DispatchingIter):
                     recorder.add(stage, seconds)
                 return Result(idx, worker_id, generation, data, state, rng=rng)
             if isinstance(data, Packed):
-                link.reader.discard(data)
+                links.for_worker(worker_id).reader.discard(data)
 
     def _unpack(self, result: Result) -> Any:
-        data = self._link.reader.unpack(result.data)
+        data = self._links.for_worker(result.worker_id).reader.unpack(result.data)
         if self._pin_memory:
             start = time.perf_counter()
             data = pin_batch(data, pinned_allocator)  # the one copy pinning needs frees the slot

@@ -33,6 +33,7 @@ from __future__ import annotations
 import select
 import threading
 from collections import deque
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -46,13 +47,13 @@ class TaskBoard:
 
     Args:
         conn: read end of the task pipe.
-        num_workers: the workers messages are addressed to.
+        worker_ids: the workers messages are addressed to (this helper's).
         limit: runners that may hold a worker at once, at first.
     """
 
-    def __init__(self, conn: Connection, num_workers: int, limit: int) -> None:
+    def __init__(self, conn: Connection, worker_ids: Sequence[int], limit: int) -> None:
         self._conn = conn
-        self._num_workers = num_workers
+        self._worker_ids = tuple(worker_ids)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._queue: deque[tuple[Any, ...]] = deque()  # per-worker messages, in order sent
@@ -145,6 +146,6 @@ class TaskBoard:
             self._generation = generation
             # Rule 3: the abandoned epoch's tasks not started yet are dropped.
             self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
-            self._queue.extend((EPOCH, w, generation, seed) for w in range(self._num_workers))
+            self._queue.extend((EPOCH, w, generation, seed) for w in self._worker_ids)
         elif msg[3] >= self._generation:
             self._queue.append(msg)

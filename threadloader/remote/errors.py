@@ -84,3 +84,18 @@ class RemoteStats:
     cache_evictions: int
     skipped_urls: tuple[str, ...]
     """The most recently skipped URLs, oldest first (at most 32)."""
+
+    def __add__(self, other: object) -> RemoteStats:
+        """Two processes' counters together (``isolation="process"`` with several helpers).
+
+        Returns:
+            Every counter summed; the most recent skipped URLs of both, at most 32.
+        """
+        if not isinstance(other, RemoteStats):
+            return NotImplemented
+        summed = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "skipped_urls"
+        }
+        return RemoteStats(**summed, skipped_urls=(self.skipped_urls + other.skipped_urls)[-32:])

@@ -1,0 +1,155 @@
+"""isolation="auto": the first epoch in worker threads, later ones in helper processes once an
+epoch's items held the GIL; the batches never show which ran.
+
+Whether a real dataset holds the GIL is a measurement that a loaded machine can change, so these
+tests decide it (``held_the_gil`` patched) and check what follows from the decision; the
+measurement itself is bench/bench_gil_detection.py's.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import pytest
+import torch
+from helpers import assert_epochs_equal, collect_epochs, torch_epochs
+from test_isolation import _fast_helper_starts, _no_helper_left_behind  # noqa: F401
+from torch.utils.data import Dataset
+
+from threadloader import ThreadDataLoader
+from threadloader.isolation import auto
+
+
+class WherePid(Dataset[Any]):
+    """Item i: (i, a draw from the global torch RNG, the pid of the process that made it)."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> tuple[int, float, int]:
+        return index, float(torch.rand(())), os.getpid()
+
+
+def _epochs(loader: ThreadDataLoader[Any], epochs: int) -> tuple[list[list[Any]], list[str]]:
+    out, modes = [], []
+    for _ in range(epochs):
+        out.append([b[:2] for b in loader])
+        modes.append(loader.stats().mode)
+    return out, modes
+
+
+def _verdict(monkeypatch: pytest.MonkeyPatch, held: bool) -> None:
+    monkeypatch.setattr(auto, "held_the_gil", lambda stats: held)
+
+
+def test_workers_move_to_helper_processes_after_an_epoch_that_held_the_gil(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Epoch 1 in threads, epochs 2 and 3 in helpers; each epoch's batches are torch's."""
+    _verdict(monkeypatch, True)
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    theirs = torch_epochs(
+        WherePid(), epochs=3, generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    loader = ThreadDataLoader(
+        WherePid(), isolation="auto", generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    pids: list[set[int]] = []
+    ours = []
+    for _ in range(3):
+        epoch = list(loader)
+        pids.append({p for b in epoch for p in b[2].tolist()})
+        ours.append([b[:2] for b in epoch])
+    for epoch in range(3):
+        assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
+    assert pids[0] == {os.getpid()}
+    assert os.getpid() not in pids[1] | pids[2] and len(pids[1]) == 2  # one helper per worker
+    stats = loader.stats()
+    assert stats.mode == "process" and "held the GIL" in str(stats.mode_reason)
+    assert "mode        process" in str(stats)
+
+
+def test_items_that_release_the_gil_stay_in_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GIL-bound epoch, no helper process: every epoch runs in this process."""
+    _verdict(monkeypatch, False)
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation="auto")
+    for _ in range(2):
+        assert {p for b in loader for p in b[2].tolist()} == {os.getpid()}
+    assert loader.stats().mode == "threads"
+    assert "released the GIL" in str(loader.stats().mode_reason)
+
+
+def test_persistent_workers_stay_threads_and_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Persistent workers keep their state between epochs: moving them would change the data."""
+    _verdict(monkeypatch, True)
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    theirs = torch_epochs(
+        WherePid(), epochs=2, persistent_workers=True,
+        generator=torch.Generator().manual_seed(3), **kwargs,
+    )  # fmt: skip
+    loader = ThreadDataLoader(
+        WherePid(), isolation="auto", persistent_workers=True,
+        generator=torch.Generator().manual_seed(3), **kwargs,
+    )  # fmt: skip
+    ours = collect_epochs(loader, 2)
+    for epoch in range(2):
+        assert_epochs_equal([b[:2] for b in ours[epoch]], [b[:2] for b in theirs[epoch]])
+    assert loader.stats().mode == "threads"
+    assert "persistent workers" in str(loader.stats().mode_reason)
+    del loader
+    gc.collect()
+
+
+class Unpicklable(WherePid):
+    """A dataset holding a lambda: a helper process could not receive it."""
+
+    def __init__(self) -> None:
+        self.transform = lambda x: x
+
+
+def test_a_dataset_that_cannot_be_pickled_stays_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pickling check names what cannot be pickled, and the epochs run in threads."""
+    _verdict(monkeypatch, True)
+    loader = ThreadDataLoader(Unpicklable(), batch_size=4, num_workers=2, isolation="auto")
+    _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "threads"]
+    assert "dataset cannot be pickled" in str(loader.stats().mode_reason)
+
+
+def test_a_state_saved_in_a_helper_epoch_resumes_in_a_new_loader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state taken mid-epoch while helpers ran resumes with exactly the rest of the indices
+    in a fresh auto loader (worker RNG draws continue only with save_worker_rng, as in process)."""
+    _verdict(monkeypatch, True)
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            WherePid(), batch_size=4, shuffle=True, num_workers=2, isolation="auto",
+            generator=torch.Generator().manual_seed(11),
+        )  # fmt: skip
+
+    loader = make()
+    list(loader)  # epoch 1, threads
+    it = iter(loader)  # epoch 2, helpers
+    seen = [next(it)[0] for _ in range(3)]
+    state = loader.state_dict()
+    rest = [b[0] for b in it]
+    assert loader.stats().mode == "process"
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_epochs_equal([b[0] for b in resumed], rest)
+    assert sorted(torch.cat(seen + rest).tolist()) == list(range(32))
+
+
+def test_helpers_with_auto_sets_how_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    """helpers=1 with auto: the workers move into one helper process."""
+    _verdict(monkeypatch, True)
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation="auto", helpers=1)
+    list(loader)
+    pids = {p for b in loader for p in b[2].tolist()}
+    assert len(pids) == 1 and os.getpid() not in pids

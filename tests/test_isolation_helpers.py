@@ -1,0 +1,289 @@
+"""isolation="process" with several helper processes: worker ``w`` runs in helper ``w % P``.
+
+Nothing a user sees depends on P: the batches, their order, which worker made which batch, the
+workers' seeds, errors, resume and stats are torch's, as with one helper. What P changes: the
+worker threads run on P processes (P GILs), each holding one copy of the dataset, and every one
+of them ends with the epoch.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from helpers import (
+    assert_epochs_equal,
+    assert_outcomes_match,
+    assert_same_multiset,
+    collect,
+    collect_epochs,
+    torch_epochs,
+    torch_outcomes,
+)
+from test_isolation import (
+    CountsPickling,
+    SlowItems,
+    _all_outcomes,
+    _fast_helper_starts,  # noqa: F401  # the module's autouse fixtures, here too
+    _helpers,
+    _no_helper_left_behind,  # noqa: F401
+    _wait_gone,
+)
+from test_resume import Ids, StatefulShards, assert_resumes_exactly
+from test_same_batches_as_torch import SCENARIOS, Dicts, SizedStream
+from test_worker_errors import FailsAtFive
+from test_worker_info import SeedReporter, _seeds_by_worker, keep_list
+from torch.utils.data import Dataset, get_worker_info
+
+import threadloader
+from threadloader import ThreadDataLoader
+from threadloader.isolation.parent import combined_stats
+from threadloader.remote import RemoteStats
+
+
+def _loader(dataset: Any, *, helpers: int, **kwargs: Any) -> ThreadDataLoader[Any]:
+    return ThreadDataLoader(dataset, isolation="process", helpers=helpers, **kwargs)
+
+
+@pytest.mark.parametrize(("num_workers", "helpers"), [(2, 2), (3, 2), (4, 3)])
+@pytest.mark.parametrize("scenario", ["shuffle with generator", "dicts", "__getitems__"])
+def test_same_batches_in_same_order_as_dataloader(
+    scenario: str, num_workers: int, helpers: int
+) -> None:
+    """Every batch equals torch's, in torch's order, however the workers are spread."""
+    make_dataset, make_kwargs = SCENARIOS[scenario]
+    theirs = torch_epochs(make_dataset(), **make_kwargs())[0]
+    loader = _loader(make_dataset(), helpers=helpers, num_workers=num_workers, **make_kwargs())
+    assert_epochs_equal(collect(loader), theirs)
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_three_shuffled_epochs_match_dataloader(persistent_workers: bool) -> None:
+    """Three epochs, shuffled, with and without persistent workers: torch's three."""
+    make_dataset, make_kwargs = SCENARIOS["tensors shuffled"]
+    kwargs = {**make_kwargs(), "num_workers": 3, "persistent_workers": persistent_workers}
+    theirs = torch_epochs(make_dataset(), epochs=3, **kwargs)
+    kwargs["generator"] = make_kwargs()["generator"]  # a fresh one, as torch_epochs had
+    loader = _loader(make_dataset(), helpers=2, **kwargs)
+    ours = collect_epochs(loader, 3)
+    for epoch in range(3):
+        assert_epochs_equal(ours[epoch], theirs[epoch])
+    del loader
+    gc.collect()
+
+
+def test_in_order_false_yields_the_same_multiset_of_batches() -> None:
+    """in_order=False: torch's batches, each exactly once, from both helpers."""
+    kwargs = {"batch_size": 3, "shuffle": True}
+    theirs = torch_epochs(Dicts(), generator=torch.Generator().manual_seed(8), **kwargs)[0]
+    loader = _loader(
+        Dicts(), helpers=2, generator=torch.Generator().manual_seed(8), in_order=False,
+        num_workers=2, **kwargs,
+    )  # fmt: skip
+    assert_same_multiset(collect(loader), theirs)
+
+
+def test_iterable_dataset_is_sharded_and_ordered_like_dataloader() -> None:
+    """Sharding by get_worker_info() gives torch's batches in torch's order over 2 helpers."""
+    theirs = torch_epochs(SizedStream(actual=23), batch_size=3, num_workers=3)[0]
+    ours = collect(_loader(SizedStream(actual=23), helpers=2, batch_size=3, num_workers=3))
+    assert_epochs_equal(ours, theirs)
+
+
+def test_worker_seeds_equal_torch_process_workers_seeds() -> None:
+    """Worker w's seed equals torch's worker w seed, whichever helper runs it."""
+    kwargs = {"batch_size": 2, "shuffle": True, "num_workers": 3, "collate_fn": keep_list}
+    theirs = torch_epochs(SeedReporter(), generator=torch.Generator().manual_seed(99), **kwargs)
+    loader = _loader(
+        SeedReporter(), helpers=2, generator=torch.Generator().manual_seed(99), **kwargs
+    )
+    ours = collect_epochs(loader, 1)
+    assert _seeds_by_worker(ours[0]) == _seeds_by_worker(theirs[0])
+
+
+class WhereMade(Dataset[Any]):
+    """Item i: (i, the worker that made it, the process it was made in)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> tuple[int, int, int]:
+        info = get_worker_info()
+        assert info is not None
+        return index, info.id, os.getpid()
+
+
+def test_worker_w_runs_in_helper_w_mod_p() -> None:
+    """4 workers over 2 helpers: workers 0 and 2 in one process, 1 and 3 in the other."""
+    iterator = iter(_loader(WhereMade(), helpers=2, batch_size=2, num_workers=4))
+    pids = iterator.helper_pids  # type: ignore[attr-defined]
+    made_in: dict[int, set[int]] = {}
+    for batch in iterator:
+        for worker, pid in zip(batch[1].tolist(), batch[2].tolist(), strict=True):
+            made_in.setdefault(worker, set()).add(pid)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert made_in == {w: {pids[w % 2]} for w in range(4)}
+
+
+def test_each_helper_loads_the_dataset_once() -> None:
+    """Three workers over two helpers: the dataset is pickled once per helper, two in all."""
+    CountsPickling.pickled = 0
+    loader = _loader(CountsPickling(), helpers=2, batch_size=2, num_workers=3)
+    assert [int(x) for b in loader for x in b] == list(range(12))
+    assert CountsPickling.pickled == 2
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+def test_resume_yields_exactly_the_batches_not_yet_seen(cut: int) -> None:
+    """A state taken after ``cut`` batches resumes with exactly the rest."""
+    assert_resumes_exactly(
+        lambda: _loader(
+            Ids(), helpers=2, batch_size=8, shuffle=True, num_workers=3,
+            generator=torch.Generator().manual_seed(7),
+        ),
+        cut,
+    )  # fmt: skip
+
+
+def test_stateful_iterable_dataset_resumes_per_worker() -> None:
+    """Each worker's IterableDataset state comes back from its own helper and resumes there."""
+    assert_resumes_exactly(
+        lambda: _loader(StatefulShards(), helpers=2, batch_size=4, num_workers=2), 3
+    )
+
+
+def test_getitem_error_is_raised_from_next_and_the_epoch_goes_on() -> None:
+    """A __getitem__ error in one helper reaches next() as torch's; later batches follow."""
+    kwargs = {"batch_size": 2, "num_workers": 2}
+    theirs = torch_outcomes(FailsAtFive(), limit=30, **kwargs)
+    ours = _all_outcomes(_loader(FailsAtFive(), helpers=2, **kwargs))
+    assert_outcomes_match(ours, theirs, ["cannot read item 5"])
+
+
+def test_one_helper_killed_raises_naming_its_pid_and_ends_the_others() -> None:
+    """A helper that dies makes next() raise with its pid; the other helper ends too."""
+    iterator = iter(_loader(SlowItems(delay=0.05), helpers=2, batch_size=2, num_workers=2))
+    next(iterator)
+    pids = list(iterator.helper_pids)  # type: ignore[attr-defined]
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"pid\(s\) {pids[1]}\) exited unexpectedly"):
+        for _ in range(40):
+            next(iterator)
+    del iterator
+    assert _wait_gone(pids) == []
+
+
+def test_every_helper_ends_after_break_and_after_exhaustion() -> None:
+    """break (then del) and the end of the epoch each end every helper."""
+    loader = _loader(Ids(400), helpers=3, batch_size=4, num_workers=3)
+    iterator = iter(loader)
+    next(iterator)
+    assert len(_helpers()) == 3
+    pids = list(iterator.helper_pids)  # type: ignore[attr-defined]
+    del iterator
+    assert _helpers() == [] and _wait_gone(pids) == []
+    assert len(list(_loader(Ids(40), helpers=2, batch_size=4, num_workers=2))) == 10
+    assert _helpers() == []
+
+
+def test_stats_count_every_helpers_batches() -> None:
+    """stats(): every batch, from both helpers, with their fetch times and fetching threads."""
+    loader = _loader(SlowItems(n=32, delay=0.01), helpers=2, batch_size=4, num_workers=2)
+    assert len(collect(loader)) == 8
+    stats = loader.stats()
+    assert stats.batches == 8 and stats.num_workers == 2
+    assert stats.stages["fetch"].count == 8 and stats.stages["fetch"].total_s > 0.25
+    assert all(busy > 0.1 for busy in stats.worker_busy_s)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"isolation": "process", "helpers": 0}, ValueError, "between 1 and num_workers=2"),
+        ({"isolation": "process", "helpers": 3}, ValueError, "between 1 and num_workers=2"),
+        ({"helpers": 2}, ValueError, "needs isolation='process'"),
+        ({"isolation": "process", "helpers": 1.5}, TypeError, "helpers must be an int"),
+        ({"isolation": "process", "helpers": True}, TypeError, "helpers must be an int"),
+    ],
+)
+def test_bad_helpers_are_refused_naming_the_cause(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """A helper count that cannot work is refused when the loader is built."""
+    with pytest.raises(error, match=match):
+        ThreadDataLoader(Ids(), num_workers=2, **kwargs)
+
+
+def _remote_stats(reads: int, skipped: tuple[str, ...]) -> RemoteStats:
+    return RemoteStats(
+        reads=reads, read_bytes=10 * reads, read_s=0.5 * reads, retries=1, failures=0,
+        skipped=len(skipped), cache_hits=2, cache_misses=reads, cache_hit_bytes=4,
+        cache_stored_bytes=8, cache_evictions=0, skipped_urls=skipped,
+    )  # fmt: skip
+
+
+def test_dataset_stats_of_the_helpers_add_up() -> None:
+    """RemoteFiles' counters from two helpers' copies are summed; other types keep the latest."""
+    a, b = _remote_stats(3, ("s3://x/1",)), _remote_stats(5, ("s3://x/2",))
+    total = combined_stats([a, None, b])
+    assert total.reads == 8 and total.read_bytes == 80 and total.read_s == 4.0
+    assert total.retries == 2 and total.skipped_urls == ("s3://x/1", "s3://x/2")
+    assert combined_stats([None, a]) is a and combined_stats([None, None]) is None
+    assert combined_stats([{"n": 1}, {"n": 2}]) == {"n": 2}
+
+
+def _run_script(tmp_path: Any, source: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(source))
+    repo = str(pathlib.Path(threadloader.__file__).parents[1])  # this checkout's, not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, str(script)],
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+
+
+def test_building_an_isolated_loader_starts_the_helper_server(tmp_path: Any) -> None:
+    """The forkserver starts when the loader is built, so it imports torch while the script
+    builds its model, not after the first iter()."""
+    done = _run_script(
+        tmp_path,
+        """
+        import multiprocessing.forkserver as forkserver
+        from threadloader import ThreadDataLoader
+
+        if __name__ == "__main__":
+            assert forkserver._forkserver._forkserver_pid is None
+            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
+            print("started", forkserver._forkserver._forkserver_pid is not None)
+            print("batches", len(list(loader)))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["started", "True", "batches", "8"]
+
+
+def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None:
+    """A script that builds its loader outside ``if __name__ == "__main__"`` runs: the server,
+    importing the script as multiprocessing does, does not start a server of its own."""
+    done = _run_script(
+        tmp_path,
+        """
+        from threadloader import ThreadDataLoader
+
+        loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process", helpers=2)
+
+        if __name__ == "__main__":
+            print("batches", len(list(loader)))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["batches", "8"]

@@ -1,0 +1,115 @@
+"""``isolation="auto"``: worker threads in this process, or in helper processes when items hold the GIL.
+
+Where the code disagrees with these rules, the code is wrong.
+
+1. The first epoch runs its workers as threads of the training process and measures.
+2. Each later epoch (each ``iter()``) is decided from the previous one's ``stats()``: when its
+   items held the GIL (``LoaderStats.gil_bound``: worker threads took turns instead of running
+   together), the workers move into helper processes (``helpers`` of them, else one per worker
+   up to the usable CPUs) and stay there for the loader's life.
+3. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
+   (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
+   would start afresh), with fewer than 2 workers or 2 usable CPUs, or when the dataset,
+   ``collate_fn`` or ``worker_init_fn`` cannot be pickled (checked once, into a sink that keeps
+   nothing).
+4. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
+   never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+from threadloader._engine.stats import LoaderStats
+from threadloader._primitives.concurrency import usable_cpus
+
+THREADS = "threads"
+PROCESS = "process"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Where one epoch's workers run, and why.
+
+    Attributes:
+        mode: ``"threads"`` (in the training process) or ``"process"`` (helper processes).
+        reason: the measurement or the rule behind the choice, in a sentence.
+        helpers: with ``"process"``, how many helper processes.
+    """
+
+    mode: str
+    reason: str
+    helpers: int | None = None
+
+
+def held_the_gil(stats: LoaderStats) -> bool:
+    """Whether an epoch's measurements say its items held the GIL."""
+    return stats.gil_bound
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _unpicklable(loader: Any) -> str | None:
+    """What a helper process could not receive, or None when everything pickles."""
+    for name in ("dataset", "collate_fn", "worker_init_fn"):
+        try:
+            pickle.Pickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(getattr(loader, name))
+        except Exception as exc:  # noqa: BLE001  # any pickling failure means: stay in threads
+            return f"its {name} cannot be pickled ({type(exc).__name__}: {exc})"
+    return None
+
+
+class AutoIsolation:
+    """The ``isolation="auto"`` policy of one loader (module docstring)."""
+
+    def __init__(self) -> None:
+        self.choice = Choice(THREADS, "the first epoch runs in worker threads and measures")
+        self._pickling_problem: str | None = None
+        self._pickling_checked = False
+
+    def next_epoch(self, loader: Any, last: LoaderStats | None) -> Choice:
+        """Decide where the epoch about to start runs.
+
+        Args:
+            loader: the ``ThreadDataLoader`` (its workers, persistence, dataset, helpers).
+            last: the previous epoch's stats; None before the first epoch.
+
+        Returns:
+            The choice, also kept in ``choice``.
+        """
+        if loader.persistent_workers:
+            # Decided once: a persistent epoch's workers are those of the first iter().
+            self.choice = Choice(
+                THREADS, "persistent workers keep their state between epochs: they stay threads"
+            )
+            return self.choice
+        if self.choice.mode == PROCESS or last is None:
+            return self.choice
+        if not held_the_gil(last):
+            self.choice = Choice(THREADS, "the last epoch's items released the GIL: threads scale")
+            return self.choice
+        blocker = self._blocker(loader)
+        if blocker is not None:
+            self.choice = Choice(THREADS, f"the items hold the GIL, but {blocker}")
+            return self.choice
+        count = loader.helpers or min(loader.num_workers, usable_cpus())
+        self.choice = Choice(
+            PROCESS,
+            "the last epoch's items held the GIL: worker threads run in "
+            f"{count} helper process{'es' if count > 1 else ''}",
+            helpers=count,
+        )
+        return self.choice
+
+    def _blocker(self, loader: Any) -> str | None:
+        if loader.num_workers < 2 or usable_cpus() < 2:
+            return "helper processes need 2 workers and 2 usable CPUs to help"
+        if not self._pickling_checked:
+            self._pickling_problem = _unpicklable(loader)
+            self._pickling_checked = True
+        return self._pickling_problem

@@ -60,7 +60,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from threadloader import ThreadDataLoader
 from threadloader.isolation import helper as _isolated_worker
-from threadloader.isolation import link, parent
+from threadloader.isolation import link, parent, zygote
 from threadloader.isolation.parent import IsolatedDataLoaderIter
 
 HELPER_PREFIX = "threadloader-helper-"
@@ -96,8 +96,18 @@ def _fast_helper_starts() -> None:
         )
 
 
-def _helpers() -> list[Any]:
-    return [p for p in multiprocessing.active_children() if p.name.startswith(HELPER_PREFIX)]
+def _helpers() -> list[int]:
+    """The pids of live helpers: children of this process, or of its zygote."""
+    pids = [p.pid for p in multiprocessing.active_children() if p.name.startswith(HELPER_PREFIX)]
+    server = zygote.server_pid()
+    if server is not None:
+        for child in psutil.Process(server).children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    pids.append(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+    return sorted(p for p in pids if p is not None)
 
 
 def _gone(pid: int) -> bool:

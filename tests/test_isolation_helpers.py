@@ -251,24 +251,70 @@ def _run_script(tmp_path: Any, source: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_building_an_isolated_loader_starts_the_helper_server(tmp_path: Any) -> None:
-    """The forkserver starts when the loader is built, so it imports torch while the script
-    builds its model, not after the first iter()."""
+def test_building_an_isolated_loader_forks_the_zygote(tmp_path: Any) -> None:
+    """With only the main thread running, building the loader forks the zygote (no forkserver):
+    helpers are its children, share its pages, and the first batch needs no torch import."""
     done = _run_script(
         tmp_path,
         """
         import multiprocessing.forkserver as forkserver
+        import time
+
+        import psutil
         from threadloader import ThreadDataLoader
+        from threadloader.isolation import zygote
 
         if __name__ == "__main__":
-            assert forkserver._forkserver._forkserver_pid is None
-            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
-            print("started", forkserver._forkserver._forkserver_pid is not None)
-            print("batches", len(list(loader)))
+            assert zygote.server_pid() is None
+            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process", helpers=2)
+            server = zygote.server_pid()
+            deadline = time.monotonic() + 10  # it names itself once it runs
+            while psutil.Process(server).name() != "threadloader-zy" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            print("zygote", server is not None, psutil.Process(server).name())
+            it = iter(loader)
+            first = next(it)
+            parents = {psutil.Process(pid).ppid() for pid in it.helper_pids}
+            print("parents", parents == {server})
+            print("batches", 1 + len(list(it)))
+            print("forkserver", forkserver._forkserver._forkserver_pid is not None)
         """,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["started", "True", "batches", "8"]
+    assert done.stdout.split() == [
+        "zygote", "True", "threadloader-zy", "parents", "True", "batches", "8",
+        "forkserver", "False",
+    ]  # fmt: skip
+
+
+def test_building_an_isolated_loader_with_threads_running_starts_the_forkserver(
+    tmp_path: Any,
+) -> None:
+    """A Python thread running when the loader is built: never fork then; the forkserver starts
+    when the loader is built, so it imports torch while the script builds its model."""
+    done = _run_script(
+        tmp_path,
+        """
+        import multiprocessing.forkserver as forkserver
+        import threading
+        from threadloader import ThreadDataLoader
+        from threadloader.isolation import zygote
+
+        if __name__ == "__main__":
+            stop = threading.Event()
+            busy = threading.Thread(target=stop.wait)
+            busy.start()
+            assert forkserver._forkserver._forkserver_pid is None
+            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
+            print("started", forkserver._forkserver._forkserver_pid is not None)
+            print("zygote", zygote.server_pid() is not None)
+            print("batches", len(list(loader)))
+            stop.set()
+            busy.join()
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["started", "True", "zygote", "False", "batches", "8"]
 
 
 def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None:

@@ -70,16 +70,13 @@ from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
 from threadloader.device.pinned import pin_batch, pinned_allocator
-from threadloader.isolation.helper import (
-    HelperSpec,
-)
+from threadloader.isolation import zygote
+from threadloader.isolation.helper import HelperSpec
 from threadloader.isolation.link import Links, _Link
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
 
 if TYPE_CHECKING:
-    from multiprocessing.context import BaseContext
-
     from torch.utils.data import DataLoader
 
 #: Values the loader's ``isolation=`` option accepts.
@@ -114,20 +111,27 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
             )
 
 
-def helper_context(multiprocessing_context: Any = None) -> BaseContext:
-    """The multiprocessing context that starts helpers: forkserver, or spawn where there is none.
+def helper_context(multiprocessing_context: Any = None) -> Any:
+    """What starts helpers: the zygote, the forkserver, or spawn where there is none.
+
+    The zygote (``zygote``: a copy of this process taken while it had one thread) when the user
+    named no context and one runs or can start now; otherwise the forkserver, which preloads
+    torch and threadloader.
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
 
     Returns:
-        A context whose start method is ``forkserver`` or ``spawn``.
+        ``zygote.ZygoteContext()``, or a context whose start method is ``forkserver`` or
+        ``spawn``.
 
     Raises:
         ValueError: the given context starts processes with ``fork``.
     """
     check_isolation("process", multiprocessing_context)
     if multiprocessing_context is None:
+        if zygote.ensure_running():
+            return zygote.ZygoteContext()
         methods = multiprocessing.get_all_start_methods()
         multiprocessing_context = "forkserver" if "forkserver" in methods else "spawn"
     ctx = (
@@ -140,20 +144,27 @@ def helper_context(multiprocessing_context: Any = None) -> BaseContext:
     return ctx
 
 
-def start_helper_server(multiprocessing_context: Any = None) -> None:
-    """Start the forkserver that helpers are forked from, without waiting for it.
+def start_helper_server(multiprocessing_context: Any = None, forkserver: bool = True) -> None:
+    """Start what helpers are forked from, without waiting for it to be ready.
 
-    Called when a loader with ``isolation="process"`` is built: the server imports torch and
-    threadloader while the script goes on (building its model), so the first ``iter()`` forks a
-    helper from a server that is ready instead of waiting for those imports.
+    Called when a loader with isolation is built: the zygote forks now, while the script is
+    likely to have one thread still; a forkserver imports torch and threadloader while the
+    script goes on (building its model), so the first ``iter()`` forks a helper from a server
+    that is ready instead of waiting for those imports.
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
+        forkserver: whether to start a forkserver where the zygote cannot start (False for
+            ``isolation="auto"``, which may never need a helper: a forkserver is a whole
+            interpreter with torch imported, the zygote shares this process's pages).
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return  # this process is importing __main__ for multiprocessing: start nothing here
+    if not forkserver and multiprocessing_context is None:
+        zygote.ensure_running()
+        return
     ctx = helper_context(multiprocessing_context)
-    if ctx.get_start_method() == "forkserver":
+    if forkserver and ctx.get_start_method() == "forkserver":
         try:
             multiprocessing.forkserver.ensure_running()
         except OSError:  # iter() tries again, and raises what starting a helper raises
@@ -170,9 +181,7 @@ def _preload_in_forkserver(ctx: Any) -> None:
         ctx.set_forkserver_preload([*modules, _PRELOAD])
 
 
-def _start_links(
-    ctx: BaseContext, owner: object, worker_spec: WorkerSpec, count: int
-) -> list[_Link]:
+def _start_links(ctx: Any, owner: object, worker_spec: WorkerSpec, count: int) -> list[_Link]:
     """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails."""
     it: Any = owner
     links: list[_Link] = []

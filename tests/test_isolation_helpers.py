@@ -252,8 +252,9 @@ def _run_script(tmp_path: Any, source: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_building_an_isolated_loader_forks_the_zygote(tmp_path: Any) -> None:
-    """With only the main thread running, building the loader forks the zygote (no forkserver):
-    helpers are its children, share its pages, and the first batch needs no torch import."""
+    """With only the main thread running, building the loader forks the zygote, not a
+    forkserver: no second interpreter imports torch (tests/test_isolation_zygote.py says which
+    process each helper is forked from)."""
     done = _run_script(
         tmp_path,
         """
@@ -272,17 +273,13 @@ def test_building_an_isolated_loader_forks_the_zygote(tmp_path: Any) -> None:
             while psutil.Process(server).name() != "threadloader-zy" and time.monotonic() < deadline:
                 time.sleep(0.01)
             print("zygote", server is not None, psutil.Process(server).name())
-            it = iter(loader)
-            first = next(it)
-            parents = {psutil.Process(pid).ppid() for pid in it.helper_pids}
-            print("parents", parents == {server})
-            print("batches", 1 + len(list(it)))
+            print("batches", len(list(loader)))
             print("forkserver", forkserver._forkserver._forkserver_pid is not None)
         """,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [
-        "zygote", "True", "threadloader-zy", "parents", "True", "batches", "8",
+        "zygote", "True", "threadloader-zy", "batches", "8",
         "forkserver", "False",
     ]  # fmt: skip
 

@@ -1,4 +1,5 @@
-"""Helpers forked by the zygote: a copy of the training process taken while it ran one thread.
+"""Where helpers are forked from: this process (one Python thread at iter()), the zygote (a copy
+taken while the loader was built and it ran one thread), or the forkserver.
 
 Each case runs a script in a fresh interpreter, where building the loader forks the zygote (in
 this test process other tests' threads decide whether it can start).
@@ -50,6 +51,24 @@ def loader(**kwargs):
 
 def same(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class another_thread:
+    # A Python thread running meanwhile: this process must not fork, the zygote forks.
+
+    def __enter__(self):
+        import threading
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stop.wait)
+        self.thread.start()
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def parents(it):
+    return {psutil.Process(pid).ppid() for pid in it.helper_pids}
 """
 
 
@@ -69,35 +88,62 @@ def _run(tmp_path: Any, body: str, env: dict[str, str] | None = None) -> list[st
     return done.stdout.split()
 
 
-def test_zygote_helpers_give_the_in_process_batches(tmp_path: Any) -> None:
-    """Batches (tensor data passed as descriptors, per-worker RNG draws) equal the threads'."""
+def test_helpers_are_forked_from_the_zygote_while_another_thread_runs(tmp_path: Any) -> None:
+    """Another Python thread at iter(): helpers come from the zygote, and their batches (tensor
+    data passed as descriptors, per-worker RNG draws) equal the in-process threads'."""
     out = _run(
         tmp_path,
         """
         threads = loader()
         iso = loader(isolation="process", helpers=2)
         print("zygote", zygote.server_pid() is not None)
-        print("same", all(same(list(iso), list(threads)) for _ in range(2)))
+        with another_thread():
+            it = iter(iso)
+            print("parents", parents(it) == {zygote.server_pid()})
+            print("same", same(list(it), list(threads)))
+            print("again", same(list(iso), list(threads)))
         print("forkserver", forkserver._forkserver._forkserver_pid is not None)
         """,
     )
-    assert out == ["zygote", "True", "same", "True", "forkserver", "False"]
+    assert out == [
+        "zygote", "True", "parents", "True", "same", "True", "again", "True",
+        "forkserver", "False",
+    ]  # fmt: skip
 
 
-def test_helpers_see_the_dataset_as_iter_finds_it(tmp_path: Any) -> None:
-    """The dataset travels at iter(), not at the zygote's fork: a change made after building
-    the loader reaches the helpers."""
+def test_helpers_are_forked_from_the_training_process_when_it_runs_one_thread(
+    tmp_path: Any,
+) -> None:
+    """Only the main thread at iter(): helpers are forked from this process, as torch's workers
+    are, and give the in-process threads' batches."""
     out = _run(
         tmp_path,
         """
-        iso = loader(isolation="process")
-        iso.dataset.scale = 100.0
-        ref = loader()
-        ref.dataset.scale = 100.0
-        print("same", same(list(iso), list(ref)))
+        threads = loader()
+        iso = loader(isolation="process", helpers=2)
+        it = iter(iso)
+        print("parents", parents(it) == {os.getpid()})
+        print("same", same(list(it), list(threads)))
         """,
     )
-    assert out == ["same", "True"]
+    assert out == ["parents", "True", "same", "True"]
+
+
+def test_helpers_see_the_dataset_as_iter_finds_it(tmp_path: Any) -> None:
+    """The dataset is the one iter() finds, not the zygote's copy taken when the loader was
+    built: a change made after building the loader reaches the helpers, forked either way."""
+    out = _run(
+        tmp_path,
+        """
+        iso, ref = loader(isolation="process"), loader()
+        iso.dataset.scale = ref.dataset.scale = 100.0
+        print("fork", same(list(iso), list(ref)))
+        iso.dataset.scale = ref.dataset.scale = 1000.0
+        with another_thread():
+            print("zygote", same(list(iso), list(ref)))
+        """,
+    )
+    assert out == ["fork", "True", "zygote", "True"]
 
 
 def test_the_zygote_holds_none_of_the_training_process_pipes(tmp_path: Any) -> None:
@@ -118,24 +164,25 @@ def test_the_zygote_holds_none_of_the_training_process_pipes(tmp_path: Any) -> N
     assert out == ["eof", "True", "batches", "8"]
 
 
-def test_a_dead_zygote_is_replaced(tmp_path: Any) -> None:
-    """The zygote killed: the next epoch forks a new one (the process still runs one thread)."""
+def test_a_dead_zygote_leaves_helpers_to_the_forkserver(tmp_path: Any) -> None:
+    """The zygote killed while another thread runs: the next epoch starts its helpers from the
+    forkserver and gives the same batches."""
     out = _run(
         tmp_path,
         """
         iso, threads = loader(isolation="process"), loader()
-        print("first", same(list(iso), list(threads)))
-        pid = zygote.server_pid()
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while zygote.running() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        print("running", zygote.running())
-        print("same", same(list(iso), list(threads)))
-        print("new", zygote.server_pid() not in (None, pid))
+        with another_thread():
+            print("first", same(list(iso), list(threads)))
+            os.kill(zygote.server_pid(), signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while zygote.running() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            print("running", zygote.running())
+            print("same", same(list(iso), list(threads)))
+        print("forkserver", forkserver._forkserver._forkserver_pid is not None)
         """,
     )
-    assert out == ["first", "True", "running", "False", "same", "True", "new", "True"]
+    assert out == ["first", "True", "running", "False", "same", "True", "forkserver", "True"]
 
 
 def test_a_killed_helper_reports_its_signal(tmp_path: Any) -> None:
@@ -143,30 +190,36 @@ def test_a_killed_helper_reports_its_signal(tmp_path: Any) -> None:
     out = _run(
         tmp_path,
         """
-        it = iter(loader(isolation="process"))
-        next(it)
-        os.kill(it.helper_pid, signal.SIGKILL)
-        try:
-            list(it)
-        except RuntimeError as exc:
-            print("died", "exit code -9" in str(exc))
+        iso = loader(isolation="process")
+        with another_thread():
+            it = iter(iso)
+            next(it)
+            print("zygote's", parents(it) == {zygote.server_pid()})
+            os.kill(it.helper_pid, signal.SIGKILL)
+            try:
+                list(it)
+            except RuntimeError as exc:
+                print("died", "exit code -9" in str(exc))
         """,
     )
-    assert out == ["died", "True"]
+    assert out == ["zygote's", "True", "died", "True"]
 
 
 def test_the_switch_off_uses_the_forkserver(tmp_path: Any) -> None:
-    """THREADLOADER_ZYGOTE=0: helpers come from the forkserver."""
+    """THREADLOADER_ZYGOTE=0: never fork this process nor a zygote; helpers come from the
+    forkserver."""
     out = _run(
         tmp_path,
         """
         iso = loader(isolation="process")
+        it = iter(iso)
         print("zygote", zygote.server_pid() is not None)
-        print("same", same(list(iso), list(loader())))
+        print("forkserver's", parents(it) == {forkserver._forkserver._forkserver_pid})
+        print("same", same(list(it), list(loader())))
         """,
         env={"THREADLOADER_ZYGOTE": "0"},
     )
-    assert out == ["zygote", "False", "same", "True"]
+    assert out == ["zygote", "False", "forkserver's", "True", "same", "True"]
 
 
 def test_auto_forks_the_zygote_but_starts_no_forkserver(tmp_path: Any) -> None:

@@ -20,6 +20,7 @@ from threadloader.isolation.helper import (
     RESULT,
     RETIRE,
     SEGMENT,
+    TRAINING_ENDS,
     HelperSpec,
     PickledOnce,
     helper_main,
@@ -92,6 +93,7 @@ class _Link:
         os.set_blocking(mailbox_w.fileno(), False)
         self.tasks: Connection = tasks_w
         self.results: Connection = result_here
+        TRAINING_ENDS.update(self._ours())
         self.reader = RingReader(mailbox_w.fileno())
         self.closed = False
         self._cpus = usable_cpus()

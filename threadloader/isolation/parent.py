@@ -112,25 +112,28 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
 
 
 def helper_context(multiprocessing_context: Any = None) -> Any:
-    """What starts helpers: the zygote, the forkserver, or spawn where there is none.
+    """What starts helpers: ``fork``, the zygote, the forkserver, or spawn where there is none.
 
-    The zygote (``zygote``: a copy of this process taken while it had one thread) when the user
-    named no context and one runs or can start now; otherwise the forkserver, which preloads
-    torch and threadloader.
+    Where the user named no context: ``fork`` when this process runs one Python thread (the
+    helpers share its pages and see the dataset as it is now, as torch's fork-started workers
+    do), else the zygote (``zygote``: a copy of this process taken when a loader was built and
+    it ran one Python thread) if one runs, else the forkserver, which preloads torch and
+    threadloader.
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
 
     Returns:
-        ``zygote.ZygoteContext()``, or a context whose start method is ``forkserver`` or
-        ``spawn``.
+        A ``fork``, ``forkserver`` or ``spawn`` context, or ``zygote.ZygoteContext()``.
 
     Raises:
         ValueError: the given context starts processes with ``fork``.
     """
     check_isolation("process", multiprocessing_context)
     if multiprocessing_context is None:
-        if zygote.ensure_running():
+        if zygote.may_fork():  # one Python thread: fork this process, as torch's workers are
+            return multiprocessing.get_context("fork")
+        if zygote.running():
             return zygote.ZygoteContext()
         methods = multiprocessing.get_all_start_methods()
         multiprocessing_context = "forkserver" if "forkserver" in methods else "spawn"
@@ -160,11 +163,12 @@ def start_helper_server(multiprocessing_context: Any = None, forkserver: bool = 
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return  # this process is importing __main__ for multiprocessing: start nothing here
-    if not forkserver and multiprocessing_context is None:
-        zygote.ensure_running()
+    if multiprocessing_context is None and zygote.ensure_running():
+        return
+    if not forkserver:
         return
     ctx = helper_context(multiprocessing_context)
-    if forkserver and ctx.get_start_method() == "forkserver":
+    if ctx.get_start_method() == "forkserver":
         try:
             multiprocessing.forkserver.ensure_running()
         except OSError:  # iter() tries again, and raises what starting a helper raises

@@ -72,6 +72,19 @@ def only_the_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread() and threading.active_count() == 1
 
 
+def may_fork() -> bool:
+    """Whether this process may fork now: Linux, only the main thread, not switched off (point 1).
+
+    Returns:
+        True where a fork copies no lock another Python thread could hold.
+    """
+    if os.environ.get(ENV_SWITCH, "1") == "0" or sys.platform != "linux":
+        return False
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return False
+    return only_the_main_thread()
+
+
 def ensure_running() -> bool:
     """Start the zygote if none runs and this process may fork now (point 1).
 
@@ -82,11 +95,7 @@ def ensure_running() -> bool:
     with _lock:
         if _server is not None and _server.alive():
             return True
-        if os.environ.get(ENV_SWITCH, "1") == "0" or sys.platform != "linux":
-            return False
-        if getattr(multiprocessing.current_process(), "_inheriting", False):
-            return False
-        if not only_the_main_thread():
+        if not may_fork():
             return False
         _server = _Server.fork()
         return True

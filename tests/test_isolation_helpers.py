@@ -29,6 +29,7 @@ from helpers import (
     torch_outcomes,
 )
 from test_isolation import (
+    PICKLED,
     CountsPickling,
     SlowItems,
     _all_outcomes,
@@ -136,7 +137,9 @@ def test_worker_w_runs_in_helper_w_mod_p() -> None:
 def test_each_helper_loads_the_dataset_once() -> None:
     """Three workers over two helpers: the dataset is pickled once per helper, two in all."""
     CountsPickling.pickled = 0
-    loader = _loader(CountsPickling(), helpers=2, batch_size=2, num_workers=3)
+    loader = _loader(
+        CountsPickling(), helpers=2, batch_size=2, num_workers=3, multiprocessing_context=PICKLED
+    )
     assert [int(x) for b in loader for x in b] == list(range(12))
     assert CountsPickling.pickled == 2
 

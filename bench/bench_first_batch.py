@@ -7,8 +7,9 @@ order that rotates each round, and prints medians of the seconds from the loader
 to its first batch and the ratio to ``DataLoader(num_workers=2)``'s in the same round.
 
 Loaders: ``dl2`` torch's DataLoader with 2 worker processes; ``thread2`` ThreadDataLoader with 2
-worker threads; ``iso2`` ThreadDataLoader(isolation="process", helpers=2) with helpers forked by
-the zygote; ``iso2fs`` the same with the zygote switched off (``THREADLOADER_ZYGOTE=0``): helpers
+worker threads; ``iso2`` ThreadDataLoader(isolation="process", helpers=2), whose helpers are
+forked from the script's process (it runs one Python thread at ``iter()``); ``iso2z`` the same
+with another Python thread running at ``iter()``: helpers forked by the zygote; ``iso2fs`` the same with the zygote switched off (``THREADLOADER_ZYGOTE=0``): helpers
 from the forkserver, started when the loader is built.
 """
 
@@ -21,7 +22,7 @@ import statistics
 import subprocess
 import sys
 
-LOADERS = ("dl2", "thread2", "iso2", "iso2fs")
+LOADERS = ("dl2", "thread2", "iso2", "iso2z", "iso2fs")
 
 _CHILD = """
 import sys, time, json
@@ -38,6 +39,9 @@ elif loader == "thread2":
     dl = ThreadDataLoader(spec.dataset, num_workers=2, **kwargs)
 else:
     dl = ThreadDataLoader(spec.dataset, num_workers=2, isolation="process", helpers=2, **kwargs)
+if loader == "iso2z":  # another Python thread at iter(): helpers come from the zygote
+    import threading
+    threading.Thread(target=time.sleep, args=(1.0,), daemon=True).start()
 it = iter(dl)
 next(it)
 print(json.dumps({"first_batch_s": time.perf_counter() - start}))

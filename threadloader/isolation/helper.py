@@ -2,8 +2,8 @@
 
 ``isolation="process"`` moves the worker threads out of the training process, so that their
 Python work no longer competes with the training loop for its GIL. The helper is one process
-(started with forkserver or spawn by ``parent``) that holds the one copy of the dataset and
-runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
+(forked from the training process, the zygote or a forkserver, or spawned: ``parent`` point 2)
+that holds its workers' dataset and runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
 worker its ``WorkerInfo``, seeds, ``worker_init_fn`` and IterableDataset copy.
 
 How the helper behaves; where the code disagrees with this, the code is wrong.

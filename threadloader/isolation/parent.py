@@ -17,11 +17,17 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    in flight, one new batch is dispatched for each delivered. So batches, their order, which
    worker made which batch, seeds and resume (``_state.begin_pass``) are those of the threaded
    iterator, and of torch.
-2. The helper starts with ``forkserver`` (``spawn`` where there is none, or the loader's
-   ``multiprocessing_context`` when it is one of these two), never ``fork``: forking a process
-   that runs threads can copy a lock another thread holds. The forkserver preloads threadloader
-   and torch, so a helper starts in tens of milliseconds. The loader's dataset, collate_fn and
-   worker_init_fn are pickled once per helper (``PickledOnce``): one copy of the dataset each.
+2. Where a helper is forked from (``helper_context``), when the loader names no
+   ``multiprocessing_context``: from this process, when ``iter()`` finds it running one Python
+   thread (``threading`` knows no other): the helpers share its pages and get the dataset,
+   ``collate_fn`` and ``worker_init_fn`` as they are, nothing pickled, as torch's fork-started
+   workers do. Otherwise from the zygote (``zygote``: a copy of this process taken when the
+   loader was built, if it ran one thread then), or from a forkserver that preloads threadloader
+   and torch (also started when the loader is built); then the dataset, ``collate_fn`` and
+   ``worker_init_fn`` are pickled once per helper (``PickledOnce``): one copy of the dataset
+   each. A process running other Python threads is never forked: one of them could hold a lock
+   the copy would keep. A ``multiprocessing_context`` the user names (``forkserver`` or
+   ``spawn``; ``fork`` is refused) is used as given.
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more

@@ -12,8 +12,11 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
 1. It starts only on Linux, only when ``threading`` knows no thread but the main one, and never
    in a process importing ``__main__`` for multiprocessing. Native thread pools (OpenBLAS,
    OpenMP) may exist: they sit idle between calls and their libraries prepare for ``fork``
-   themselves, as for torch's own fork-started workers; CUDA is not used by a helper. Otherwise
-   helpers come from the forkserver, as without it (``parent.helper_context``).
+   themselves, as for torch's own fork-started workers; CUDA is not used by a helper. It is
+   used only when ``iter()`` cannot fork the training process itself (another Python thread
+   runs by then; ``parent`` point 2); without it helpers come from the forkserver. What it
+   costs: pages the training process changes after the fork stay in the zygote as they were
+   (the dataset's among them, once it is pickled for a helper).
 2. Right after the fork, every descriptor the zygote inherited except stdio and its socket is
    pointed at ``/dev/null``: a pipe or socket the training process holds must see its EOF when
    that process closes it, and a file object the copy still references closes ``/dev/null``,

@@ -36,6 +36,7 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -49,6 +50,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
@@ -66,6 +68,7 @@ _CODE = struct.Struct("=q")
 
 _lock = threading.Lock()
 _server: _Server | None = None
+_atexit_registered = False
 #: In a helper: the descriptors that came with its start, indexed by ``_DupFd``.
 _received: list[int] = []
 
@@ -94,13 +97,16 @@ def ensure_running() -> bool:
     Returns:
         Whether a zygote is running for this process.
     """
-    global _server
+    global _server, _atexit_registered
     with _lock:
         if _server is not None and _server.alive():
             return True
         if not may_fork():
             return False
         _server = _Server.fork()
+        if not _atexit_registered:
+            atexit.register(_close_at_exit)
+            _atexit_registered = True
         return True
 
 
@@ -123,6 +129,15 @@ def shutdown() -> None:
         server, _server = _server, None
     if server is not None:
         server.close()
+
+
+def _close_at_exit() -> None:
+    # The zygote would exit on its own once this process's socket closes; closing it here
+    # also reaps it, and leaves no socket for the interpreter to warn about.
+    with _lock:
+        server = _server
+    if server is not None:
+        server.close(wait_s=1.0)
 
 
 class _Server:
@@ -161,12 +176,22 @@ class _Server:
             self.sock.close()
         return not self._gone
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
+        """Close the socket (the zygote exits on its EOF) and reap it, waiting up to ``wait_s``
+        seconds (None: until it exits)."""
         self.sock.close()
-        if not self._gone:
-            self._gone = True
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
+        if self._gone:
+            return
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                done, _ = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            except ChildProcessError:
+                done = self.pid
+            if done or (deadline is not None and time.monotonic() >= deadline):
+                break
+            time.sleep(0.005)
+        self._gone = bool(done)
 
     def start(self, name: str, payload: bytes, fds: list[int]) -> None:
         if len(fds) > MAX_FDS:

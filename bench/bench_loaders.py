@@ -39,7 +39,9 @@ from threadloader.compare.workloads import WorkloadSpec, make_workload
 
 NUM_WORKERS = 2
 THROUGHPUT_LOADERS: tuple[str, ...] = ("dl0", "dl2", "thread2", "thread2p", "torchdata2", "spdl2")
-MEMORY_LOADERS: tuple[str, ...] = ("dl0", "dl2", "dl4", "thread4", "thread2p")
+MEMORY_LOADERS: tuple[str, ...] = (
+    "dl0", "dl2", "dl4", "thread4", "thread2p", "thread2pz", "thread2pfs"
+)  # fmt: skip
 MEMORY_CASE_TIMEOUT_S = 300  # one epoch takes 15-40 s on 2 cores
 
 # (warm-up batches, timed batches): sized so the slowest loader's round takes a few seconds, and
@@ -253,9 +255,11 @@ def test_memory_above_dataset(benchmark: Any, bench_store: Any, loader: str) -> 
 
     def run() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "memory", loader, bench_store.size]
+        env = {**os.environ, **({"THREADLOADER_ZYGOTE": "0"} if loader == "thread2pfs" else {})}
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=MEMORY_CASE_TIMEOUT_S + 60, check=False
-        )
+            cmd, capture_output=True, text=True, timeout=MEMORY_CASE_TIMEOUT_S + 60, check=False,
+            env=env,
+        )  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(f"memory case {loader} failed:\n{proc.stderr[-4000:]}")
         out.update(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -297,7 +301,10 @@ def _memory_case(loader: str, size: str) -> dict[str, Any]:
         from threadloader import ThreadDataLoader
 
         dl = ThreadDataLoader(spec.dataset, num_workers=4, **kwargs)
-    elif loader == "thread2p":
+    elif loader.startswith("thread2p"):
+        # thread2p: helpers forked from this process (one Python thread at iter());
+        # thread2pz: from the zygote (another thread runs at iter()); thread2pfs: from the
+        # forkserver (THREADLOADER_ZYGOTE=0, set by the caller).
         from threadloader import ThreadDataLoader
 
         dl = ThreadDataLoader(spec.dataset, num_workers=2, isolation="process", helpers=2, **kwargs)
@@ -305,9 +312,17 @@ def _memory_case(loader: str, size: str) -> dict[str, Any]:
         raise ValueError(f"unknown loader {loader!r}")
     expected, samples = len(dl.dataset), 0  # type: ignore[arg-type]
     start = time.perf_counter()
+    # The epoch starts before the sampler's thread: the helpers of thread2p are forked from a
+    # process that runs one thread, as they are from a training loop that runs no other thread.
+    other = threading.Thread(target=time.sleep, args=(0.5,)) if loader == "thread2pz" else None
+    if other is not None:
+        other.start()
+    epoch = iter(dl)
     with PeakSampler() as peak:
-        for batch in dl:
+        for batch in epoch:
             samples += _batch_len(batch)
+    if other is not None:
+        other.join()
     epoch_s = time.perf_counter() - start
     if samples != expected:
         raise RuntimeError(f"the epoch gave {samples} samples, the dataset has {expected}")

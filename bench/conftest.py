@@ -20,6 +20,8 @@ LOADER_LABELS: dict[str, str] = {
     "dl2": "DataLoader(num_workers=2)",
     "thread2": "ThreadDataLoader(num_workers=2)",
     "thread2p": "ThreadDataLoader(num_workers=2, isolation='process', helpers=2)",
+    "thread2pz": "same, helpers from the zygote (another thread runs at iter())",
+    "thread2pfs": "same, helpers from the forkserver (THREADLOADER_ZYGOTE=0)",
     "torchdata2": "torchdata.nodes ParallelMapper(2 threads)",
     "spdl2": "spdl DataLoader(2 threads)",
     "dl4": "DataLoader(num_workers=4)",

@@ -60,10 +60,13 @@ from torch.utils.data import Dataset, IterableDataset
 
 from threadloader import ThreadDataLoader
 from threadloader.isolation import helper as _isolated_worker
-from threadloader.isolation import link, parent
+from threadloader.isolation import link, parent, zygote
 from threadloader.isolation.parent import IsolatedDataLoaderIter
 
 HELPER_PREFIX = "threadloader-helper-"
+#: Helpers that receive the dataset pickled (never forked from this process, whatever threads
+#: it runs): for the tests of what pickling does.
+PICKLED = "forkserver"
 
 
 class IsolatedLoader(ThreadDataLoader[Any]):
@@ -96,8 +99,18 @@ def _fast_helper_starts() -> None:
         )
 
 
-def _helpers() -> list[Any]:
-    return [p for p in multiprocessing.active_children() if p.name.startswith(HELPER_PREFIX)]
+def _helpers() -> list[int]:
+    """The pids of live helpers: children of this process, or of its zygote."""
+    pids = [p.pid for p in multiprocessing.active_children() if p.name.startswith(HELPER_PREFIX)]
+    server = zygote.server_pid()
+    if server is not None:
+        for child in psutil.Process(server).children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    pids.append(child.pid)
+            except psutil.NoSuchProcess:
+                pass
+    return sorted(p for p in pids if p is not None)
 
 
 def _gone(pid: int) -> bool:
@@ -341,7 +354,8 @@ class CannotLoadInHelper(Dataset[int]):
 
 def test_dataset_that_cannot_be_loaded_in_the_helper_raises_its_error() -> None:
     """A dataset failing to unpickle in the helper: next() raises that error, type preserved."""
-    iterator = iter(IsolatedLoader(CannotLoadInHelper(), num_workers=2))
+    loader = IsolatedLoader(CannotLoadInHelper(), num_workers=2, multiprocessing_context=PICKLED)
+    iterator = iter(loader)
     with pytest.raises(LookupError, match="only opens in its own process") as info:
         next(iterator)
     assert "isolation helper process" in str(info.value)
@@ -363,7 +377,7 @@ class Unpicklable(Dataset[int]):
 def test_unpicklable_dataset_raises_at_iter_and_starts_nothing() -> None:
     """iter() of a dataset that cannot be pickled raises the pickling error; no helper is left."""
     with pytest.raises(TypeError, match="pickle"):
-        iter(IsolatedLoader(Unpicklable(), num_workers=2))
+        iter(IsolatedLoader(Unpicklable(), num_workers=2, multiprocessing_context=PICKLED))
 
 
 class StateFailsAfterTwo(IterableDataset[int]):
@@ -845,7 +859,11 @@ def test_dataset_is_pickled_once_per_helper_whatever_the_workers(persistent_work
     """Three worker threads share one copy: pickled once per helper (once in all if persistent)."""
     CountsPickling.pickled = 0
     loader = IsolatedLoader(
-        CountsPickling(), batch_size=2, num_workers=3, persistent_workers=persistent_workers
+        CountsPickling(),
+        batch_size=2,
+        num_workers=3,
+        persistent_workers=persistent_workers,
+        multiprocessing_context=PICKLED,
     )
     for _ in range(2):
         assert [int(x) for b in loader for x in b] == list(range(12))

@@ -1,5 +1,6 @@
 """isolation="auto": the first epoch in worker threads, later ones in helper processes once an
-epoch's items held the GIL; the batches never show which ran.
+epoch's items held the GIL or its workers slowed the training step, back to threads when helpers
+ran the loop slower; the batches never show which ran.
 
 Whether a real dataset holds the GIL is a measurement that a loaded machine can change, so these
 tests decide it (``held_the_gil`` patched) and check what follows from the decision; the
@@ -40,8 +41,17 @@ def _epochs(loader: ThreadDataLoader[Any], epochs: int) -> tuple[list[list[Any]]
     return out, modes
 
 
-def _verdict(monkeypatch: pytest.MonkeyPatch, held: bool) -> None:
+def _verdict(monkeypatch: pytest.MonkeyPatch, held: bool, slowed: bool = False) -> None:
     monkeypatch.setattr(auto, "held_the_gil", lambda stats: held)
+    monkeypatch.setattr(auto, "slowed_the_training", lambda stats: slowed)
+    # Every epoch at one pace: helpers never lose (a tiny epoch's helper start-up would).
+    monkeypatch.setattr(auto, "loop_pace", lambda stats: 100.0)
+
+
+def _paces(monkeypatch: pytest.MonkeyPatch, paces: list[float]) -> None:
+    """Epoch k (from 1) measures ``paces[k - 1]`` batches/s."""
+    left = iter(paces)
+    monkeypatch.setattr(auto, "loop_pace", lambda stats: next(left))
 
 
 def test_workers_move_to_helper_processes_after_an_epoch_that_held_the_gil(
@@ -153,3 +163,47 @@ def test_helpers_with_auto_sets_how_many(monkeypatch: pytest.MonkeyPatch) -> Non
     list(loader)
     pids = {p for b in loader for p in b[2].tolist()}
     assert len(pids) == 1 and os.getpid() not in pids
+
+
+def test_a_training_step_slowed_by_the_workers_moves_them_to_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Items that release the GIL, but steps slower while workers ran: helpers, and says why."""
+    _verdict(monkeypatch, False, slowed=True)
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation="auto")
+    _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "process"]
+    assert "training step took" in str(loader.stats().mode_reason)
+
+
+def test_helpers_that_run_the_loop_slower_give_way_to_threads_until_threads_slow_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Helpers at half the threads' pace: back to threads, and there while threads keep their
+    pace (the GIL signal notwithstanding); threads falling below the helpers' pace: helpers
+    again. Every epoch's batches are torch's."""
+    _verdict(monkeypatch, True)
+    _paces(monkeypatch, [100.0, 50.0, 100.0, 90.0, 40.0, 60.0])
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    theirs = torch_epochs(
+        WherePid(), epochs=6, generator=torch.Generator().manual_seed(9), **kwargs
+    )
+    loader = ThreadDataLoader(
+        WherePid(), isolation="auto", generator=torch.Generator().manual_seed(9), **kwargs
+    )
+    ours, modes = _epochs(loader, 6)
+    assert modes == ["threads", "process", "threads", "threads", "threads", "process"]
+    for epoch in range(6):
+        assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
+    assert "held the GIL" in str(loader.stats().mode_reason)
+
+
+def test_helpers_that_lost_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reason for moving back names both paces."""
+    _verdict(monkeypatch, True)
+    _paces(monkeypatch, [100.0, 50.0])
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation="auto")
+    _, modes = _epochs(loader, 3)
+    assert modes == ["threads", "process", "threads"]
+    reason = str(loader.stats().mode_reason)
+    assert "50.0 batches/s with helper processes against 100.0 with threads" in reason

@@ -29,6 +29,7 @@ from helpers import (
     torch_outcomes,
 )
 from test_isolation import (
+    PICKLED,
     CountsPickling,
     SlowItems,
     _all_outcomes,
@@ -136,7 +137,9 @@ def test_worker_w_runs_in_helper_w_mod_p() -> None:
 def test_each_helper_loads_the_dataset_once() -> None:
     """Three workers over two helpers: the dataset is pickled once per helper, two in all."""
     CountsPickling.pickled = 0
-    loader = _loader(CountsPickling(), helpers=2, batch_size=2, num_workers=3)
+    loader = _loader(
+        CountsPickling(), helpers=2, batch_size=2, num_workers=3, multiprocessing_context=PICKLED
+    )
     assert [int(x) for b in loader for x in b] == list(range(12))
     assert CountsPickling.pickled == 2
 
@@ -251,24 +254,67 @@ def _run_script(tmp_path: Any, source: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_building_an_isolated_loader_starts_the_helper_server(tmp_path: Any) -> None:
-    """The forkserver starts when the loader is built, so it imports torch while the script
-    builds its model, not after the first iter()."""
+def test_building_an_isolated_loader_forks_the_zygote(tmp_path: Any) -> None:
+    """With only the main thread running, building the loader forks the zygote, not a
+    forkserver: no second interpreter imports torch (tests/test_isolation_zygote.py says which
+    process each helper is forked from)."""
     done = _run_script(
         tmp_path,
         """
         import multiprocessing.forkserver as forkserver
+        import time
+
+        import psutil
         from threadloader import ThreadDataLoader
+        from threadloader.isolation import zygote
 
         if __name__ == "__main__":
-            assert forkserver._forkserver._forkserver_pid is None
-            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
-            print("started", forkserver._forkserver._forkserver_pid is not None)
+            assert zygote.server_pid() is None
+            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process", helpers=2)
+            server = zygote.server_pid()
+            deadline = time.monotonic() + 10  # it names itself once it runs
+            while psutil.Process(server).name() != "threadloader-zy" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            print("zygote", server is not None, psutil.Process(server).name())
             print("batches", len(list(loader)))
+            print("forkserver", forkserver._forkserver._forkserver_pid is not None)
         """,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["started", "True", "batches", "8"]
+    assert done.stdout.split() == [
+        "zygote", "True", "threadloader-zy", "batches", "8",
+        "forkserver", "False",
+    ]  # fmt: skip
+
+
+def test_building_an_isolated_loader_with_threads_running_starts_the_forkserver(
+    tmp_path: Any,
+) -> None:
+    """A Python thread running when the loader is built: never fork then; the forkserver starts
+    when the loader is built, so it imports torch while the script builds its model."""
+    done = _run_script(
+        tmp_path,
+        """
+        import multiprocessing.forkserver as forkserver
+        import threading
+        from threadloader import ThreadDataLoader
+        from threadloader.isolation import zygote
+
+        if __name__ == "__main__":
+            stop = threading.Event()
+            busy = threading.Thread(target=stop.wait)
+            busy.start()
+            assert forkserver._forkserver._forkserver_pid is None
+            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
+            print("started", forkserver._forkserver._forkserver_pid is not None)
+            print("zygote", zygote.server_pid() is not None)
+            print("batches", len(list(loader)))
+            stop.set()
+            busy.join()
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["started", "True", "zygote", "False", "batches", "8"]
 
 
 def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None:

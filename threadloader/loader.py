@@ -217,8 +217,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
-        if self.isolation == "process":
-            start_helper_server(multiprocessing_context)
+        if self.isolation is not None:
+            start_helper_server(multiprocessing_context, forkserver=self.isolation == "process")
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
 

@@ -256,6 +256,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._stats.caller.add("sampler", time.perf_counter() - start)
 
     def _next_data(self) -> Any:
+        self._stats.on_call()
         start = time.perf_counter()
         self._ready, self._ran_here = True, False  # _get_result may clear / set them
         delivered = ended = False

@@ -28,7 +28,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from threadloader._primitives.concurrency import ConcurrencyController
@@ -95,6 +95,14 @@ class LoaderStats:
         mode: where the epoch's workers ran: ``"threads"`` (this process) or ``"process"``
             (helper processes).
         mode_reason: why (``isolation="auto"``: the measurement behind the choice).
+        step_busy_s: the training loop's mean time between ``next()`` calls (its own step)
+            over steps that began and ended with a worker thread running a task; 0.0 when none.
+        step_idle_s: the same over steps that began and ended with every worker idle (the
+            prefetched batches were all made).
+        steps_busy: how many steps ``step_busy_s`` averages.
+        steps_idle: how many steps ``step_idle_s`` averages.
+        training_slowed: the training thread's own steps were slower while worker threads ran
+            than while they were idle (``step_slowed``): the threads take the GIL from it.
     """
 
     batches: int
@@ -114,6 +122,11 @@ class LoaderStats:
     dataset: Any = None
     mode: str = "threads"
     mode_reason: str | None = None
+    step_busy_s: float = 0.0
+    step_idle_s: float = 0.0
+    steps_busy: int = 0
+    steps_idle: int = 0
+    training_slowed: bool = False
 
     def __str__(self) -> str:
         lines = [
@@ -139,6 +152,12 @@ class LoaderStats:
             )
         busy = ", ".join(f"{b:.2f}" for b in self.worker_busy_s)
         lines.append(f"  busy s      workers [{busy}], training thread {self.caller_busy_s:.2f}")
+        if self.steps_busy or self.steps_idle:
+            lines.append(
+                f"  loop step   {self.step_busy_s * 1e3:.3f} ms with workers running "
+                f"({self.steps_busy} steps), {self.step_idle_s * 1e3:.3f} ms with them idle "
+                f"({self.steps_idle})" + ("; slowed by the workers" if self.training_slowed else "")
+            )
         if self.dataset is not None:
             lines.append(f"  dataset     {self.dataset}")
         if self.mode_reason:
@@ -156,6 +175,37 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+#: Steps of each kind (workers running, workers idle) needed before they are compared.
+MIN_STEPS = 8
+#: How much slower the training thread's steps must be while workers run to count as slowed.
+STEP_SLOWDOWN = 1.2
+#: ... and by at least this many seconds: a few microseconds of noise on a tiny step is not it.
+STEP_SLOWDOWN_MIN_S = 20e-6
+
+
+def step_slowed(busy_s: float, steps_busy: int, idle_s: float, steps_idle: int) -> bool:
+    """Whether the training loop's own steps were slower while worker threads ran.
+
+    Steps are the times between ``next()`` calls. On a GIL build a worker thread running Python
+    code takes the GIL from the training thread, whose step (launching kernels, the optimizer's
+    Python) then takes longer; while the prefetched batches are all made and the workers idle,
+    it runs at its own pace. Helper processes leave it that pace.
+
+    Args:
+        busy_s: mean step while a worker ran, in seconds.
+        steps_busy: how many such steps.
+        idle_s: mean step while every worker was idle, in seconds.
+        steps_idle: how many such steps.
+
+    Returns:
+        True when both kinds were seen ``MIN_STEPS`` times and the busy ones were at least
+        ``STEP_SLOWDOWN`` times, and ``STEP_SLOWDOWN_MIN_S`` seconds, longer.
+    """
+    if steps_busy < MIN_STEPS or steps_idle < MIN_STEPS:
+        return False
+    return busy_s > STEP_SLOWDOWN * idle_s and busy_s - idle_s > STEP_SLOWDOWN_MIN_S
+
+
 class EpochStats:
     """The live counters of one epoch; ``snapshot()`` turns them into a ``LoaderStats``.
 
@@ -169,6 +219,12 @@ class EpochStats:
         self.num_workers = num_workers
         self.controller: ConcurrencyController | None = None  # set by the threaded iterator
         self.dataset: Any = None  # isolation: the helper's dataset stats() (LoaderStats.dataset)
+        # Set by the threaded iterator: how many worker threads run a task right now.
+        self.workers_active: Callable[[], int] | None = None
+        self._last_return: float | None = None  # when next() last returned a batch
+        self._busy_at_return = False
+        self._step_n = [0, 0]  # steps with the workers [idle, running]
+        self._step_s = [0.0, 0.0]  # their seconds
         self._lock = threading.Lock()
         self._start = time.perf_counter()
         self._cpu_start = time.process_time()
@@ -185,6 +241,21 @@ class EpochStats:
         # the transfer thread drains): then this, not _wait, is the loop's data wait.
         self._consumer_wait: float | None = None
         self._consumer_batches = 0
+
+    def on_call(self) -> None:
+        """Record the training loop's step that ends as it calls ``next()`` (``step_slowed``).
+
+        Called by the training thread only, first thing in ``next()``.
+        """
+        active, last = self.workers_active, self._last_return
+        if active is None or last is None:
+            return
+        step = time.perf_counter() - last
+        busy = active() > 0
+        if busy == self._busy_at_return:  # the same at both ends: count it as that kind
+            with self._lock:
+                self._step_n[busy] += 1
+                self._step_s[busy] += step
 
     def on_next(
         self, waited: float, ready: bool, ran_here: bool, delivered: bool, ended: bool
@@ -207,6 +278,10 @@ class EpochStats:
             self._caller_batches += ran_here
             if ended and self._consumer_wait is None:
                 self._mark_end()
+        active = self.workers_active
+        if active is not None:
+            self._busy_at_return = active() > 0
+            self._last_return = time.perf_counter() if delivered else None
         if self._log_every is not None:
             now = time.perf_counter()
             if now - self._last_log >= self._log_every:
@@ -270,6 +345,10 @@ class EpochStats:
             batches, caller_batches = self._batches, self._caller_batches
             if self._consumer_wait is not None:
                 wait, batches = self._consumer_wait, self._consumer_batches
+            idle_n, busy_n = self._step_n
+            idle_t, busy_t = self._step_s
+        step_busy = busy_t / busy_n if busy_n else 0.0
+        step_idle = idle_t / idle_n if idle_n else 0.0
         busy_threads = sum(worker_busy) / wall
         cpu_low, cpu_high = GIL_CPU_RANGE
         controller = self.controller
@@ -296,6 +375,11 @@ class EpochStats:
             cpu_cores_used=cpu,
             gil_bound=gil_bound,
             advice=_advice(gil_bound, wait / wall, stages),
+            step_busy_s=step_busy,
+            step_idle_s=step_idle,
+            steps_busy=busy_n,
+            steps_idle=idle_n,
+            training_slowed=step_slowed(step_busy, busy_n, step_idle, idle_n),
         )
 
 

@@ -132,6 +132,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             ),
         )
         self._pool.gate.set_limit(self._concurrency.limit)
+        self._stats.workers_active = self._pool.gate.active
         # torch's iterator lists its worker processes here; ours lists the worker threads.
         self._workers = [ThreadHandle(self._pool, i) for i in range(self._num_workers)]
         # The finalizer holds the pool, never self: break, del and GC all end the threads. A
@@ -172,6 +173,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         if pool is not None:
             for worker, recorder in zip(pool.workers, self._stats.workers, strict=True):
                 worker.recorder = recorder
+            self._stats.workers_active = pool.gate.active
 
     def redispatch(self) -> None:
         """Drop every batch dispatched and not delivered, and dispatch again from the sampler.

@@ -22,6 +22,10 @@ class Gate:
     def limit(self) -> int:
         return self._limit
 
+    def active(self) -> int:
+        """How many threads hold a slot now (a snapshot, read without the lock)."""
+        return self._active
+
     def enter(self) -> bool:
         """Wait for a free slot and take it; False (no slot taken) once the gate is closed."""
         with self._cond:

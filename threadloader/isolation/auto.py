@@ -1,18 +1,23 @@
-"""``isolation="auto"``: worker threads in this process, or in helper processes when items hold the GIL.
+"""``isolation="auto"``: worker threads in this process, or in helper processes when that pays.
 
 Where the code disagrees with these rules, the code is wrong.
 
 1. The first epoch runs its workers as threads of the training process and measures.
-2. Each later epoch (each ``iter()``) is decided from the previous one's ``stats()``: when its
-   items held the GIL (``LoaderStats.gil_bound``: worker threads took turns instead of running
-   together), the workers move into helper processes (``helpers`` of them, else one per worker
-   up to the usable CPUs) and stay there for the loader's life.
-3. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
+2. Each later epoch (each ``iter()``) is decided from the previous one's ``stats()``. After an
+   epoch in threads, the workers move into helper processes (``helpers`` of them, else one per
+   worker up to the usable CPUs) when its items held the GIL (``LoaderStats.gil_bound``: worker
+   threads took turns instead of running together) or when the training thread's own steps were
+   slower while worker threads ran than while they were idle (``LoaderStats.training_slowed``).
+3. After an epoch in helpers, the loop's pace (batches per second of wall time, training steps
+   included) is compared with the last epoch in threads: if the helpers' is lower by more than
+   ``MOVE_BACK`` the workers move back to threads, and move to helpers again only once an epoch
+   in threads runs slower than the helpers did.
+4. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
    (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
    would start afresh), with fewer than 2 workers or 2 usable CPUs, or when the dataset,
    ``collate_fn`` or ``worker_init_fn`` cannot be pickled (checked once, into a sink that keeps
-   nothing).
-4. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
+   nothing: a helper may have to receive them pickled).
+5. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
 """
 
@@ -27,6 +32,8 @@ from threadloader._primitives.concurrency import usable_cpus
 
 THREADS = "threads"
 PROCESS = "process"
+#: Helpers whose epoch ran the loop at less than this share of the threads' pace lose (point 3).
+MOVE_BACK = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,18 @@ def held_the_gil(stats: LoaderStats) -> bool:
     return stats.gil_bound
 
 
+def slowed_the_training(stats: LoaderStats) -> bool:
+    """Whether an epoch's training steps were slower while its worker threads ran."""
+    return stats.training_slowed
+
+
+def loop_pace(stats: LoaderStats) -> float | None:
+    """Batches per second of the epoch's wall time, training steps included; None if unknown."""
+    if stats.batches < 1 or stats.wall_s <= 0:
+        return None
+    return stats.batches / stats.wall_s
+
+
 class _Discard:
     def write(self, data: bytes) -> int:
         return len(data)
@@ -69,6 +88,7 @@ class AutoIsolation:
 
     def __init__(self) -> None:
         self.choice = Choice(THREADS, "the first epoch runs in worker threads and measures")
+        self._pace: dict[str, float] = {}  # mode -> the loop's pace in its latest epoch
         self._pickling_problem: str | None = None
         self._pickling_checked = False
 
@@ -88,23 +108,61 @@ class AutoIsolation:
                 THREADS, "persistent workers keep their state between epochs: they stay threads"
             )
             return self.choice
-        if self.choice.mode == PROCESS or last is None:
+        if last is None:
             return self.choice
-        if not held_the_gil(last):
-            self.choice = Choice(THREADS, "the last epoch's items released the GIL: threads scale")
+        pace = loop_pace(last)
+        if pace is not None:
+            self._pace[self.choice.mode] = pace
+        if self.choice.mode == PROCESS:
+            lost = self._helpers_lost()
+            if lost is not None:
+                self.choice = Choice(THREADS, f"{lost}: back to threads")
+            return self.choice
+        signal = self._signal(last)
+        if signal is None:
+            self.choice = Choice(
+                THREADS,
+                "the last epoch's items released the GIL and the training step kept its pace "
+                "while workers ran: threads scale",
+            )
+            return self.choice
+        lost = self._helpers_lost()
+        if lost is not None:
+            self.choice = Choice(THREADS, f"{signal}, but {lost}")
             return self.choice
         blocker = self._blocker(loader)
         if blocker is not None:
-            self.choice = Choice(THREADS, f"the items hold the GIL, but {blocker}")
+            self.choice = Choice(THREADS, f"{signal}, but {blocker}")
             return self.choice
         count = loader.helpers or min(loader.num_workers, usable_cpus())
         self.choice = Choice(
             PROCESS,
-            "the last epoch's items held the GIL: worker threads run in "
-            f"{count} helper process{'es' if count > 1 else ''}",
+            f"{signal}: worker threads run in {count} helper process{'es' if count > 1 else ''}",
             helpers=count,
         )
         return self.choice
+
+    @staticmethod
+    def _signal(last: LoaderStats) -> str | None:
+        if held_the_gil(last):
+            return "the last epoch's items held the GIL"
+        if slowed_the_training(last):
+            busy, idle = last.step_busy_s * 1e3, last.step_idle_s * 1e3
+            return (
+                f"the training step took {busy:.2f} ms while worker threads ran, {idle:.2f} ms "
+                "while they were idle"
+            )
+        return None
+
+    def _helpers_lost(self) -> str | None:
+        """Why helpers lose to threads on the latest measurements, or None (point 3)."""
+        threads, helpers = self._pace.get(THREADS), self._pace.get(PROCESS)
+        if threads is None or helpers is None or helpers >= MOVE_BACK * threads:
+            return None
+        return (
+            f"the loop ran {helpers:.1f} batches/s with helper processes against "
+            f"{threads:.1f} with threads"
+        )
 
     def _blocker(self, loader: Any) -> str | None:
         if loader.num_workers < 2 or usable_cpus() < 2:

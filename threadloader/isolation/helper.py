@@ -2,8 +2,8 @@
 
 ``isolation="process"`` moves the worker threads out of the training process, so that their
 Python work no longer competes with the training loop for its GIL. The helper is one process
-(started with forkserver or spawn by ``parent``) that holds the one copy of the dataset and
-runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
+(forked from the training process, the zygote or a forkserver, or spawned: ``parent`` point 2)
+that holds its workers' dataset and runs torch's worker semantics in threads, exactly as in-process: ``_workers.Worker`` gives each
 worker its ``WorkerInfo``, seeds, ``worker_init_fn`` and IterableDataset copy.
 
 How the helper behaves; where the code disagrees with this, the code is wrong.
@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler, send_handle
@@ -62,6 +63,11 @@ RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, rng, stage timi
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
 RETIRE = 12  # (RETIRE, seg_id)
 FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
+
+#: The training process's ends of every helper's pipes. A helper forked from the training
+#: process closes its copies first: holding its own control pipe's write end, it would never
+#: see that pipe's EOF (point 3).
+TRAINING_ENDS: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 #: Seconds between checks that the training process still exists, when no message arrives.
 PARENT_CHECK_S = 1.0
@@ -115,9 +121,12 @@ class PickledOnce:
         self._data = state
 
     def load(self) -> Any:
-        """The object, unpickled from the bytes received."""
-        assert self._data is not None
-        return pickle.loads(self._data)
+        """The object: unpickled from the bytes received (dropped then), or as it was given to
+        a helper forked from the training process, where nothing was pickled."""
+        if self._data is None:
+            return self.obj
+        data, self._data = self._data, None
+        return pickle.loads(data)
 
 
 class _Sender:
@@ -393,6 +402,8 @@ def helper_main(
         results: this process's end of the result socket.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for end in list(TRAINING_ENDS):
+        end.close()
     torch.set_num_threads(1)  # as torch's workers: N threads already use the cores
     worker_info.install()
     sender = _Sender(results)

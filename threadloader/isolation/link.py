@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from threadloader._engine.dispatch import reraise as _reraise
 from threadloader._primitives.concurrency import usable_cpus
@@ -20,14 +20,12 @@ from threadloader.isolation.helper import (
     RESULT,
     RETIRE,
     SEGMENT,
+    TRAINING_ENDS,
     HelperSpec,
     PickledOnce,
     helper_main,
 )
 from threadloader.isolation.ring_reader import RingReader
-
-if TYPE_CHECKING:
-    from multiprocessing.context import BaseContext
 
 #: Seconds ``close()`` waits for the helper to exit before killing it.
 CLOSE_WAIT_S = 5.0
@@ -77,7 +75,7 @@ class _Link:
     descriptors travel on it).
 
     Args:
-        ctx: the multiprocessing context to start the helper with.
+        ctx: what starts the helper: a multiprocessing context or ``zygote.ZygoteContext``.
         spec: what the helper runs.
         name: the helper's process name, e.g. ``threadloader-helper-7f3a``.
 
@@ -85,7 +83,7 @@ class _Link:
         Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
     """
 
-    def __init__(self, ctx: BaseContext, spec: HelperSpec, name: str) -> None:
+    def __init__(self, ctx: Any, spec: HelperSpec, name: str) -> None:
         control_r, control_w = ctx.Pipe(duplex=False)
         mailbox_r, mailbox_w = ctx.Pipe(duplex=False)  # raw records, never Connection.send
         tasks_r, tasks_w = ctx.Pipe(duplex=False)  # every worker's tasks (``task_board``)
@@ -95,13 +93,14 @@ class _Link:
         os.set_blocking(mailbox_w.fileno(), False)
         self.tasks: Connection = tasks_w
         self.results: Connection = result_here
+        TRAINING_ENDS.update(self._ours())
         self.reader = RingReader(mailbox_w.fileno())
         self.closed = False
         self._cpus = usable_cpus()
         self.spin = False  # poll before sleeping on the next wait (point 6)
         self.polled = self.spun = 0  # waits that polled; of them, ended without sleeping
         theirs = [control_r, mailbox_r, tasks_r, result_there]
-        self.process = ctx.Process(  # type: ignore[attr-defined]
+        self.process = ctx.Process(
             target=helper_main,
             args=(
                 PickledOnce(spec),

@@ -17,11 +17,17 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    in flight, one new batch is dispatched for each delivered. So batches, their order, which
    worker made which batch, seeds and resume (``_state.begin_pass``) are those of the threaded
    iterator, and of torch.
-2. The helper starts with ``forkserver`` (``spawn`` where there is none, or the loader's
-   ``multiprocessing_context`` when it is one of these two), never ``fork``: forking a process
-   that runs threads can copy a lock another thread holds. The forkserver preloads threadloader
-   and torch, so a helper starts in tens of milliseconds. The loader's dataset, collate_fn and
-   worker_init_fn are pickled once per helper (``PickledOnce``): one copy of the dataset each.
+2. Where a helper is forked from (``helper_context``), when the loader names no
+   ``multiprocessing_context``: from this process, when ``iter()`` finds it running one Python
+   thread (``threading`` knows no other): the helpers share its pages and get the dataset,
+   ``collate_fn`` and ``worker_init_fn`` as they are, nothing pickled, as torch's fork-started
+   workers do. Otherwise from the zygote (``zygote``: a copy of this process taken when the
+   loader was built, if it ran one thread then), or from a forkserver that preloads threadloader
+   and torch (also started when the loader is built); then the dataset, ``collate_fn`` and
+   ``worker_init_fn`` are pickled once per helper (``PickledOnce``): one copy of the dataset
+   each. A process running other Python threads is never forked: one of them could hold a lock
+   the copy would keep. A ``multiprocessing_context`` the user names (``forkserver`` or
+   ``spawn``; ``fork`` is refused) is used as given.
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more
@@ -70,16 +76,13 @@ from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
 from threadloader.device.pinned import pin_batch, pinned_allocator
-from threadloader.isolation.helper import (
-    HelperSpec,
-)
+from threadloader.isolation import zygote
+from threadloader.isolation.helper import HelperSpec
 from threadloader.isolation.link import Links, _Link
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
 
 if TYPE_CHECKING:
-    from multiprocessing.context import BaseContext
-
     from torch.utils.data import DataLoader
 
 #: Values the loader's ``isolation=`` option accepts.
@@ -114,20 +117,30 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
             )
 
 
-def helper_context(multiprocessing_context: Any = None) -> BaseContext:
-    """The multiprocessing context that starts helpers: forkserver, or spawn where there is none.
+def helper_context(multiprocessing_context: Any = None) -> Any:
+    """What starts helpers: ``fork``, the zygote, the forkserver, or spawn where there is none.
+
+    Where the user named no context: ``fork`` when this process runs one Python thread (the
+    helpers share its pages and see the dataset as it is now, as torch's fork-started workers
+    do), else the zygote (``zygote``: a copy of this process taken when a loader was built and
+    it ran one Python thread) if one runs, else the forkserver, which preloads torch and
+    threadloader.
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
 
     Returns:
-        A context whose start method is ``forkserver`` or ``spawn``.
+        A ``fork``, ``forkserver`` or ``spawn`` context, or ``zygote.ZygoteContext()``.
 
     Raises:
         ValueError: the given context starts processes with ``fork``.
     """
     check_isolation("process", multiprocessing_context)
     if multiprocessing_context is None:
+        if zygote.may_fork():  # one Python thread: fork this process, as torch's workers are
+            return multiprocessing.get_context("fork")
+        if zygote.running():
+            return zygote.ZygoteContext()
         methods = multiprocessing.get_all_start_methods()
         multiprocessing_context = "forkserver" if "forkserver" in methods else "spawn"
     ctx = (
@@ -140,18 +153,26 @@ def helper_context(multiprocessing_context: Any = None) -> BaseContext:
     return ctx
 
 
-def start_helper_server(multiprocessing_context: Any = None) -> None:
-    """Start the forkserver that helpers are forked from, without waiting for it.
+def start_helper_server(multiprocessing_context: Any = None, forkserver: bool = True) -> None:
+    """Start what helpers are forked from, without waiting for it to be ready.
 
-    Called when a loader with ``isolation="process"`` is built: the server imports torch and
-    threadloader while the script goes on (building its model), so the first ``iter()`` forks a
-    helper from a server that is ready instead of waiting for those imports.
+    Called when a loader with isolation is built: the zygote forks now, while the script is
+    likely to have one thread still; a forkserver imports torch and threadloader while the
+    script goes on (building its model), so the first ``iter()`` forks a helper from a server
+    that is ready instead of waiting for those imports.
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
+        forkserver: whether to start a forkserver where the zygote cannot start (False for
+            ``isolation="auto"``, which may never need a helper: a forkserver is a whole
+            interpreter with torch imported, the zygote shares this process's pages).
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return  # this process is importing __main__ for multiprocessing: start nothing here
+    if multiprocessing_context is None and zygote.ensure_running():
+        return
+    if not forkserver:
+        return
     ctx = helper_context(multiprocessing_context)
     if ctx.get_start_method() == "forkserver":
         try:
@@ -170,9 +191,7 @@ def _preload_in_forkserver(ctx: Any) -> None:
         ctx.set_forkserver_preload([*modules, _PRELOAD])
 
 
-def _start_links(
-    ctx: BaseContext, owner: object, worker_spec: WorkerSpec, count: int
-) -> list[_Link]:
+def _start_links(ctx: Any, owner: object, worker_spec: WorkerSpec, count: int) -> list[_Link]:
     """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails."""
     it: Any = owner
     links: list[_Link] = []

@@ -1,0 +1,280 @@
+"""Where helpers are forked from: this process (one Python thread at iter()), the zygote (a copy
+taken while the loader was built and it ran one thread), or the forkserver.
+
+Each case runs a script in a fresh interpreter, where building the loader forks the zygote (in
+this test process other tests' threads decide whether it can start).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import psutil
+import pytest
+
+import threadloader
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the zygote is Linux-only")
+
+_PRELUDE = """
+import os, signal, sys, time
+import psutil, torch
+from threadloader import ThreadDataLoader
+from threadloader.isolation import zygote
+import multiprocessing.forkserver as forkserver
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.rows = torch.arange(60.0).reshape(30, 2)  # a tensor: travels as a descriptor
+        self.scale = 1.0
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i] * self.scale + torch.rand(1)
+
+
+def loader(**kwargs):
+    kwargs = {"batch_size": 4, "num_workers": 2, "shuffle": True,
+              "generator": torch.Generator().manual_seed(7), **kwargs}
+    return ThreadDataLoader(Rows(), **kwargs)
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class another_thread:
+    # A Python thread running meanwhile: this process must not fork, the zygote forks.
+
+    def __enter__(self):
+        import threading
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.stop.wait)
+        self.thread.start()
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def parents(it):
+    return {psutil.Process(pid).ppid() for pid in it.helper_pids}
+"""
+
+
+def _run(tmp_path: Any, body: str, env: dict[str, str] | None = None) -> list[str]:
+    script = tmp_path / "train.py"
+    script.write_text(_PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(
+        textwrap.dedent(body), "    "
+    ))  # fmt: skip
+    repo = str(pathlib.Path(threadloader.__file__).parents[1])
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=full_env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_helpers_are_forked_from_the_zygote_while_another_thread_runs(tmp_path: Any) -> None:
+    """Another Python thread at iter(): helpers come from the zygote, and their batches (tensor
+    data passed as descriptors, per-worker RNG draws) equal the in-process threads'."""
+    out = _run(
+        tmp_path,
+        """
+        threads = loader()
+        iso = loader(isolation="process", helpers=2)
+        print("zygote", zygote.server_pid() is not None)
+        with another_thread():
+            it = iter(iso)
+            print("parents", parents(it) == {zygote.server_pid()})
+            print("same", same(list(it), list(threads)))
+            print("again", same(list(iso), list(threads)))
+        print("forkserver", forkserver._forkserver._forkserver_pid is not None)
+        """,
+    )
+    assert out == [
+        "zygote", "True", "parents", "True", "same", "True", "again", "True",
+        "forkserver", "False",
+    ]  # fmt: skip
+
+
+def test_helpers_are_forked_from_the_training_process_when_it_runs_one_thread(
+    tmp_path: Any,
+) -> None:
+    """Only the main thread at iter(): helpers are forked from this process, as torch's workers
+    are, and give the in-process threads' batches."""
+    out = _run(
+        tmp_path,
+        """
+        threads = loader()
+        iso = loader(isolation="process", helpers=2)
+        it = iter(iso)
+        print("parents", parents(it) == {os.getpid()})
+        print("same", same(list(it), list(threads)))
+        """,
+    )
+    assert out == ["parents", "True", "same", "True"]
+
+
+def test_helpers_see_the_dataset_as_iter_finds_it(tmp_path: Any) -> None:
+    """The dataset is the one iter() finds, not the zygote's copy taken when the loader was
+    built: a change made after building the loader reaches the helpers, forked either way."""
+    out = _run(
+        tmp_path,
+        """
+        iso, ref = loader(isolation="process"), loader()
+        iso.dataset.scale = ref.dataset.scale = 100.0
+        print("fork", same(list(iso), list(ref)))
+        iso.dataset.scale = ref.dataset.scale = 1000.0
+        with another_thread():
+            print("zygote", same(list(iso), list(ref)))
+        """,
+    )
+    assert out == ["fork", "True", "zygote", "True"]
+
+
+def test_the_zygote_holds_none_of_the_training_process_pipes(tmp_path: Any) -> None:
+    """A pipe the script closes reaches EOF: the zygote's inherited copy was let go."""
+    out = _run(
+        tmp_path,
+        """
+        r, w = os.pipe()
+        iso = loader(isolation="process")
+        assert zygote.server_pid() is not None
+        os.close(w)
+        import select
+        ready, _, _ = select.select([r], [], [], 10)
+        print("eof", bool(ready) and os.read(r, 1) == b"")
+        print("batches", len(list(iso)))
+        """,
+    )
+    assert out == ["eof", "True", "batches", "8"]
+
+
+def test_a_dead_zygote_leaves_helpers_to_the_forkserver(tmp_path: Any) -> None:
+    """The zygote killed while another thread runs: the next epoch starts its helpers from the
+    forkserver and gives the same batches."""
+    out = _run(
+        tmp_path,
+        """
+        iso, threads = loader(isolation="process"), loader()
+        with another_thread():
+            print("first", same(list(iso), list(threads)))
+            os.kill(zygote.server_pid(), signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while zygote.running() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            print("running", zygote.running())
+            print("same", same(list(iso), list(threads)))
+        print("forkserver", forkserver._forkserver._forkserver_pid is not None)
+        """,
+    )
+    assert out == ["first", "True", "running", "False", "same", "True", "forkserver", "True"]
+
+
+def test_a_killed_helper_reports_its_signal(tmp_path: Any) -> None:
+    """The exit code the zygote reaps reaches the training process's error."""
+    out = _run(
+        tmp_path,
+        """
+        iso = loader(isolation="process")
+        with another_thread():
+            it = iter(iso)
+            next(it)
+            print("zygote's", parents(it) == {zygote.server_pid()})
+            os.kill(it.helper_pid, signal.SIGKILL)
+            try:
+                list(it)
+            except RuntimeError as exc:
+                print("died", "exit code -9" in str(exc))
+        """,
+    )
+    assert out == ["zygote's", "True", "died", "True"]
+
+
+def test_the_switch_off_uses_the_forkserver(tmp_path: Any) -> None:
+    """THREADLOADER_ZYGOTE=0: never fork this process nor a zygote; helpers come from the
+    forkserver."""
+    out = _run(
+        tmp_path,
+        """
+        iso = loader(isolation="process")
+        it = iter(iso)
+        print("zygote", zygote.server_pid() is not None)
+        print("forkserver's", parents(it) == {forkserver._forkserver._forkserver_pid})
+        print("same", same(list(it), list(loader())))
+        """,
+        env={"THREADLOADER_ZYGOTE": "0"},
+    )
+    assert out == ["zygote", "False", "forkserver's", "True", "same", "True"]
+
+
+def test_auto_forks_the_zygote_but_starts_no_forkserver(tmp_path: Any) -> None:
+    """isolation='auto' may never need a helper: it forks the zygote (shared pages), never a
+    forkserver (a whole interpreter) when it is built."""
+    out = _run(
+        tmp_path,
+        """
+        auto = loader(isolation="auto")
+        print("zygote", zygote.server_pid() is not None)
+        print("forkserver", forkserver._forkserver._forkserver_pid is not None)
+        """,
+    )
+    assert out == ["zygote", "True", "forkserver", "False"]
+
+
+def test_the_zygote_ends_with_the_training_process(tmp_path: Any) -> None:
+    """SIGKILL of the training process: the zygote sees its socket end and exits; SIGINT (a
+    terminal's Ctrl-C reaches the whole group) does not end it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        _PRELUDE
+        + textwrap.dedent(
+            """
+            if __name__ == "__main__":
+                iso = loader(isolation="process")
+                print(zygote.server_pid(), flush=True)
+                time.sleep(60)
+            """
+        )
+    )
+    repo = str(pathlib.Path(threadloader.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        server = int(proc.stdout.readline())
+        deadline = time.monotonic() + 10  # SIGINT is ignored once the zygote runs its loop
+        while psutil.Process(server).name() != "threadloader-zy" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(server, signal.SIGINT)
+        time.sleep(0.2)
+        assert psutil.Process(server).status() != psutil.STATUS_ZOMBIE
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(server) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(server).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    gone = not psutil.pid_exists(server) or psutil.Process(server).status() == "zombie"
+    assert gone

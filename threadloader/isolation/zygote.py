@@ -1,0 +1,470 @@
+"""Helper processes forked from a copy of the training process taken while it ran one thread.
+
+A helper started by the forkserver is a fresh interpreter that imports torch on its own: its
+memory is not shared with the training process, and a server still importing delays the first
+batch. Forking the training process itself shares everything, but a process that runs Python
+threads can be forked while another thread holds a lock. The zygote takes the safe moment: when
+a loader with isolation is built and the main thread is the only Python thread, it forks once;
+the copy (the zygote) runs no threads and forks every helper from then on.
+
+How the zygote behaves; where the code disagrees with this, the code is wrong.
+
+1. It starts only on Linux, only when ``threading`` knows no thread but the main one, and never
+   in a process importing ``__main__`` for multiprocessing. Native thread pools (OpenBLAS,
+   OpenMP) may exist: they sit idle between calls and their libraries prepare for ``fork``
+   themselves, as for torch's own fork-started workers; CUDA is not used by a helper. It is
+   used only when ``iter()`` cannot fork the training process itself (another Python thread
+   runs by then; ``parent`` point 2); without it helpers come from the forkserver. What it
+   costs: pages the training process changes after the fork stay in the zygote as they were
+   (the dataset's among them, once it is pickled for a helper).
+2. Right after the fork, every descriptor the zygote inherited except stdio and its socket is
+   pointed at ``/dev/null``: a pipe or socket the training process holds must see its EOF when
+   that process closes it, and a file object the copy still references closes ``/dev/null``,
+   never a descriptor opened later. It ignores SIGINT (a terminal's Ctrl-C is the training
+   process's), freezes the garbage collector's view of what it inherited (so a helper's
+   collections do not write to, and so copy, the shared pages), and exits when its socket
+   reaches EOF: the training process exited or died.
+3. A helper is a ``multiprocessing.Process`` started with ``fork`` inside the zygote. Its target
+   and arguments are pickled in the training process by ``ForkingPickler`` (descriptors such as
+   pipe ends and shared tensors travel beside the bytes on the socket, as with the forkserver)
+   and unpickled in the helper, so the dataset is the one ``iter()`` sees, not the copy of the
+   training process at the zygote's fork.
+4. The training process's handle (``ZygoteProcess``) gets the helper's pid and, when the helper
+   has been reaped, its exit code through a status pipe whose write end the helper also holds:
+   the pipe ends, and the handle reports the helper gone, even if the zygote died first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gc
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.context import set_spawning_popen
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+#: Environment variable that, set to ``0``, makes helpers come from the forkserver always.
+ENV_SWITCH = "THREADLOADER_ZYGOTE"
+#: Descriptors one helper's start may carry (Linux allows 253 per message).
+MAX_FDS = 253
+#: Seconds the training process waits for the zygote to fork a helper.
+START_WAIT_S = 30.0
+
+_HEADER = struct.Struct("=QQ")  # name length, payload length
+_CODE = struct.Struct("=q")
+
+_lock = threading.Lock()
+_server: _Server | None = None
+_atexit_registered = False
+#: In a helper: the descriptors that came with its start, indexed by ``_DupFd``.
+_received: list[int] = []
+
+
+def only_the_main_thread() -> bool:
+    """Whether the calling thread is the main one and ``threading`` knows no other."""
+    return threading.current_thread() is threading.main_thread() and threading.active_count() == 1
+
+
+def may_fork() -> bool:
+    """Whether this process may fork now: Linux, only the main thread, not switched off (point 1).
+
+    Returns:
+        True where a fork copies no lock another Python thread could hold.
+    """
+    if os.environ.get(ENV_SWITCH, "1") == "0" or sys.platform != "linux":
+        return False
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return False
+    return only_the_main_thread()
+
+
+def ensure_running() -> bool:
+    """Start the zygote if none runs and this process may fork now (point 1).
+
+    Returns:
+        Whether a zygote is running for this process.
+    """
+    global _server, _atexit_registered
+    with _lock:
+        if _server is not None and _server.alive():
+            return True
+        if not may_fork():
+            return False
+        _server = _Server.fork()
+        if not _atexit_registered:
+            atexit.register(_close_at_exit)
+            _atexit_registered = True
+        return True
+
+
+def running() -> bool:
+    """Whether this process has a live zygote (``ensure_running`` started one)."""
+    with _lock:
+        return _server is not None and _server.alive()
+
+
+def server_pid() -> int | None:
+    """The zygote's pid, or None when there is none."""
+    with _lock:
+        return _server.pid if _server is not None and _server.alive() else None
+
+
+def shutdown() -> None:
+    """Close the zygote's socket and wait for it to exit; helpers it forked keep running."""
+    global _server
+    with _lock:
+        server, _server = _server, None
+    if server is not None:
+        server.close()
+
+
+def _close_at_exit() -> None:
+    # The zygote would exit on its own once this process's socket closes; closing it here
+    # also reaps it, and leaves no socket for the interpreter to warn about.
+    with _lock:
+        server = _server
+    if server is not None:
+        server.close(wait_s=1.0)
+
+
+class _Server:
+    """The training process's end of the zygote: its pid and socket."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.send_lock = threading.Lock()
+        self._gone = False
+
+    @classmethod
+    def fork(cls) -> _Server:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:  # the zygote
+            code = 1
+            try:
+                ours.close()
+                _serve(theirs)
+                code = 0
+            finally:
+                os._exit(code)
+        theirs.close()
+        return cls(pid, ours)
+
+    def alive(self) -> bool:
+        if self._gone:
+            return False
+        try:
+            done, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            done = self.pid
+        if done:
+            self._gone = True
+            self.sock.close()
+        return not self._gone
+
+    def close(self, wait_s: float | None = None) -> None:
+        """Close the socket (the zygote exits on its EOF) and reap it, waiting up to ``wait_s``
+        seconds (None: until it exits)."""
+        self.sock.close()
+        if self._gone:
+            return
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                done, _ = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            except ChildProcessError:
+                done = self.pid
+            if done or (deadline is not None and time.monotonic() >= deadline):
+                break
+            time.sleep(0.005)
+        self._gone = bool(done)
+
+    def start(self, name: str, payload: bytes, fds: list[int]) -> None:
+        if len(fds) > MAX_FDS:
+            raise ValueError(
+                f"starting an isolation helper needs {len(fds)} file descriptors (pipes and "
+                f"tensors shared through file descriptors); at most {MAX_FDS} fit in one start. "
+                "Call torch.multiprocessing.set_sharing_strategy('file_system') or hold fewer "
+                "separate tensors in the dataset"
+            )
+        raw = name.encode()
+        with self.send_lock:
+            socket.send_fds(self.sock, [_HEADER.pack(len(raw), len(payload))], fds)
+            self.sock.sendall(raw)
+            self.sock.sendall(payload)
+
+
+class _DupFd:
+    """A descriptor sent beside a helper's start, found again by its index in the helper."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def detach(self) -> int:
+        return _received[self.index]
+
+
+class ZygoteProcess:
+    """A helper process forked by the zygote; the subset of ``multiprocessing.Process`` links use.
+
+    Args:
+        target: the function the helper runs.
+        args: its arguments, pickled with ``ForkingPickler`` when the helper starts.
+        name: the helper's process name.
+        daemon: accepted for ``multiprocessing.Process``'s signature; helpers always are.
+    """
+
+    def __init__(
+        self,
+        target: Callable[..., object],
+        args: tuple[Any, ...] = (),
+        name: str = "threadloader-helper",
+        daemon: bool = True,
+    ) -> None:
+        self._target = target
+        self._args = args
+        self.name = name
+        self.daemon = daemon
+        self.pid: int | None = None
+        self.sentinel: int | None = None
+        self._code: int | None = None
+        self._fds: list[int] = []
+
+    # The two methods multiprocessing.reduction.DupFd calls on the process being started.
+    def duplicate_for_child(self, fd: int) -> int:
+        """Send ``fd`` with the start; returns its index among the helper's received fds."""
+        self._fds.append(fd)
+        return len(self._fds) - 1
+
+    DupFd = _DupFd
+
+    def start(self) -> None:
+        """Fork the helper from the zygote and wait for its pid.
+
+        Raises:
+            OSError: the zygote is gone.
+            ValueError: the start would carry more descriptors than one message can.
+            Exception: whatever pickling the arguments raises.
+        """
+        with _lock:
+            server = _server
+        if server is None or not server.alive():
+            raise OSError("threadloader's zygote process is not running")
+        status_r, status_w = os.pipe()
+        try:
+            self._fds = [status_w]
+            set_spawning_popen(self)  # type: ignore[arg-type]
+            try:
+                payload = bytes(ForkingPickler.dumps((self._target, self._args)))
+            finally:
+                set_spawning_popen(None)
+            server.start(self.name, payload, self._fds)
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
+            self._fds = []
+        self.sentinel = status_r
+        ready, _, _ = select.select([status_r], [], [], START_WAIT_S)
+        pid = _read_code(status_r) if ready else None
+        if pid is None:
+            os.close(status_r)
+            self.sentinel = None
+            raise OSError("threadloader's zygote process did not start the helper")
+        self.pid = pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while the helper runs; then its exit code (negative: the signal that ended it)."""
+        self._poll(0)
+        return self._code
+
+    def _poll(self, timeout: float | None) -> None:
+        if self._code is not None or self.sentinel is None:
+            return
+        ready, _, _ = select.select([self.sentinel], [], [], timeout)
+        if ready:
+            code = _read_code(self.sentinel)
+            # No code: the zygote died before reaping the helper, which has ended too (it held
+            # the pipe's other write end).
+            self._code = 255 if code is None else code
+
+    def is_alive(self) -> bool:
+        """Whether the helper still runs."""
+        return self.pid is not None and self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (None: for ever) for the helper to end."""
+        self._poll(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the helper, if it still runs."""
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        """SIGTERM the helper, if it still runs."""
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, signum: int) -> None:
+        if self.pid is not None and self.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def close(self) -> None:
+        """Release the status pipe (the exit code is then unknown if not read yet)."""
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
+
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # Bound at definition: at interpreter exit module globals may already be None.
+        fd, self.sentinel = self.sentinel, None
+        if fd is not None:
+            try:
+                _close(fd)
+            except OSError:
+                pass
+
+
+class ZygoteContext:
+    """What ``link`` asks of a multiprocessing context, with helpers forked by the zygote."""
+
+    Process = ZygoteProcess
+
+    @staticmethod
+    def Pipe(duplex: bool = True) -> Any:  # multiprocessing's name
+        """``multiprocessing.Pipe``: the ends travel to the helper as descriptors."""
+        return multiprocessing.connection.Pipe(duplex)
+
+    @staticmethod
+    def get_start_method() -> str:
+        """``"zygote"``: not one of multiprocessing's methods."""
+        return "zygote"
+
+
+def _read_code(fd: int) -> int | None:
+    data = b""
+    while len(data) < _CODE.size:
+        chunk = os.read(fd, _CODE.size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return int(_CODE.unpack(data)[0])
+
+
+def _write_code(fd: int, code: int) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, _CODE.pack(code))
+
+
+# --- the zygote's side ----------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket) -> None:
+    """The zygote's loop: fork a helper per request, report each one's end (points 2-4)."""
+    global _server, _lock
+    _server, _lock = None, threading.Lock()  # the fork copied the training process's, held
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _name_this_process(b"threadloader-zy")
+    _point_inherited_fds_at_devnull(keep={0, 1, 2, sock.fileno()})
+    gc.freeze()
+    fork = multiprocessing.get_context("fork")
+    children: dict[int, tuple[Any, int]] = {}  # sentinel -> (process, status fd)
+    while True:
+        ready, _, _ = select.select([sock.fileno(), *children], [], [])
+        for fd in ready:
+            if fd in children:
+                proc, status = children.pop(fd)
+                proc.join()
+                _write_code(status, proc.exitcode if proc.exitcode is not None else 255)
+                os.close(status)
+                proc.close()
+                continue
+            request = _receive(sock)
+            if request is None:
+                return  # the training process closed its end, or died
+            name, payload, fds = request
+            held = [sock.fileno(), *(status for _, status in children.values())]
+            proc = fork.Process(
+                target=_helper_entry, args=(payload, fds, held), name=name, daemon=True
+            )
+            try:
+                proc.start()
+            except OSError:
+                for received in fds:
+                    os.close(received)
+                continue  # the status pipe ends: the training process sees the start fail
+            _write_code(fds[0], proc.pid or 0)
+            for received in fds[1:]:
+                os.close(received)
+            children[proc.sentinel] = (proc, fds[0])
+
+
+def _receive(sock: socket.socket) -> tuple[str, bytes, list[int]] | None:
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+        if not data:
+            return None
+        data += _recv_exactly(sock, _HEADER.size - len(data))
+        name_len, payload_len = _HEADER.unpack(data)
+        name = _recv_exactly(sock, name_len).decode()
+        payload = _recv_exactly(sock, payload_len)
+    except (OSError, EOFError):
+        return None
+    return name, payload, list(fds)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    parts = []
+    while size:
+        chunk = sock.recv(min(size, 1 << 20))
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        size -= len(chunk)
+    return b"".join(parts)
+
+
+def _helper_entry(payload: bytes, fds: list[int], held: list[int]) -> None:
+    """A helper's first code: drop the zygote's descriptors, then run the target (point 3)."""
+    for fd in held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _received[:] = fds
+    target, args = pickle.loads(payload)
+    target(*args)
+
+
+def _point_inherited_fds_at_devnull(keep: set[int]) -> None:
+    try:
+        inherited = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in inherited:
+        if fd in keep or fd == devnull:
+            continue
+        with contextlib.suppress(OSError):
+            os.dup2(devnull, fd, inheritable=False)
+    os.close(devnull)
+
+
+def _name_this_process(name: bytes) -> None:
+    # The name ps and psutil show (15 bytes at most): the zygote is not the training script.
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)

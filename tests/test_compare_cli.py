@@ -84,8 +84,15 @@ def make_sleepy():
 def make_flaky():
     return Flaky()
 
+class One(IterableDataset):
+    def __iter__(self):
+        return iter([torch.tensor([0])])
+
 def make_counting():
     return Counting()
+
+def make_one():
+    return One()
 
 def make_broken():
     return Broken()
@@ -515,6 +522,24 @@ def test_timed_batches_exclude_work_done_before_the_clock(
     rates = {r["loader"]: r["samples_per_s"] for r in json.loads(out)["results"]}
     assert 0 < rates["thread"] <= 1.1 * 2 * 100, rates  # 2 workers
     assert 0 < rates["dataloader0"] <= 1.1 * 100, rates
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        ("dataloader0", "the first starts the loader up, and at least one more is timed"),
+        ("thread", "the first 5 start the loader up (the first batch, and 4 made ahead"),
+    ],
+)
+def test_a_dataset_too_short_to_time_says_how_many_batches_start_up(
+    user_module: str, loader: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An iterable that ends after its first batch leaves nothing to time: one line saying
+    how many batches start each loader up (none made ahead without workers)."""
+    argv = ["compare", "--dataset", f"{user_module}:make_one", "--batch-size", "1"]
+    code, out, err = _main([*argv, *QUICK, "--loaders", loader], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "too few batches to time: " + message in err, err
 
 
 @pytest.mark.parametrize(

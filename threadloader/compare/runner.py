@@ -298,10 +298,14 @@ def _run_once(
             del it, close
     gc.collect()
     if n == 0:
+        start_up = (
+            f"the first {1 + warmup} start the loader up (the first batch, and {warmup} made "
+            "ahead while it was awaited)"
+            if warmup
+            else "the first starts the loader up"
+        )
         raise CompareError(
-            f"the dataset gave too few batches to time: the first {1 + warmup} start the loader "
-            f"up (the first batch, and {warmup} made ahead while it was awaited), and at least "
-            "one more is timed"
+            f"the dataset gave too few batches to time: {start_up}, and at least one more is timed"
         )
     samples *= source.samples_per_item
     return RunResult(

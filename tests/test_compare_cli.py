@@ -165,6 +165,10 @@ def test_default_table_lists_every_loader() -> None:
             assert len(row) + len(skipped) == 1, proc.stdout
     baseline = next(line for line in lines if line.startswith(LABELS["dataloader"]))
     assert baseline.endswith("1.00x")
+    assert lines[-1] == (
+        "other workloads: --workload tokens|images|tensors (python holds the GIL throughout); "
+        "your own dataset: --dataset module:factory."
+    )
 
 
 def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from threadloader.compare.inputs import BASELINE, CompareError, _one_line
+from threadloader.compare.inputs import BASELINE, WORKLOADS, CompareError, _one_line
 
 if TYPE_CHECKING:
     from threadloader.compare.results import CompareResult
@@ -91,6 +91,12 @@ def format_table(result: CompareResult) -> str:
         "data wait: share of the loop's time spent blocked in next()"
         + ("." if cfg.step_ms else "; the loop does no other work, try --step-ms 5.")
     )
+    if cfg.dataset is None:
+        others = "|".join(w for w in WORKLOADS if w != src.name)
+        lines.append(
+            f"other workloads: --workload {others} (python holds the GIL throughout); "
+            "your own dataset: --dataset module:factory."
+        )
     return "\n".join(lines)
 
 

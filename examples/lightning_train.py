@@ -6,6 +6,9 @@ Example::
     python examples/lightning_train.py --devices 2 --stop-at 20   # 2 CPU processes, stops at step 20
     python examples/lightning_train.py --devices 2 --resume       # fit(ckpt_path=...) finishes
 
+Checkpoints and logs go to ``--out`` (default: ``threadloader-lightning-example`` in the system's
+temporary directory; ``--resume`` reads the checkpoints from the same place).
+
 What it does: a LightningDataModule returns a ``ThreadDataLoader(shuffle=True, num_workers=2)``
 over a synthetic 4-class problem (4,096 samples of 32 features), with Gaussian-noise
 augmentation drawn from each worker thread's own generator. Under ``strategy="ddp"`` Lightning
@@ -22,8 +25,8 @@ rank), as it would a worker process's; the training loop's RNGs are left alone.
 
 Result (2-core CPU; each command about 15 s, mostly 2 processes importing Lightning)::
 
-    stopped at step 20, batch 20 of epoch 0; last checkpoint: .../lightning_example/checkpoints/last.ckpt
-    Restoring states from the checkpoint path at lightning_example/checkpoints/last.ckpt
+    stopped at step 20, batch 20 of epoch 0; last checkpoint: /tmp/threadloader-lightning-example/checkpoints/last.ckpt
+    Restoring states from the checkpoint path at /tmp/threadloader-lightning-example/checkpoints/last.ckpt
     resumed: epoch 0 continues at batch 20 of 32 (the loader fast-forwarded, reading nothing)
     done at step 64: train loss 0.482
     threadloader/wait_fraction 0.007, batches_per_s 187.7, samples_per_s 12015.2 (step 60, rank 0)
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,7 +67,6 @@ except ImportError:
     from pytorch_lightning.loggers import CSVLogger
 
 N, FEATURES, CLASSES, BATCH = 4096, 32, 4, 64
-OUT = Path("lightning_example")
 
 
 class Synthetic(Dataset[tuple[torch.Tensor, int]]):
@@ -137,11 +140,18 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--stop-at", type=int, default=0, help="stop after this global step")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "threadloader-lightning-example",
+        help="folder for checkpoints and logs (default: %(default)s)",
+    )
     args = parser.parse_args()
+    out: Path = args.out
 
     warnings.filterwarnings("ignore", ".*exists and is not empty")  # a resume reuses them
     pl.seed_everything(0, workers=True)
-    checkpoints = ModelCheckpoint(OUT / "checkpoints", every_n_train_steps=10, save_last=True)
+    checkpoints = ModelCheckpoint(out / "checkpoints", every_n_train_steps=10, save_last=True)
     callbacks: list[Any] = [checkpoints, ThreadLoaderMonitor(every_n_steps=10), ReportResume()]
     if args.stop_at:
         callbacks.append(StopAt(args.stop_at))
@@ -151,12 +161,13 @@ def main() -> None:
         strategy="ddp" if args.devices > 1 else "auto",
         max_epochs=2,
         callbacks=callbacks,
-        logger=CSVLogger(OUT, name="logs", version="resume" if args.resume else "first"),
+        default_root_dir=out,
+        logger=CSVLogger(out, name="logs", version="resume" if args.resume else "first"),
         log_every_n_steps=10,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    ckpt = str(OUT / "checkpoints" / "last.ckpt") if args.resume else None
+    ckpt = str(out / "checkpoints" / "last.ckpt") if args.resume else None
     trainer.fit(Classifier(), datamodule=Data(), ckpt_path=ckpt)
     if not trainer.is_global_zero:
         return

@@ -2,11 +2,13 @@
 
 Run::
 
+    pip install threadloader[images]            # Pillow, to make and decode the JPEGs
     python examples/remote_images.py            # ~5 s on 2 cores
 
 It starts a local HTTP server (a stand-in for object storage) that answers each request after
 10 ms, with 1,024 small JPEGs, then runs two epochs of
-``ThreadDataLoader(RemoteFiles(urls, decode=..., cache_dir=...), batch_size=16, num_workers=32)``.
+``ThreadDataLoader(RemoteFiles(urls, decode=..., cache_dir=...), batch_size=16, num_workers=32)``
+with the cache in a temporary directory, removed at the end.
 For a real bucket, pass ``"s3://bucket/prefix/*.jpg"`` and ``storage_options`` instead of URLs.
 
 Result (2-core machine shared with other jobs; three runs gave epoch 1 in 1.5-3.2 s)::
@@ -26,6 +28,7 @@ which Pillow does with the GIL released, so the threads decode in parallel.
 from __future__ import annotations
 
 import io
+import sys
 import tempfile
 import threading
 import time
@@ -33,7 +36,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import torch
-from PIL import Image
+
+try:
+    from PIL import Image
+except ImportError:
+    sys.exit("examples/remote_images.py needs Pillow: pip install threadloader[images]")
 
 from threadloader import ThreadDataLoader
 from threadloader.remote import RemoteFiles

@@ -11,7 +11,8 @@ labels from a fixed random linear map) for 2 epochs, with a plain DDP loop over 
 stride of one global, world-size-independent order. Each sample gets Gaussian-noise augmentation
 drawn from ``torch.random.thread_safe_generator()``: the worker thread's own generator. Every 15
 steps each rank saves model, optimizer, ``loader.state_dict()`` and the sample ids it trained on
-this epoch to ``checkpoints/rank{r}.pt``, on its own: no collective, no barrier. ``--stop-at 45``
+this epoch to ``rank{r}.pt`` in ``--out`` (default: ``threadloader-torchrun-example`` in the
+system's temporary directory), on its own: no collective, no barrier. ``--stop-at 45``
 stops right after step 45's checkpoint, as a crash would; ``--resume`` on 3 processes has rank r
 load the checkpoint rank ``r % 2`` wrote (all ranks save the same loader state: they advance in
 lockstep) and finishes epoch 1 where the 2 ranks left it, each of 3 ranks taking its own stride.
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -76,11 +78,17 @@ class Synthetic(Dataset[tuple[int, torch.Tensor, int]]):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stop-at", type=int, default=0, help="stop after this global step")
-    parser.add_argument("--resume", action="store_true", help="resume from --dir's checkpoints")
-    parser.add_argument("--dir", default="checkpoints")
+    parser.add_argument("--resume", action="store_true", help="resume from --out's checkpoints")
+    parser.add_argument(
+        "--out",
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "threadloader-torchrun-example",
+        help="folder for the checkpoints (default: %(default)s)",
+    )
     args = parser.parse_args()
-    ckpt_dir = Path(args.dir)
-    ckpt_dir.mkdir(exist_ok=True)
+    ckpt_dir: Path = args.out
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -3,6 +3,8 @@ and answers bad input with one line on stderr and exit status 2, never a traceba
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
 import os
 import subprocess
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from threadloader.__main__ import main
+from threadloader.__main__ import build_parser, main
 from threadloader.compare import runner
 
 # Tiny runs: these tests check the command, not the loaders' speed.
@@ -63,8 +65,18 @@ class Flaky(Squares):
             raise ValueError(f"sample {i} is corrupt")
         return super().__getitem__(i)
 
+READS = []
+
+class Recorded(Squares):
+    def __getitem__(self, i):
+        READS.append(i)
+        return super().__getitem__(i)
+
 def make_squares():
     return Squares()
+
+def make_recorded():
+    return Recorded()
 
 def make_sleepy():
     return Sleepy()
@@ -72,8 +84,15 @@ def make_sleepy():
 def make_flaky():
     return Flaky()
 
+class One(IterableDataset):
+    def __iter__(self):
+        return iter([torch.tensor([0])])
+
 def make_counting():
     return Counting()
+
+def make_one():
+    return One()
 
 def make_broken():
     return Broken()
@@ -146,6 +165,10 @@ def test_default_table_lists_every_loader() -> None:
             assert len(row) + len(skipped) == 1, proc.stdout
     baseline = next(line for line in lines if line.startswith(LABELS["dataloader"]))
     assert baseline.endswith("1.00x")
+    assert lines[-1] == (
+        "other workloads: --workload tokens|images|tensors (python holds the GIL throughout); "
+        "your own dataset: --dataset module:factory."
+    )
 
 
 def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,13 +196,77 @@ def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) 
 
 def test_runs_last_one_second_by_default(capsys: pytest.CaptureFixture[str]) -> None:
     """Without --batches or --seconds each run is timed for 1 s: past every loader's start-up."""
-    argv = ["compare", "--loaders", "dataloader0", "--rounds", "1", "--json", "--no-progress"]
-    code, out, _ = _main(argv, capsys)
+    argv = ["compare", "--workload", "tokens", "--loaders", "dataloader0", "--rounds", "1"]
+    code, out, _ = _main([*argv, "--json", "--no-progress"], capsys)
     assert code == 0
     data = json.loads(out)
     assert data["config"]["seconds"] == 1.0 and data["config"]["batches"] is None
     (run,) = data["results"][0]["runs"]
-    assert run["batches"] > 200  # the old default; ~3,000 token batches a second here
+    assert run["batches"] > 200  # ~3,000 token batches a second here
+
+
+def test_the_demo_runs_the_tensors_workload_and_python_is_one_flag_away() -> None:
+    """The default workload is one threads are for (numpy releasing the GIL); the GIL-bound
+    case is --workload python."""
+    parser = build_parser()
+    assert parser.parse_args(["compare"]).workload == "tensors"
+    assert runner.CompareConfig().workload == "tensors"
+    assert parser.parse_args(["compare", "--workload", "python"]).workload == "python"
+
+
+def test_a_loader_without_workers_gets_no_warm_up_batches(
+    user_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DataLoader(num_workers=0) makes nothing ahead of the loop: after its first batch the
+    clock starts at once, so it reads exactly 1 + --batches batches; a loader with 2 workers
+    first takes the 2 x 2 batches they made while the first was awaited."""
+    argv = ["compare", "--dataset", f"{user_module}:make_recorded", "--batch-size", "2"]
+    argv += ["--batches", "20", "--rounds", "1", "--no-progress", "--json"]
+    reads = importlib.import_module(user_module).READS
+    code, out, err = _main([*argv, "--loaders", "dataloader0"], capsys)
+    assert code == 0, err
+    assert len(reads) == (1 + 20) * 2
+    assert json.loads(out)["results"][0]["runs"][0]["batches"] == 20
+    reads.clear()
+    code, out, err = _main([*argv, "--loaders", "thread"], capsys)
+    assert code == 0, err
+    assert len(reads) == (1 + 4 + 20) * 2
+
+
+def test_progress_is_one_line_per_run_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """While it measures, stderr says which run of how many (no tqdm needed); stdout keeps
+    only the table."""
+    argv = ["compare", "--workload", "python", "--batches", "20", "--rounds", "2", *CORE]
+    code, out, err = _main(argv, capsys)
+    assert code == 0, err
+    lines = err.splitlines()
+    assert len(lines) == 6, err
+    assert lines[0] == f"[1/6] measuring {LABELS['thread']}, round 1 of 2"
+    assert all(line.startswith(f"[{i}/6] measuring ") for i, line in enumerate(lines, 1))
+    assert "s left" in lines[-1]
+    assert "[" not in out and LABELS["thread"] in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_is_one_line_rewritten_then_erased(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a terminal the progress line is rewritten in place and erased before the table."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    argv = ["compare", "--workload", "python", "--batches", "20", "--rounds", "1", *CORE]
+    code, out, _ = _main(argv, capsys)
+    assert code == 0
+    err = terminal.getvalue()
+    assert "\n" not in err
+    updates = err.split("\r")
+    assert [u.split("]")[0] for u in updates if u.strip()] == ["[1/3", "[2/3", "[3/3"]
+    assert updates[-2].strip() == "" and updates[-1] == ""  # erased: blanks, then back to col 0
+    assert LABELS["thread"] in out
 
 
 def test_seconds_bounds_a_run_and_step_ms_lowers_data_wait(
@@ -351,8 +438,45 @@ def test_plot_without_matplotlib_is_one_line_before_any_run(
     monkeypatch.setattr(runner, "run_compare", no_run)
     code, out, err = _main(["compare", "--plot", str(tmp_path / "x.png"), *QUICK], capsys)
     assert code == 2 and out == ""
-    assert len(err.splitlines()) == 1 and "pip install matplotlib" in err
+    assert err == "python -m threadloader compare: error: --plot needs matplotlib: " + (
+        "pip install threadloader[compare]\n"
+    )
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("no/such/folder/out.png", "does not exist"), ("", "give a file name")],
+)
+def test_a_bad_plot_path_is_named_first_even_without_matplotlib(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    message: str,
+) -> None:
+    """The path is checked before matplotlib: a missing folder is the user's first mistake
+    (README's test command installs no matplotlib)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path = str(tmp_path / name) if name else name
+    code, out, err = _main(["compare", "--plot", path, *QUICK], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and message in err and "matplotlib" not in err, err
+
+
+def test_an_unwritable_plot_folder_is_one_line_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder the user may not write to fails before measuring."""
+    real_access = os.access
+    folder = str(tmp_path)
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if p == folder else real_access(p, mode)
+    )  # root may write anywhere: pretend this folder is read-only
+    monkeypatch.setattr(runner, "run_compare", lambda config: pytest.fail("measured"))
+    code, out, err = _main(["compare", "--plot", str(tmp_path / "x.png"), *QUICK], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "is not writable" in err, err
 
 
 def test_missing_optional_packages_are_noted_not_fatal(
@@ -402,6 +526,24 @@ def test_timed_batches_exclude_work_done_before_the_clock(
     rates = {r["loader"]: r["samples_per_s"] for r in json.loads(out)["results"]}
     assert 0 < rates["thread"] <= 1.1 * 2 * 100, rates  # 2 workers
     assert 0 < rates["dataloader0"] <= 1.1 * 100, rates
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        ("dataloader0", "the first starts the loader up, and at least one more is timed"),
+        ("thread", "the first 5 start the loader up (the first batch, and 4 made ahead"),
+    ],
+)
+def test_a_dataset_too_short_to_time_says_how_many_batches_start_up(
+    user_module: str, loader: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An iterable that ends after its first batch leaves nothing to time: one line saying
+    how many batches start each loader up (none made ahead without workers)."""
+    argv = ["compare", "--dataset", f"{user_module}:make_one", "--batch-size", "1"]
+    code, out, err = _main([*argv, *QUICK, "--loaders", loader], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and "too few batches to time: " + message in err, err
 
 
 @pytest.mark.parametrize(

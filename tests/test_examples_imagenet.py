@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "imagenet_train.py"
 ARGS = ("--dummy", "--seed", "0", "-j", "2", "-b", "8", "--steps", "6", "--images", "96")
 
 
-def test_first_losses_equal_torchs() -> None:
+@pytest.mark.skipif(not SCRIPT.is_file(), reason="needs the repository's examples/")
+def test_first_losses_equal_torchs(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -24,7 +27,9 @@ def test_first_losses_equal_torchs() -> None:
         [sys.executable, "-m", "threadloader", "run", "--report", str(SCRIPT), *ARGS],
     ]
     procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for cmd in commands
     ]
     (torch_out, torch_err), (ours_out, ours_err) = (p.communicate(timeout=180) for p in procs)
@@ -36,3 +41,4 @@ def test_first_losses_equal_torchs() -> None:
     assert len({line.split()[-1] for line in ours}) == 6
     assert "1 loader(s) built, 1 iterated" in ours_err  # the script's DataLoader was ours
     assert "num_workers=2" in ours_err
+    assert list(tmp_path.iterdir()) == []  # writes nothing where it runs

@@ -15,11 +15,11 @@ from torch.utils.data import DataLoader
 from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
 from threadloader.compare.workloads import WORKLOAD_NAMES, WorkloadSpec, make_workload
 
-# name: (item shape, item dtype, batch size)
+# name: (item shape, item dtype, batch size), size "small"
 DOCUMENTED: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {
     "tokens": ((2049,), torch.int64, 16),
     "images": ((3, 224, 224), torch.float32, 32),
-    "tensors": ((3, 512, 512), torch.float32, 16),
+    "tensors": ((3, 256, 256), torch.float32, 16),
     "python": ((200,), torch.float32, 32),
     "objects": ((), torch.int64, 256),
 }

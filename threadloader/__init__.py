@@ -15,6 +15,9 @@ mixing (``streams``), remote objects with retries and a cache (``remote``), pinn
 collation and a CUDA-stream transfer stage (``memory``, ``transfer``), and per-epoch stats.
 """
 
+__version__ = "0.1.0"
+"""The release; pyproject.toml reads it from here (the one place it is written)."""
+
 from threadloader._engine.stats import LoaderStats, StageStats
 from threadloader.device.pinned import BufferPool, pinned_collate
 from threadloader.device.transfer import DevicePrefetcher

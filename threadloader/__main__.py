@@ -3,7 +3,8 @@
 ``compare`` runs ThreadDataLoader against torch's DataLoader (and torchdata.nodes and SPDL when
 installed) on a built-in workload or on your own dataset, and prints a table::
 
-    python -m threadloader compare                                   # tokens, 2 workers
+    python -m threadloader compare                                   # tensors, 2 workers
+    python -m threadloader compare --workload python                 # a GIL-bound dataset
     python -m threadloader compare --workload images --seconds 5 --num-workers 4
     python -m threadloader compare --dataset mypkg.data:make_dataset --batch-size 64 --json
 
@@ -13,7 +14,7 @@ it calls: Hugging Face Trainer, Accelerate) builds made a ThreadDataLoader::
     python -m threadloader run train.py --lr 0.1                     # the script's own arguments
     python -m threadloader run --report --isolation process -m mypkg.train
 
-This module only parses arguments and prints; the work is in ``threadloader/runner.py`` and
+This module only parses arguments and prints; the work is in ``threadloader/compare/`` and
 ``threadloader/integrations/run.py``. Every input error ends with one line on stderr and exit
 status 2; ``run`` exits with the script's status.
 """
@@ -99,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument(
         "--workload",
         choices=runner.WORKLOADS,
-        default="tokens",
-        help="built-in synthetic workload (default: tokens)",
+        default="tensors",
+        help="built-in synthetic workload (default: tensors, numpy work that releases the GIL; "
+        "python holds it throughout)",
     )
     what.add_argument(
         "--dataset",
@@ -157,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--json", action="store_true", help="print JSON instead of the table")
     cmp.add_argument("--plot", metavar="OUT.png", help="also write a bar chart (needs matplotlib)")
-    cmp.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     sub.add_parser(
         "run",
         help="run a training script with every torch DataLoader made a ThreadDataLoader",
@@ -193,7 +195,6 @@ def _compare_command(args: argparse.Namespace) -> int:
     )
     try:
         if args.plot is not None:  # fail before minutes of measuring, not after
-            runner.check_plot_available()
             problem = runner.plot_path_problem(args.plot)
             if problem:
                 return _fail(problem)

@@ -64,11 +64,11 @@ class CompareConfig:
         step_ms: Milliseconds the loop sleeps after each batch (a stand-in training step).
         loaders: Keys from :data:`LOADERS` to run.
         size: Workload size, ``"small"`` or ``"bench"`` (see :func:`make_workload`).
-        progress: Show a tqdm progress bar on stderr (when tqdm is installed).
+        progress: Show which run is measuring on stderr, one line.
         traceback: Let exceptions from loading propagate instead of raising CompareError.
     """
 
-    workload: str = "tokens"
+    workload: str = "tensors"
     dataset: str | None = None
     batch_size: int | None = None
     batches: int | None = None

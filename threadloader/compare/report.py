@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
-from threadloader.compare.inputs import BASELINE, CompareError, _one_line
+from threadloader.compare.inputs import BASELINE, WORKLOADS, CompareError, _one_line
 
 if TYPE_CHECKING:
     from threadloader.compare.results import CompareResult
@@ -91,6 +91,12 @@ def format_table(result: CompareResult) -> str:
         "data wait: share of the loop's time spent blocked in next()"
         + ("." if cfg.step_ms else "; the loop does no other work, try --step-ms 5.")
     )
+    if cfg.dataset is None:
+        others = "|".join(w for w in WORKLOADS if w != src.name)
+        lines.append(
+            f"other workloads: --workload {others} (python holds the GIL throughout); "
+            "your own dataset: --dataset module:factory."
+        )
     return "\n".join(lines)
 
 
@@ -137,6 +143,10 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     }
 
 
+PLOT_NEEDS_MATPLOTLIB = "--plot needs matplotlib: pip install threadloader[compare]"
+"""What ``--plot`` says when matplotlib is not installed."""
+
+
 def check_plot_available() -> None:
     """Fail before any measuring when ``--plot`` cannot work.
 
@@ -146,9 +156,7 @@ def check_plot_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise CompareError(
-            "--plot needs matplotlib: pip install matplotlib (or threadloader[compare])"
-        ) from e
+        raise CompareError(PLOT_NEEDS_MATPLOTLIB) from e
 
 
 def plot_file(path: str) -> str:
@@ -234,7 +242,11 @@ def write_plot(result: CompareResult, path: str) -> str:
 
 
 def plot_path_problem(path: str) -> str | None:
-    """Say why ``path`` cannot be written, before an expensive run; None when it looks fine.
+    """Say why ``--plot path`` cannot work, before an expensive run; None when it looks fine.
+
+    The path is checked first, without matplotlib: a folder that does not exist is the same
+    mistake whether or not matplotlib is installed. Then matplotlib must be importable, and
+    able to write the file's format.
 
     Args:
         path: Where ``--plot`` would write.
@@ -245,15 +257,21 @@ def plot_path_problem(path: str) -> str | None:
     if not os.path.basename(path.rstrip(".")):
         return f"cannot write plot {path!r}: give a file name such as out.png"
     target = plot_file(path)
+    if os.path.isdir(path) or os.path.isdir(target):
+        return f"cannot write plot {path!r}: it is a directory; give a file name such as out.png"
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        return f"cannot write plot {path!r}: folder {folder!r} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write plot {path!r}: folder {folder!r} is not writable"
+    try:
+        check_plot_available()
+    except CompareError as e:
+        return str(e)
     formats = _plot_formats()
     if _extension(target).lower() not in formats:
         return (
             f"cannot write plot {path!r}: matplotlib cannot write .{_extension(target)} files; "
             f"use one of {', '.join('.' + f for f in sorted(formats))}"
         )
-    if os.path.isdir(path) or os.path.isdir(target):
-        return f"cannot write plot {path!r}: it is a directory; give a file name such as out.png"
-    folder = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(folder):
-        return f"cannot write plot {path!r}: folder {folder!r} does not exist"
     return None

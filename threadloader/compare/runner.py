@@ -13,7 +13,8 @@ reads, and in which order, is point 1 of ``inputs``.
 2. One run: start the loader and take the first batch (that time is "time to first batch"),
    then ``2 * num_workers`` warm-up batches untimed (what the workers made ahead while the loop
    waited for the first: counting them would credit the timed window with work done before its
-   clock started; 1 batch of a 10 ms-an-item dataset "ran" at 100x its ceiling), then time
+   clock started; 1 batch of a 10 ms-an-item dataset "ran" at 100x its ceiling; a loader
+   without workers, ``DataLoader(num_workers=0)``, makes nothing ahead and has none), then time
    ``--batches`` more batches, or as many as ``--seconds`` allows. samples/s counts the timed
    batches only. The loop measures the time it spends blocked in ``next()``: data wait is
    that time over the timed wall time. ``--step-ms`` sleeps after each batch, standing in for a
@@ -250,7 +251,7 @@ def _run_once(
 ) -> RunResult:
     batches_wanted = config.batches if config.batches is not None else sys.maxsize
     duration = config.seconds if config.seconds is not None else math.inf
-    warmup = 2 * config.num_workers  # point 2
+    warmup = 0 if key == "dataloader0" else 2 * config.num_workers  # point 2
     count = (
         (config.batches + 1 + warmup) * source.batch_size if config.batches is not None else None
     )
@@ -297,10 +298,14 @@ def _run_once(
             del it, close
     gc.collect()
     if n == 0:
+        start_up = (
+            f"the first {1 + warmup} start the loader up (the first batch, and {warmup} made "
+            "ahead while it was awaited)"
+            if warmup
+            else "the first starts the loader up"
+        )
         raise CompareError(
-            f"the dataset gave too few batches to time: the first {1 + warmup} start the loader "
-            f"up (the first batch, and {warmup} made ahead while it was awaited), and at least "
-            "one more is timed"
+            f"the dataset gave too few batches to time: {start_up}, and at least one more is timed"
         )
     samples *= source.samples_per_item
     return RunResult(
@@ -323,29 +328,41 @@ def _run_once(
 
 
 class _Progress:
-    """A tqdm bar over runs on stderr, or nothing when tqdm is missing or stderr is no TTY."""
+    """A plain progress line on stderr: which run is measuring, and about how long is left.
+
+    On a terminal the line is rewritten in place and erased at the end; elsewhere (a pipe, a
+    CI log) each run gets a line of its own. Nothing at all when not ``enabled``.
+    """
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self._bar: Any = None
-        if not (enabled and sys.stderr.isatty()):
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self._bar = tqdm(total=total, unit="run", file=sys.stderr, leave=False)
+        self._stream = sys.stderr if enabled else None
+        self._tty = self._stream is not None and self._stream.isatty()
+        self._total = total
+        self._done = 0
+        self._width = 0  # of the line on the terminal, to erase it
+        self._started = time.perf_counter()
 
     def start(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.set_description_str(text)
+        if self._stream is None:
+            return
+        line = f"[{self._done + 1}/{self._total}] {text}"
+        if self._done:
+            each = (time.perf_counter() - self._started) / self._done
+            line += f", about {each * (self._total - self._done):.0f} s left"
+        if self._tty:
+            self._stream.write("\r" + line.ljust(self._width))
+            self._width = len(line)
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
 
     def done(self) -> None:
-        if self._bar is not None:
-            self._bar.update(1)
+        self._done += 1
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        if self._stream is not None and self._tty and self._width:
+            self._stream.write("\r" + " " * self._width + "\r")
+            self._stream.flush()
 
 
 def run_compare(config: CompareConfig) -> CompareResult:
@@ -382,7 +399,7 @@ def run_compare(config: CompareConfig) -> CompareResult:
             shift = round_no % len(keys)
             for key in keys[shift:] + keys[:shift]:
                 label = _label(key, config.num_workers)
-                progress.start(f"round {round_no + 1}/{config.rounds}: {label}")
+                progress.start(f"measuring {label}, round {round_no + 1} of {config.rounds}")
                 try:
                     runs[key].append(_run_once(key, source, config, round_no, make_sampler))
                 except CompareError as e:

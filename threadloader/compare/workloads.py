@@ -7,10 +7,16 @@ name      item                                                         batch  co
 ========  ==========================================================  =====  ===============
 tokens    2049-token window at a per-index random offset in a memmap   16     ~15 µs, GIL held
 images    JPEG (~500x375) decoded, resized to 224x224, float CHW       32     ms, GIL released
-tensors   3x512x512 float32 from numpy's RNG and a multiply-add        16     ms, GIL released
+tensors   3xSxS float32 from numpy's RNG and a multiply-add (S below)  16     ms, GIL released
 python    a loop building ~200 floats, then ``torch.tensor``           32     ~40 µs, GIL held
 objects   ``len`` of one of millions of small ``str``, as a tensor     256    µs; memory case
 ========  ==========================================================  =====  ===============
+
+Each comes in two sizes (:data:`SIZES`): ``small``, which builds in a second and is what
+``python -m threadloader compare`` runs by default, and ``bench``, what bench/ measures. They
+differ in the number of items (and the token file's length), and for ``tensors`` in the item:
+S = 256 (0.75 MiB, ~5 ms) in ``small``, so that a one-second timed run holds dozens of batches
+even without workers, and S = 512 (3 MiB) in ``bench``.
 
 Every dataset is a picklable top-level class, so torch's worker processes can receive it, and is
 deterministic: the same index gives the same item, in any process, in any order. Files (the token
@@ -379,7 +385,7 @@ class ManySmallObjects(Dataset[torch.Tensor]):
 _PARAMS: dict[str, dict[str, dict[str, int]]] = {
     "tokens": {"small": {"num_tokens": 1 << 20}, "bench": {"num_tokens": 50_000_000}},
     "images": {"small": {"files": 8, "length": 256}, "bench": {"files": 256, "length": 1 << 16}},
-    "tensors": {"small": {"length": 64}, "bench": {"length": 1 << 16}},
+    "tensors": {"small": {"length": 64, "side": 256}, "bench": {"length": 1 << 16, "side": 512}},
     "python": {"small": {"length": 1024}, "bench": {"length": 1 << 20}},
     "objects": {"small": {"count": 20_000}, "bench": {"count": 3_000_000}},
 }
@@ -394,7 +400,8 @@ def make_workload(name: str, root: str | None = None, size: str = "small") -> Wo
             reused across calls and processes: a second call with the same parameters only
             opens them.
         size: ``"small"`` (fast to build, for tests and quick demos) or ``"bench"`` (what
-            bench/ measures: a 100 MB token file, 256 JPEGs, a 3M-string dataset).
+            bench/ measures: a 100 MB token file, 256 JPEGs, 3x512x512 tensors, a 3M-string
+            dataset).
 
     Returns:
         The dataset with its batch size and a one-line description.
@@ -434,11 +441,13 @@ def make_workload(name: str, root: str | None = None, size: str = "small") -> Wo
             "(ms/item, GIL released)",
         )
     if name == "tensors":
+        side = p["side"]
         return WorkloadSpec(
             name=name,
-            dataset=NumpyTensors(p["length"]),
+            dataset=NumpyTensors(p["length"], shape=(3, side, side)),
             batch_size=16,
-            description="3x512x512 float32 from numpy RNG + multiply-add (ms/item, GIL released)",
+            description=f"3x{side}x{side} float32 from numpy RNG + multiply-add "
+            "(ms/item, GIL released)",
         )
     if name == "python":
         return WorkloadSpec(

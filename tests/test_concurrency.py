@@ -53,6 +53,23 @@ def test_controller_walks_down_when_threads_do_not_help() -> None:
     assert limits.count(0) > 0.8 * len(limits)
 
 
+def test_threads_do_not_help_holds_while_a_probe_of_more_threads_runs() -> None:
+    """Settled on the training thread alone, the verdict stays while a probe tries 1 worker:
+    stats() taken mid-probe must not call a GIL-bound dataset unbound."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock)
+    rates = {2: 1000.0, 1: 1200.0, 0: 3000.0}
+    _drive(ctl, clock, rates, 400)
+    assert ctl.settled == 0 and ctl.threads_do_not_help()
+    while ctl.limit == 0:  # until the next probe starts
+        _drive(ctl, clock, rates, 1)
+    assert ctl.limit == 1 and ctl.settled == 0
+    assert ctl.threads_do_not_help()
+    while ctl.limit == 1:  # the probe loses: still the training thread alone
+        _drive(ctl, clock, rates, 1)
+    assert ctl.threads_do_not_help()
+
+
 def test_controller_keeps_threads_that_scale() -> None:
     """When each extra thread adds throughput, the limit returns to and stays at the maximum."""
     clock = FakeClock()

@@ -53,6 +53,23 @@ def test_controller_walks_down_when_threads_do_not_help() -> None:
     assert limits.count(0) > 0.8 * len(limits)
 
 
+def test_threads_do_not_help_holds_while_a_probe_of_more_threads_runs() -> None:
+    """Settled on the training thread alone, the verdict stays while a probe tries 1 worker:
+    stats() taken mid-probe must not call a GIL-bound dataset unbound."""
+    clock = FakeClock()
+    ctl = ConcurrencyController(2, minimum=0, clock=clock)
+    rates = {2: 1000.0, 1: 1200.0, 0: 3000.0}
+    _drive(ctl, clock, rates, 400)
+    assert ctl.settled == 0 and ctl.threads_do_not_help()
+    while ctl.limit == 0:  # until the next probe starts
+        _drive(ctl, clock, rates, 1)
+    assert ctl.limit == 1 and ctl.settled == 0
+    assert ctl.threads_do_not_help()
+    while ctl.limit == 1:  # the probe loses: still the training thread alone
+        _drive(ctl, clock, rates, 1)
+    assert ctl.threads_do_not_help()
+
+
 def test_controller_keeps_threads_that_scale() -> None:
     """When each extra thread adds throughput, the limit returns to and stays at the maximum."""
     clock = FakeClock()
@@ -736,25 +753,59 @@ class _AlwaysOne(_AlwaysZero):
         ConcurrencyController.__init__(self, maximum, minimum, initial=1)
 
 
+class CallerWaitsForCompany(CountsConcurrentReads):
+    """Reads on the training thread set ``caller_reading``, then last until another thread
+    reads too (10 s at most); other threads' reads take ``item_s``."""
+
+    def __init__(self, caller_reading: threading.Event) -> None:
+        super().__init__(item_s=0.05)
+        self.caller_reading = caller_reading
+
+    def __getitem__(self, index: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            return super().__getitem__(index)
+        counts = self.counts
+        with counts.lock:
+            counts.active += 1
+            counts.most = max(counts.most, counts.active)
+        self.caller_reading.set()
+        deadline = time.monotonic() + 10
+        while self.most < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with counts.lock:
+            counts.active -= 1
+        return index
+
+
 def test_a_worker_waiting_for_its_task_in_the_training_thread_leaves_its_gate_slot(
     monkeypatch,
 ) -> None:
     """Limit 1, the training thread making worker 0's batch: worker 0's thread must not sit on
     the one slot while it waits, or worker 1 cannot fetch meanwhile (its batch waited)."""
     monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysOne)
-    wait_open = Gate.wait_open
+    wait_open, enter = Gate.wait_open, Gate.enter
+    caller_reading, worker0_entered = threading.Event(), threading.Event()
     started: set[int] = set()
 
     def late_start(gate: Gate) -> bool:
         if threading.get_ident() not in started:  # each worker, once: ready, but not at its
-            started.add(threading.get_ident())  # queue yet, so the first batch is left to us
-            time.sleep(0.1)
+            started.add(threading.get_ident())  # queue until we make the first batch, and
+            caller_reading.wait(10)  # worker 1 not until worker 0 took the one slot
+            if not threading.current_thread().name.endswith("worker0"):
+                worker0_entered.wait(10)
         return wait_open(gate)
 
+    def entered(gate: Gate) -> bool:
+        took = enter(gate)
+        if threading.current_thread().name.endswith("worker0"):
+            worker0_entered.set()
+        return took
+
     monkeypatch.setattr(Gate, "wait_open", late_start)
-    dataset = CountsConcurrentReads(item_s=0.15)
+    monkeypatch.setattr(Gate, "enter", entered)
+    dataset = CallerWaitsForCompany(caller_reading)
     it = iter(ThreadDataLoader(dataset, batch_size=2, num_workers=2))
-    next(it)  # 0.3 s here, as worker 0; the workers reach the gate after 0.1 s
+    next(it)  # made here, as worker 0, until worker 1 fetches alongside
     assert it._stats.snapshot().batches_run_by_caller == 1
     del it
     assert dataset.most == 2  # worker 1 fetched while the training thread did

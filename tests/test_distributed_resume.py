@@ -40,6 +40,10 @@ import rescale  # spawned ranks import it by name, from this path
 N, BATCH, SAVE_AFTER = rescale.N, rescale.BATCH, rescale.SAVE_AFTER
 CURSOR = SAVE_AFTER * BATCH * 2  # global positions read by the 2 saving ranks
 
+# The first test also runs the module's fixture: three worlds of spawned ranks, 79 s on a
+# loaded machine, against pytest-timeout's 120 s default.
+pytestmark = pytest.mark.timeout(300)
+
 
 def _free_port() -> int:
     with socket.socket() as s:

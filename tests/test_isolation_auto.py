@@ -3,8 +3,9 @@ epoch's items held the GIL or its workers slowed the training step, back to thre
 ran the loop slower; the batches never show which ran.
 
 Whether a real dataset holds the GIL is a measurement that a loaded machine can change, so these
-tests decide it (``held_the_gil`` patched) and check what follows from the decision; the
-measurement itself is bench/bench_gil_detection.py's.
+tests decide it (``held_the_gil`` patched) and check what follows from the decision; the verdict
+on an epoch's numbers is tested in tests/test_stats.py, the controller's part of it in
+tests/test_concurrency.py, both on numbers given, not measured.
 """
 
 from __future__ import annotations

@@ -56,10 +56,17 @@ class Ids(Dataset[tuple[int, torch.Tensor]]):
 # --- 2 processes: ddp and ddp_spawn (tests/dist_scripts/lightning_fit.py) --------------------
 
 
+#: How long one run of the fit script may take: two ranks starting Lightning took 119 s on a
+#: loaded machine. The tests that run it get a minute more than that (pytest-timeout's 120 s
+#: default would end them first).
+FIT_TIMEOUT_S = 240
+fits = pytest.mark.timeout(FIT_TIMEOUT_S + 60)
+
+
 def _run_fit(out: Path, *args: str) -> dict[tuple[int, int], dict[str, Any]]:
     """Run the fit script; return each (fit, rank)'s log."""
     cmd = [sys.executable, str(SCRIPT), str(out), *args]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=FIT_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     logs = {}
     for path in out.glob("rank*-*.json"):
@@ -92,6 +99,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], d
 
 
 @needs_gloo
+@fits
 def test_ddp_recreated_loader_keeps_every_option(ddp_run: dict[Any, dict[str, Any]]) -> None:
     """The loader Lightning re-creates to insert its sampler keeps our options, keyword-only too."""
     for log in ddp_run.values():
@@ -109,6 +117,7 @@ def test_ddp_recreated_loader_keeps_every_option(ddp_run: dict[Any, dict[str, An
 
 
 @needs_gloo
+@fits
 def test_ddp_each_rank_trains_on_its_own_shard(ddp_run: dict[Any, dict[str, Any]]) -> None:
     """In an epoch the two ranks see disjoint halves of the data, which together are all of it."""
     shards = [{i for b in _trained(ddp_run, rank, epoch=0) for i in b} for rank in (0, 1)]
@@ -118,6 +127,7 @@ def test_ddp_each_rank_trains_on_its_own_shard(ddp_run: dict[Any, dict[str, Any]
 
 
 @needs_gloo
+@fits
 def test_ddp_resume_from_mid_epoch_checkpoint_continues_exactly(
     ddp_run: dict[Any, dict[str, Any]],
 ) -> None:
@@ -132,6 +142,7 @@ def test_ddp_resume_from_mid_epoch_checkpoint_continues_exactly(
 
 
 @needs_gloo
+@fits
 def test_ddp_resume_in_a_later_epoch_continues_that_epoch(
     ddp_run: dict[Any, dict[str, Any]],
 ) -> None:
@@ -141,6 +152,7 @@ def test_ddp_resume_in_a_later_epoch_continues_that_epoch(
 
 
 @needs_gloo
+@fits
 def test_ddp_spawn_from_a_lightning_module_shards_and_keeps_options(tmp_path: Path) -> None:
     """ddp_spawn with the loader from the LightningModule: options kept, shards disjoint."""
     logs = _run_fit(

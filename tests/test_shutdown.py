@@ -188,7 +188,7 @@ def test_worker_stuck_in_slow_getitem_does_not_hang_shutdown(monkeypatch) -> Non
     time.sleep(0.1)  # let the workers enter the stuck batches
     started = time.monotonic()
     del it
-    assert time.monotonic() - started < 5  # bounded by JOIN_TIMEOUT_S, not by the dataset
+    assert time.monotonic() - started < 30  # bounded by JOIN_TIMEOUT_S, not by the 60 s read
     release.set()  # the stuck threads finish their call, find nothing to do, and exit
     assert _wait_for_no_threads() == []
 

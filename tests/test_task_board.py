@@ -13,13 +13,23 @@ from threadloader.isolation.task_board import EPOCH, TASK, TaskBoard
 
 
 class Runners:
-    """``n`` runner threads taking from ``board``; each task's run is logged (start, end)."""
+    """``n`` runner threads taking from ``board``; each task's run is logged (start, end).
 
-    def __init__(self, board: TaskBoard, n: int, work_s: float = 0.002) -> None:
+    A task takes ``work_s``, or, with ``hold``, lasts until ``hold`` is set.
+    """
+
+    def __init__(
+        self,
+        board: TaskBoard,
+        n: int,
+        work_s: float = 0.002,
+        hold: threading.Event | None = None,
+    ) -> None:
         self.board = board
         self.log: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
         self._work_s = work_s
+        self._hold = hold
         self.running: dict[int, int] = {}  # worker -> runners running it now (must stay <= 1)
         self.max_parallel = 0
         self._active = 0
@@ -41,7 +51,10 @@ class Runners:
                 self._active += 1
                 self.max_parallel = max(self.max_parallel, self._active)
                 self.log.append(("start", me, *msg))
-            time.sleep(self._work_s)
+            if self._hold is not None:
+                self._hold.wait(60)
+            else:
+                time.sleep(self._work_s)
             with self._lock:
                 self.running[worker] -= 1
                 self._active -= 1
@@ -136,16 +149,18 @@ def test_raising_the_limit_wakes_a_waiting_runner() -> None:
     """A runner waiting under limit 1 starts a second worker's task once the limit is 2."""
     theirs, ours = Pipe(duplex=False)
     board = TaskBoard(theirs, worker_ids=range(2), limit=1)
-    runners = Runners(board, 2, work_s=1.0)
+    hold = threading.Event()
+    runners = Runners(board, 2, hold=hold)
     ours.send((TASK, 0, 0, 0, [0]))
     ours.send((TASK, 1, 1, 0, [1]))
     runners.wait_started(1)
     time.sleep(0.05)
-    assert len(runners.started()) == 1  # the second waits for the first (1 s of work)
+    assert len(runners.started()) == 1  # the second waits for the first (held)
     board.set_limit(2)
     runners.wait_started(2)
     assert len(runners.started()) == 2
-    assert runners.max_parallel == 2
+    assert runners.max_parallel == 2  # both run at once: the first is still held
+    hold.set()
     ours.close()
     runners.join()
 

@@ -4,8 +4,8 @@ The number that matters most is ``wait_fraction``: the share of wall time the tr
 spent blocked in ``next()``. Near 0 the loader keeps up and the accelerator never starves; near 1
 the loop is data-bound, and the stage timings say which stage to speed up.
 
-GIL-bound detection (``gil_bound``), from measurements on 2 cores with 2 workers
-(``tests/test_stats.py`` keeps them honest):
+GIL-bound detection (``gil_bound``, decided by ``is_gil_bound``), from measurements on 2 cores
+with 2 workers (``tests/test_stats.py`` holds the rule to these numbers):
 
 - a pure-Python dataset: the concurrency controller settled on 0 fetching workers (the training
   thread alone was fastest) and the process used 1.0 core;
@@ -349,16 +349,13 @@ class EpochStats:
             idle_t, busy_t = self._step_s
         step_busy = busy_t / busy_n if busy_n else 0.0
         step_idle = idle_t / idle_n if idle_n else 0.0
-        busy_threads = sum(worker_busy) / wall
-        cpu_low, cpu_high = GIL_CPU_RANGE
         controller = self.controller
-        alone_is_best = controller is not None and controller.threads_do_not_help()
-        busy_but_one_core = busy_threads > GIL_BUSY_THREADS and cpu >= cpu_low
-        gil_bound = (
-            self.num_workers >= 2
-            and _cores() >= 2
-            and cpu <= cpu_high  # a dataset using several cores is not GIL-bound
-            and (alone_is_best or busy_but_one_core)
+        gil_bound = is_gil_bound(
+            num_workers=self.num_workers,
+            cores=_cores(),
+            cpu_cores_used=cpu,
+            busy_threads=sum(worker_busy) / wall,
+            alone_is_best=controller is not None and controller.threads_do_not_help(),
         )
         return LoaderStats(
             batches=batches,
@@ -381,6 +378,33 @@ class EpochStats:
             steps_idle=idle_n,
             training_slowed=step_slowed(step_busy, busy_n, step_idle, idle_n),
         )
+
+
+def is_gil_bound(
+    *,
+    num_workers: int,
+    cores: int,
+    cpu_cores_used: float,
+    busy_threads: float,
+    alone_is_best: bool,
+) -> bool:
+    """The ``gil_bound`` verdict on an epoch's numbers (the rule in the module docstring).
+
+    Args:
+        num_workers: the loader's worker threads; fewer than 2 cannot take turns.
+        cores: the CPUs the process may use; on one, threads cannot run together anyway.
+        cpu_cores_used: process CPU time over wall time.
+        busy_threads: the workers' summed busy time over wall time.
+        alone_is_best: the concurrency controller settled on the training thread alone.
+    """
+    cpu_low, cpu_high = GIL_CPU_RANGE
+    busy_but_one_core = busy_threads > GIL_BUSY_THREADS and cpu_cores_used >= cpu_low
+    return (
+        num_workers >= 2
+        and cores >= 2
+        and cpu_cores_used <= cpu_high  # a dataset using several cores is not GIL-bound
+        and (alone_is_best or busy_but_one_core)
+    )
 
 
 def _cores() -> int:

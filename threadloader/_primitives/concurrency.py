@@ -246,9 +246,10 @@ class ConcurrencyController:
         """True when the training thread fetching alone beat every measured number of workers.
 
         That is the GIL-bound signature: with a limit of 1 the training thread still runs the
-        batches the worker has not started, so two threads fetch; only at 0 is it one.
+        batches the worker has not started, so two threads fetch; only at 0 is it one. It is
+        what the controller settled on that counts, not the limit of a probe running now.
         """
-        return self.minimum == 0 and self.limit == 0 and self._alone_won
+        return self.minimum == 0 and self._settled_at == 0 and self._alone_won
 
     def _decide(self, rate: float, elapsed: float) -> int | None:
         if self._warmup:

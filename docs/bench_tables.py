@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -585,20 +586,54 @@ run that command, or `python docs/bench_tables.py run NAME` (NAME: {names}), whi
 records the machine's load while it runs, rewrites `bench/results/NAME.json` and this page.
 
 !!! warning "A shared, noisy machine"
-    These figures come from a small machine shared with other jobs: other processes ran during
-    some of these benches (the load average quoted with each one says how busy it was). Rounds
-    interleave the loaders so that all of them see the same conditions, and ratios are taken
-    within a round; still, compare the per-round ratios, not single numbers, and expect a few
-    percent either way on a rerun. On a busy 2-core machine the scheduler gives a loader with
-    more processes a larger share of the CPU, which favours process workers.
+    These figures come from a small machine shared with other jobs, and the load average
+    quoted with each run says how busy it was. Rounds interleave the loaders so that all of them
+    see the same conditions, and ratios are taken within a round; still, compare the per-round
+    ratios, not single numbers. On a busy 2-core machine the scheduler gives a loader with more
+    processes a larger share of the CPU, which favours process workers.{busy}
 
 ## Machine
 """
 
 
+def _anchor(title: str) -> str:
+    """The id MkDocs gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return "-".join(kept.split())
+
+
+def _admonition_paragraph(text: str) -> str:
+    """``text`` as one more paragraph of the admonition above it: wrapped and indented."""
+    if not text:
+        return ""
+    pad = "    "
+    return "\n\n" + textwrap.fill(
+        text,
+        96,
+        initial_indent=pad,
+        subsequent_indent=pad,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
 def render(results: dict[str, dict[str, Any]]) -> str:
     """The whole page, from ``{bench name: result file contents}``."""
-    lines = INTRO.format(names=", ".join(f"`{n}`" for n in BENCHES)).splitlines()
+    busy = [
+        f"[{BENCHES[n].title}](#{_anchor(BENCHES[n].title)})"
+        for n, d in results.items()
+        if d["load_average"]["max_1min"] > d["machine"]["cpus"]
+    ]
+    note = (
+        "Other jobs kept the load average above the CPU count during these runs: "
+        + ", ".join(busy)
+        + ". Their rounds spread widely (see the ratios in brackets) and single figures can be "
+        "off by a factor of two; rerun them on a quiet machine before relying on them."
+        if busy
+        else ""
+    )
+    names = ", ".join(f"`{n}`" for n in BENCHES)
+    lines = INTRO.format(names=names, busy=_admonition_paragraph(note)).splitlines()
     machines = {json.dumps(d["machine"], sort_keys=True): d["machine"] for d in results.values()}
     for m in machines.values():
         pkgs = ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v)

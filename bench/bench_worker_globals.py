@@ -8,12 +8,15 @@ on/off in the same round: of samples/s, and of the process's CPU time per batch 
 which a busy neighbour on a shared machine moves less than wall time.
 
     python bench/bench_worker_globals.py [--workloads tokens,images] [--rounds 5] [--batches 200]
+    python bench/bench_worker_globals.py --json out.json   # also write every row and round
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -66,7 +69,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--size", default="bench", choices=["small", "bench"])
+    parser.add_argument("--json", default=None, help="also write every row, with its rounds")
     args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
     print(
         f"| workload | on samples/s | off samples/s | on/off samples/s | on CPU us/batch "
         f"| off CPU us/batch | on/off CPU (medians of {args.rounds}) |"
@@ -92,6 +97,34 @@ def main() -> None:
             f"| {name} | {on_rate:,.0f} | {off_rate:,.0f} | {rate:.3f} | {on_cpu:,.0f} "
             f"| {off_cpu:,.0f} | {cpu:.3f} |"
         )
+        rows.append(
+            {
+                "workload": name,
+                "batches": batches,
+                "on_samples_s": on_rate,
+                "off_samples_s": off_rate,
+                "on_off_samples_s": rate,
+                "on_cpu_us": on_cpu,
+                "off_cpu_us": off_cpu,
+                "on_off_cpu": cpu,
+                "rounds_on": [list(x) for x in on],
+                "rounds_off": [list(x) for x in off],
+            }
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "rounds": args.rounds,
+                    "num_workers": args.num_workers,
+                    "size": args.size,
+                    "cpus": os.cpu_count(),
+                    "load_average_end": os.getloadavg(),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

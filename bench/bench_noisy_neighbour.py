@@ -31,7 +31,7 @@ Run::
     python bench/bench_noisy_neighbour.py --size small --rounds 1 --seconds 1   # smoke, ~1 min
     pytest bench/ -k noisy --benchmark-only                     # the same through pytest
 
-Goals (issue 10, 2 cores, num_workers=2): slowdown of ``iso2`` <= ``dl2``'s on every workload;
+Goals (2 cores, num_workers=2): slowdown of ``iso2`` <= ``dl2``'s on every workload;
 ``iso2`` >= 3x ``dl2`` samples/s on tokens; ``iso2`` peak PSS <= 0.6x ``dl2``'s on images.
 """
 
@@ -225,7 +225,7 @@ def _ratios(rows: list[dict[str, Any]], workload: str, field: str, a: str, b: st
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The report: medians per (workload, loader), then the issue's goals with per-round ratios."""
+    """The report: medians per (workload, loader), then the goals with per-round ratios."""
     fields = (
         "step_alone_ms",
         "step_ms",
@@ -257,7 +257,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{m['peak_mib']:9.0f}{m['above_mib']:7.0f}{m['shm_mib']:6.0f}"
             )
     lines.append("")
-    lines.append("goals (issue 10), medians of per-round ratios:")
+    lines.append("goals, medians of per-round ratios:")
     for workload in workloads:
         got = _ratios(rows, workload, "slowdown", "iso2", "dl2")
         if got:

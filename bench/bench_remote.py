@@ -5,7 +5,7 @@ Run::
     pytest bench/bench_remote.py --benchmark-only                    # ~3 minutes on 2 cores
     pytest bench/bench_remote.py --benchmark-only --bench-rounds 1   # one round, ~1 minute
 
-The workload (issue 9): objects on a local HTTP server (``tests/remote_servers.py``, its own
+The workload: objects on a local HTTP server (``tests/remote_servers.py``, its own
 process) that answers every request after 10 ms; batch 16. With 32 reads in flight the latency
 limit is 32 / 10 ms = 3,200 samples/s. Loaders, each in a fresh interpreter so memory and threads
 never carry over, measured in interleaved rounds (the order rotates each round):
@@ -25,7 +25,7 @@ local files only. The per-thread case compares the memory of 8 and 64 worker thr
 objects (so batches in flight weigh nothing) and divides by the 56 extra threads: at the peak,
 and once the epoch is over with the (persistent) workers idle.
 
-The end of the session prints the medians and checks the issue's goals.
+The end of the session prints the medians and checks the goals.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def _report(tr: Any) -> None:
             f" idle after the epoch {p['per_thread_settled_bytes'] / 1024:.0f} KiB"
             f" (+{p['few_settled_bytes'] / 2**20:.1f} -> +{p['many_settled_bytes'] / 2**20:.1f} MiB)"
         )
-    tr.write_line("goals (issue 9):")
+    tr.write_line("goals:")
     for name, got, want in goals:
         tr.write_line(f"  {name}: {got:.2f}x {'met' if got >= want else 'MISSED'} (goal {want:g}x)")
 

@@ -16,7 +16,7 @@ Cases:
   (windows x 1024). Each round runs every case once, back to back, the order rotating by round;
   the table gives medians over rounds and the median per-round ratio to ``dl0-seq``:
 
-  ``dl0-seq``            DataLoader(num_workers=0), sequential windows (the issue's baseline)
+  ``dl0-seq``            DataLoader(num_workers=0), sequential windows (the baseline)
   ``dl0-shuffle``        DataLoader(num_workers=0), ``ShuffleSampler`` (global shuffle)
   ``dl0-block64``        DataLoader(num_workers=0), ``BlockShuffleSampler(block_size=64)``
                          (blocks of 64 windows, 128 KiB)
@@ -33,7 +33,7 @@ Why there is no cold-cache case: this machine's disk has an 8 MiB read-ahead
 it, and after a few dozen random windows every shard is cached. Dropping the shards from the page
 cache (``posix_fadvise(DONTNEED)``) and timing the first 200 batches measures how many distinct
 8 MiB regions a sampler touches, not the cost of a random read: full shuffle ~17k windows/s,
-64-window blocks ~17k, 512-window (1 MiB) blocks ~43k, sequential ~46k (2-core VM, one run of
+64-window blocks ~17k, 512-window (1 MiB) blocks ~43k, sequential ~46k (2-core machine, one run of
 3 rounds, medians). Blocks pay off when they are at least as large as what one read fetches (a
 read-ahead window on disks, an object-store request): choose ``block_size`` from that size.
 """

@@ -33,7 +33,7 @@ BASELINES: tuple[str, ...] = ("dl0", "dl2")
 """Loaders every throughput ratio is taken against."""
 
 THROUGHPUT_GOALS: dict[str, list[tuple[str, str, float]]] = {
-    # workload: [(loader, baseline, minimum ratio)], from issue 3
+    # workload: [(loader, baseline, minimum ratio)]: the throughput goals
     "tokens": [("thread2", "dl0", 1.0), ("thread2", "dl2", 5.0)],
     "images": [("thread2", "dl2", 1.0)],
     "tensors": [("thread2", "dl2", 1.3)],
@@ -263,7 +263,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     goals = _goal_lines(store, med)
     if goals:
         tr.write_line("")
-        tr.write_line("goals (issue 3):")
+        tr.write_line("goals:")
         for line in goals:
             tr.write_line(line)
     if store.skipped:

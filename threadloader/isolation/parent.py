@@ -47,7 +47,7 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 6. Waiting for a result: when the last wait was shorter than ``SPIN_S`` and the helper's
    fetching threads leave a CPU free, the training thread polls the result socket for up to
    ``SPIN_S`` before it goes to sleep. Waking a sleeping process costs the process that wakes
-   it, and not only the system call: on the 2-core VM of bench/, each result sent to a sleeping
+   it, and not only the system call: on the 2-core machine of bench/, each result sent to a sleeping
    training process cost the helper ~70 us more on its next batch (token windows: 37k -> 46k
    samples/s with the polling). The training thread polls only while it would wait for data
    anyway, stops polling once waits grow longer than ``SPIN_S`` (batches that take

@@ -523,8 +523,11 @@ def test_short_waits_for_cheap_batches_are_polled_not_slept() -> None:
 
 
 def test_waits_longer_than_the_polling_window_sleep() -> None:
-    """20 ms batches: the first wait is long, so no wait polls (it would only burn a CPU)."""
-    loader = IsolatedLoader(SlowItems(n=8, delay=0.02), batch_size=None, num_workers=1)
+    """100 ms batches: the first wait is long, so no wait polls (it would only burn a CPU).
+
+    A wait polls after one that found its batch already there: with 20 ms batches, a loop kept
+    off the CPU that long by a loaded machine found one, 1 run in 20 with 3 busy processes."""
+    loader = IsolatedLoader(SlowItems(n=8, delay=0.1), batch_size=None, num_workers=1)
     got, polled, _ = _waits(loader)
     assert got == list(range(8))
     assert polled == 0

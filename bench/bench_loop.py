@@ -7,18 +7,19 @@ fresh interpreter: it builds the loader, runs ``--epochs`` epochs of a loop whos
 reports batches/s over the epochs after the first (``isolation="auto"`` decides after the first
 epoch, and every loader has started its workers by then). Loaders take turns within a round, in
 an order that rotates each round; ratios are taken within a round, against the best of
-DataLoader(2), torchdata.nodes(2) and SPDL(2) in that round.
+DataLoader, torchdata.nodes and SPDL in that round.
 
 Run::
 
     python bench/bench_loop.py                                # 400-op step, 3 rounds
     python bench/bench_loop.py --step-ops 0 --rounds 3        # the loader alone, epochs included
+    python bench/bench_loop.py --cpus 1                       # the same pinned to one CPU
     python bench/bench_loop.py --workloads python --rounds 1  # one workload, quickly
 
-Loaders: ``dl2`` DataLoader(num_workers=2); ``torchdata2`` torchdata.nodes ParallelMapper(2
-threads) of whole batches; ``spdl2`` SPDL DataLoader(2 threads); ``thread2``
-ThreadDataLoader(num_workers=2) with its default settings; ``auto2`` the same with
-``isolation="auto"``; ``iso2p`` ``isolation="process", helpers=2``.
+Loaders, each with 2 workers (32 on ``latency``, 10 ms reads): ``dl`` DataLoader; ``torchdata``
+torchdata.nodes ParallelMapper (threads) of whole batches; ``spdl`` SPDL DataLoader (threads);
+``thread`` ThreadDataLoader with its default settings (``isolation="auto"``); ``threads`` the
+same with ``isolation="threads"``; ``iso`` ``isolation="process", helpers=2``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,29 @@ import sys
 import time
 from typing import Any
 
-LOADERS = ("dl2", "torchdata2", "spdl2", "thread2", "auto2", "iso2p")
-BASELINES = ("dl2", "torchdata2", "spdl2")
-WORKLOADS = ("images", "python", "tensors", "tokens")
+LOADERS = ("dl", "torchdata", "spdl", "thread", "threads", "iso")
+BASELINES = ("dl", "torchdata", "spdl")
+WORKLOADS = ("images", "python", "tensors", "tokens", "latency")
 #: Batches per epoch: about a second of loading each on 2 cores.
-EPOCH_BATCHES = {"images": 16, "python": 300, "tensors": 16, "tokens": 400}
+EPOCH_BATCHES = {"images": 16, "python": 300, "tensors": 16, "tokens": 400, "latency": 200}
+#: Workers per loader: latency-bound reads need many in flight.
+WORKERS = {"latency": 32}
+LATENCY_S = 0.01
+
+
+class LatencyReads:
+    """Item i: a 10 ms wait (a remote read, the GIL released), then 4 KiB of bytes as a tensor."""
+
+    batch_size = 16
+
+    def __len__(self) -> int:
+        return 1 << 20
+
+    def __getitem__(self, index: int) -> Any:
+        import torch
+
+        time.sleep(LATENCY_S)
+        return torch.full((1024,), index, dtype=torch.int32)
 
 
 def _child(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str, Any]:
@@ -47,34 +66,41 @@ def _child(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str, 
     from threadloader import ThreadDataLoader
     from threadloader.compare.workloads import make_workload
 
-    spec = make_workload(workload, size="bench")
-    bs = spec.batch_size
-    count = min(len(spec.dataset), EPOCH_BATCHES[workload] * bs)  # type: ignore[arg-type]
-    ds = Subset(spec.dataset, range(count))
-    if loader == "dl2":
-        epochs_of: Any = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=2)
-    elif loader in ("thread2", "auto2", "iso2p"):
+    dataset: Any = LatencyReads() if workload == "latency" else None
+    if dataset is None:
+        spec = make_workload(workload, size="bench")
+        dataset, bs = spec.dataset, spec.batch_size
+    else:
+        bs = LatencyReads.batch_size
+    count = min(len(dataset), EPOCH_BATCHES[workload] * bs)
+    ds = Subset(dataset, range(count))
+    workers = WORKERS.get(workload, 2)
+    if loader == "dl":
+        epochs_of: Any = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers)
+    elif loader in ("thread", "threads", "iso"):
         extra: dict[str, Any] = {
-            "thread2": {},
-            "auto2": {"isolation": "auto"},
-            "iso2p": {"isolation": "process", "helpers": 2},
+            "thread": {},
+            "threads": {"isolation": "threads"},
+            "iso": {"isolation": "process", "helpers": 2},
         }[loader]
-        epochs_of = ThreadDataLoader(ds, batch_size=bs, shuffle=True, num_workers=2, **extra)
-    elif loader == "torchdata2":
+        epochs_of = ThreadDataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, **extra)
+    elif loader == "torchdata":
         import torchdata.nodes as tn
         from bench_loaders import _MapAndCollate
         from torch.utils.data import BatchSampler, RandomSampler
 
         node = tn.SamplerWrapper(BatchSampler(RandomSampler(ds), bs, drop_last=False))
-        node = tn.ParallelMapper(node, map_fn=_MapAndCollate(ds), num_workers=2, method="thread")
+        node = tn.ParallelMapper(
+            node, map_fn=_MapAndCollate(ds), num_workers=workers, method="thread"
+        )
         epochs_of = tn.Loader(tn.Prefetcher(node, prefetch_factor=4))
-    elif loader == "spdl2":
+    elif loader == "spdl":
         import spdl.dataloader
         from torch.utils.data._utils.collate import default_collate
 
         epochs_of = spdl.dataloader.DataLoader(
             range(len(ds)), preprocessor=ds.__getitem__, batch_size=bs,
-            aggregator=default_collate, num_threads=2, output_order="input",
+            aggregator=default_collate, num_threads=workers, output_order="input",
         )  # fmt: skip
     else:
         raise ValueError(f"unknown loader {loader!r}")
@@ -126,6 +152,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loaders", default=",".join(LOADERS))
+    parser.add_argument("--cpus", type=int, help="run every measurement on this many CPUs")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,10 +160,13 @@ def main() -> None:
         workload, loader, step_ops, epochs = args.one
         print(json.dumps(_child(workload, loader, int(step_ops), int(epochs))))
         return
+    if args.cpus:  # measurements are child processes: they inherit the affinity
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
+    cpus = len(os.sched_getaffinity(0))
     loaders = tuple(args.loaders.split(","))
     rows: list[dict[str, Any]] = []
     for workload in args.workloads.split(","):
-        measure(workload, "thread2", 0, 1)  # builds the workload's files outside the timing
+        measure(workload, "threads", 0, 1)  # builds the workload's files outside the timing
         for r in range(args.rounds):
             order = loaders[r % len(loaders) :] + loaders[: r % len(loaders)]
             got = {key: measure(workload, key, args.step_ops, args.epochs) for key in order}
@@ -159,7 +189,8 @@ def main() -> None:
             print(f"| {workload} | {key} | {pace:.1f} | {ratios} | {modes} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"step_ops": args.step_ops, "epochs": args.epochs, "rows": rows}, f, indent=1)
+            out = {"step_ops": args.step_ops, "epochs": args.epochs, "cpus": cpus, "rows": rows}
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,24 @@ BENCHES: dict[str, Bench] = {
             {"summary": "json"},
         ),
         Bench(
+            "loop",
+            "The training loop: loading and a Python-bound step",
+            ("bench/bench_loop.py", "--rounds", "3", "--json", "{rows}"),
+            {"rows": "json"},
+        ),
+        Bench(
+            "loop_no_step",
+            "The training loop with no step",
+            ("bench/bench_loop.py", "--rounds", "3", "--step-ops", "0", "--json", "{rows}"),
+            {"rows": "json"},
+        ),
+        Bench(
+            "loop_one_cpu",
+            "The training loop on one CPU",
+            ("bench/bench_loop.py", "--rounds", "3", "--cpus", "1", "--json", "{rows}"),
+            {"rows": "json"},
+        ),
+        Bench(
             "noisy_neighbour",
             "The training step while a loader runs",
             ("bench/bench_noisy_neighbour.py", "--rounds", "3", "--json", "{rows}"),
@@ -388,6 +406,62 @@ def render_memory(data: dict[str, Any]) -> list[str]:
     )
 
 
+LOOP_LOADERS = {
+    "dl": "DataLoader",
+    "torchdata": "torchdata.nodes ParallelMapper (threads)",
+    "spdl": "SPDL DataLoader (threads)",
+    "thread": "**ThreadDataLoader** (defaults)",
+    "threads": 'ThreadDataLoader(isolation="threads")',
+    "iso": 'ThreadDataLoader(isolation="process", helpers=2)',
+}
+"""Names the loop pages print for bench/bench_loop.py's loader keys."""
+
+
+def render_loop(data: dict[str, Any]) -> list[str]:
+    out = data["results"]["rows"]
+    step = out["step_ops"]
+    lines = [
+        (
+            f"Batches per second of a whole training loop on {out['cpus']} CPU"
+            f"{'s' if out['cpus'] > 1 else ''}: "
+            + (
+                f"after every batch a Python-bound step of {step} tiny torch ops (the Python "
+                "time of launching a model's kernels) runs in the training thread. "
+                if step
+                else "no step, the loader alone, epochs and their starts included. "
+            )
+            + "Each loader runs 3 epochs in a fresh interpreter; the pace counts epochs 2 and 3 "
+            '(`isolation="auto"` decides after the first). *x best* divides by the best of '
+            "DataLoader, torchdata.nodes and SPDL in the same round (rounds in brackets); "
+            "*mode* is where ThreadDataLoader's workers ran in the last epoch. 2 workers each; "
+            "32 on `latency` (10 ms reads)."
+        ),
+        "",
+    ]
+    rows = out["rows"]
+    table = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        for loader, shown in LOOP_LOADERS.items():
+            mine = sorted(
+                (r for r in rows if (r["workload"], r["loader"]) == (workload, loader)),
+                key=lambda r: r["round"],
+            )
+            if not mine:
+                continue
+            ratios = [r["ratio_vs_best_baseline"] for r in mine]
+            modes = ", ".join(sorted({r["mode"] for r in mine if r.get("mode")}))
+            table.append(
+                [
+                    workload,
+                    shown,
+                    _n(statistics.median(r["pace"] for r in mine)),
+                    f"{statistics.median(ratios):.2f} ({_ratios(ratios)})",
+                    modes,
+                ]
+            )
+    return lines + _table(["workload", "loader", "batches/s", "x best", "mode"], "llrrl", table)
+
+
 def render_noisy(data: dict[str, Any]) -> list[str]:
     rows = [r for r in data["results"]["rows"] if "error" not in r]
     lines = [
@@ -569,6 +643,9 @@ def render_worker_globals(data: dict[str, Any]) -> list[str]:
 RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "loaders": render_loaders,
     "memory": render_memory,
+    "loop": render_loop,
+    "loop_no_step": render_loop,
+    "loop_one_cpu": render_loop,
     "noisy_neighbour": render_noisy,
     "streams": render_streams,
     "remote": render_remote,

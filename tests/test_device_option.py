@@ -150,7 +150,7 @@ def test_bad_device_arguments_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="device_prefetch"):
         ThreadDataLoader(Pairs(), device="cpu", device_prefetch=0)
     with pytest.raises(ValueError, match="isolation"):
-        ThreadDataLoader(Pairs(), isolation="threads")
+        ThreadDataLoader(Pairs(), isolation="thread")
 
 
 class SlowIds(Dataset[torch.Tensor]):

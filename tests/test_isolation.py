@@ -435,7 +435,7 @@ def test_fork_context_is_refused() -> None:
     """multiprocessing_context='fork' is refused, naming the reason and what to pass instead."""
     with pytest.raises(ValueError, match="not 'fork'"):
         iter(IsolatedLoader(Numbers(), num_workers=2, multiprocessing_context="fork"))
-    with pytest.raises(ValueError, match="isolation must be None, 'process' or 'auto'"):
+    with pytest.raises(ValueError, match="isolation must be 'auto', 'process', 'threads' or None"):
         parent.check_isolation("processes")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ def _epochs(loader: ThreadDataLoader[Any], epochs: int) -> tuple[list[list[Any]]
 def _verdict(monkeypatch: pytest.MonkeyPatch, held: bool, slowed: bool = False) -> None:
     monkeypatch.setattr(auto, "held_the_gil", lambda stats: held)
     monkeypatch.setattr(auto, "slowed_the_training", lambda stats: slowed)
+    monkeypatch.setattr(auto, "MIN_EPOCH_S", 0.0)  # these epochs last milliseconds
     # Every epoch at one pace: helpers never lose (a tiny epoch's helper start-up would).
     monkeypatch.setattr(auto, "loop_pace", lambda stats: 100.0)
 
@@ -208,3 +210,75 @@ def test_helpers_that_lost_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
     assert modes == ["threads", "process", "threads"]
     reason = str(loader.stats().mode_reason)
     assert "50.0 batches/s with helper processes against 100.0 with threads" in reason
+
+
+def test_the_default_is_auto_and_moves_with_the_same_batches_as_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loader built with no isolation argument is "auto": a GIL-bound epoch moves the next
+    into helpers, and both epochs give DataLoader's batches."""
+    _verdict(monkeypatch, True)
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    theirs = torch_epochs(
+        WherePid(), epochs=2, generator=torch.Generator().manual_seed(3), **kwargs
+    )
+    loader = ThreadDataLoader(WherePid(), generator=torch.Generator().manual_seed(3), **kwargs)
+    assert loader.isolation == "auto"
+    ours, modes = _epochs(loader, 2)
+    assert modes == ["threads", "process"]
+    for epoch in range(2):
+        assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
+
+
+@pytest.mark.parametrize("isolation", ["threads", None])
+def test_threads_never_move(monkeypatch: pytest.MonkeyPatch, isolation: str | None) -> None:
+    """isolation="threads" (or None) keeps the workers in this process whatever an epoch says."""
+    _verdict(monkeypatch, True)
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation=isolation)
+    _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "threads"]
+    assert loader.stats().mode_reason == f"isolation={isolation!r}"
+
+
+def test_an_epoch_too_short_to_pay_for_helpers_stays_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting helpers costs more than a short epoch could win back: no move, and says so."""
+    _verdict(monkeypatch, True)
+    monkeypatch.setattr(auto, "MIN_EPOCH_S", 1e9)
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
+    _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "threads"]
+    assert "too short to win back starting helper processes" in str(loader.stats().mode_reason)
+
+
+def test_the_default_accepts_what_torch_accepts() -> None:
+    """The default mode refuses nothing DataLoader takes: no workers, a fork context, helpers."""
+    ThreadDataLoader(WherePid(), num_workers=0)
+    ThreadDataLoader(WherePid(), num_workers=2, multiprocessing_context="fork")
+    assert ThreadDataLoader(WherePid(), num_workers=2, helpers=2).helpers == 2
+    with pytest.raises(ValueError, match="with isolation='threads' the threads always run"):
+        ThreadDataLoader(WherePid(), num_workers=2, helpers=2, isolation="threads")
+    with pytest.raises(ValueError, match="helpers must be between 1 and num_workers=0"):
+        ThreadDataLoader(WherePid(), helpers=1)
+
+
+def test_a_fork_context_stays_in_threads_while_other_threads_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """multiprocessing_context='fork' with another Python thread running: forking could copy a
+    lock that thread holds, so the workers stay threads and the reason says so."""
+    _verdict(monkeypatch, True)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        loader = ThreadDataLoader(
+            WherePid(), batch_size=4, num_workers=2, multiprocessing_context="fork"
+        )
+        _, modes = _epochs(loader, 2)
+    finally:
+        stop.set()
+        other.join()
+    assert modes == ["threads", "threads"]
+    assert "multiprocessing_context='fork'" in str(loader.stats().mode_reason)

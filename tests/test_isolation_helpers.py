@@ -212,7 +212,7 @@ def test_stats_count_every_helpers_batches() -> None:
     [
         ({"isolation": "process", "helpers": 0}, ValueError, "between 1 and num_workers=2"),
         ({"isolation": "process", "helpers": 3}, ValueError, "between 1 and num_workers=2"),
-        ({"helpers": 2}, ValueError, "needs isolation='process'"),
+        ({"helpers": 2, "isolation": "threads"}, ValueError, "needs isolation='process'"),
         ({"isolation": "process", "helpers": 1.5}, TypeError, "helpers must be an int"),
         ({"isolation": "process", "helpers": True}, TypeError, "helpers must be an int"),
     ],

@@ -222,18 +222,41 @@ def test_the_switch_off_uses_the_forkserver(tmp_path: Any) -> None:
     assert out == ["zygote", "False", "forkserver's", "True", "same", "True"]
 
 
-def test_auto_forks_the_zygote_but_starts_no_forkserver(tmp_path: Any) -> None:
-    """isolation='auto' may never need a helper: it forks the zygote (shared pages), never a
-    forkserver (a whole interpreter) when it is built."""
+def test_auto_starts_no_helper_server_when_built(tmp_path: Any) -> None:
+    """isolation='auto' (the default) may never need a helper: building it forks no zygote
+    (whose copy of the process costs memory as the process writes) and starts no forkserver."""
     out = _run(
         tmp_path,
         """
         auto = loader(isolation="auto")
+        default = loader()
         print("zygote", zygote.server_pid() is not None)
         print("forkserver", forkserver._forkserver._forkserver_pid is not None)
         """,
     )
-    assert out == ["zygote", "True", "forkserver", "False"]
+    assert out == ["zygote", "False", "forkserver", "False"]
+
+
+def test_auto_with_a_fork_context_forks_this_process_running_one_thread(tmp_path: Any) -> None:
+    """multiprocessing_context='fork' under "auto": a move forks the helpers from this process
+    while it runs one Python thread, as torch's fork-started workers."""
+    out = _run(
+        tmp_path,
+        """
+        from threadloader.isolation import auto as policy
+        policy.held_the_gil = lambda stats: True
+        policy.MIN_EPOCH_S = 0.0
+        policy.loop_pace = lambda stats: 100.0
+        fork = loader(multiprocessing_context="fork")
+        ref = loader(isolation="threads")
+        first, second = list(fork), list(fork)
+        print("mode", fork.stats().mode)
+        print("same", same(first, list(ref)) and same(second, list(ref)))
+        it = iter(fork)
+        print("forked_here", parents(it) == {os.getpid()})
+        """,
+    )
+    assert out == ["mode", "process", "same", "True", "forked_here", "True"]
 
 
 def test_the_zygote_ends_with_the_training_process(tmp_path: Any) -> None:

@@ -126,7 +126,7 @@ def test_options_apply_where_valid() -> None:
     """isolation only to loaders with workers; bad options fail at patch(), not at each build."""
     with threadloader.patched(isolation="process", log_every_s=30.0):
         inline = DataLoader(Noisy(), batch_size=4)  # isolation needs workers: not applied
-        assert inline.isolation is None and inline.log_every_s == 30.0
+        assert inline.isolation == "auto" and inline.log_every_s == 30.0
         isolated = DataLoader(Noisy(), batch_size=4, num_workers=1)
         assert isolated.isolation == "process"
     with pytest.raises(ValueError, match="isolation"):
@@ -137,8 +137,8 @@ def test_options_apply_where_valid() -> None:
 
 
 def test_helpers_apply_to_isolated_loaders_up_to_their_workers() -> None:
-    """helpers= reaches loaders with isolation, at most one helper per worker; without
-    isolation it is refused at patch()."""
+    """helpers= reaches loaders with workers that may run in helpers, at most one helper per
+    worker; with isolation="threads" it is refused at patch()."""
     with threadloader.patched(isolation="process", helpers=3):
         wide = DataLoader(Noisy(), batch_size=4, num_workers=4)
         narrow = DataLoader(Noisy(), batch_size=4, num_workers=2)
@@ -146,8 +146,13 @@ def test_helpers_apply_to_isolated_loaders_up_to_their_workers() -> None:
         assert (wide.helpers, narrow.helpers, inline.helpers) == (3, 2, None)
     with threadloader.patched(isolation="auto"):
         assert DataLoader(Noisy(), batch_size=4, num_workers=2).isolation == "auto"
+    with threadloader.patched(helpers=2):  # the loaders' default isolation, "auto"
+        assert DataLoader(Noisy(), batch_size=4, num_workers=2).helpers == 2
+        assert DataLoader(Noisy(), batch_size=4).helpers is None
+        pinned = DataLoader(Noisy(), batch_size=4, num_workers=2, isolation="threads")
+        assert pinned.helpers is None
     with pytest.raises(ValueError, match="helpers needs isolation"):
-        threadloader.patch(helpers=2)
+        threadloader.patch(isolation="threads", helpers=2)
     with pytest.raises(ValueError, match="helpers must be a positive int"):
         threadloader.patch(isolation="process", helpers=0)
     assert not threadloader.is_patched()

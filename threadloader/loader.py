@@ -106,18 +106,21 @@ class ThreadDataLoader(DataLoader[T_co]):
             (default): batches stay on the host, as with DataLoader.
         device_prefetch: (ours, keyword-only) batches kept on the device ahead of the loop;
             ``None`` (default): 2 with ``device``. Needs ``device``.
-        isolation: (ours, keyword-only) ``None`` runs the worker threads in this process;
-            ``"process"`` runs them in helper processes (``helpers``), so they never compete
-            with the training thread for the GIL; ``"auto"`` runs the first epoch in threads and
-            moves the workers into helper processes from an epoch whose items held the GIL on
-            (never with ``persistent_workers``; ``stats().mode`` says what ran and why).
-        helpers: (ours, keyword-only) with ``isolation="process"`` (or ``"auto"`` once it
-            moves them), how many helper processes
-            share the worker threads: worker ``w`` runs in helper ``w % helpers``. Each helper
+        isolation: (ours, keyword-only) where the worker threads run. ``"auto"`` (default):
+            in this process for the first epoch, which measures; each later epoch moves them
+            into helper processes when the last one's items held the GIL or the training step
+            ran slower while they worked, and back when helpers ran the loop slower (never
+            with ``persistent_workers``, an epoch under a second, or a dataset that cannot be
+            pickled; ``stats().mode`` says what ran and why). ``"threads"`` (or ``None``):
+            always in this process. ``"process"``: always in helper processes (``helpers``),
+            so they never compete with the training thread for the GIL. Batches, their order
+            and ``state_dict()`` are the same in every mode.
+        helpers: (ours, keyword-only) when the worker threads run in helper processes, how
+            many helpers share them: worker ``w`` runs in helper ``w % helpers``. Each helper
             holds one copy of the dataset and runs its workers' threads on its own GIL, so
             Python-bound item code scales over helpers as over torch's worker processes.
-            ``None`` (default): one helper (``"auto"``: one per worker, up to the usable CPUs).
-            At most ``num_workers``.
+            ``None`` (default): one helper with ``"process"``, one per worker up to the usable
+            CPUs with ``"auto"``. At most ``num_workers``.
         log_every_s: (ours, keyword-only) log a one-line throughput / data-wait summary through
             the ``threadloader`` logger at INFO level at most this often; off by default.
         save_worker_rng: (ours, keyword-only) make ``state_dict()`` hold each worker's own
@@ -129,12 +132,14 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     Raises:
         ValueError: for every argument combination DataLoader rejects, with its message; an
-            unknown ``isolation`` mode; ``device_prefetch`` < 1; an unknown device string; a
+            unknown ``isolation`` mode, or ``isolation="process"`` with a ``fork``
+            context; ``device_prefetch`` < 1; an unknown device string; a
             ``threadloader.Mixture`` sampled by anything but its own ``MixtureSampler`` (the
             weights would be ignored); with ``num_workers=0``, ``isolation="process"`` or
             ``save_worker_rng=True``; ``helpers`` not a positive number, above ``num_workers``
-            or without ``isolation="process"`` or ``"auto"``; ``device_prefetch`` without ``device`` (each would be
-            accepted and do nothing, as torch refuses ``persistent_workers`` without workers).
+            or with ``isolation="threads"``; ``device_prefetch`` without ``device`` (each would
+            be accepted and do nothing, as torch refuses ``persistent_workers`` without
+            workers).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
         TypeError: ``save_worker_rng`` is not a bool, or ``helpers`` is not an int.
     """
@@ -162,7 +167,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         snapshot_every_n_steps: int | None = 1,
         device: str | int | torch.device | None = None,
         device_prefetch: int | None = None,
-        isolation: str | None = None,
+        isolation: str | None = "auto",
         helpers: int | None = None,
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
@@ -217,8 +222,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
-        if self.isolation is not None:
-            start_helper_server(multiprocessing_context, forkserver=self.isolation == "process")
+        if self.isolation == "process":
+            start_helper_server(multiprocessing_context)
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
 
@@ -306,7 +311,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             return self._auto.next_epoch(self, last)
         if self.isolation == "process":
             return Choice(PROCESS, "isolation='process'", helpers=self.helpers)
-        return Choice(THREADS, "isolation=None")
+        return Choice(THREADS, f"isolation={self.isolation!r}")
 
     def set_mixture_weights(self, weights: Mapping[str, float]) -> int:
         """Change a ``threadloader.Mixture``'s weights from the next batch the loop requests.
@@ -485,11 +490,11 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
         ValueError: naming the option and what it needs.
         TypeError: ``helpers`` is not an int.
     """
-    if loader.num_workers == 0 and loader.isolation is not None:
+    if loader.num_workers == 0 and loader.isolation == "process":
         raise ValueError(
             "isolation='process' runs the worker threads in a helper process, so it needs "
             "num_workers > 0 (with num_workers=0 every batch is made in the training thread); "
-            "set num_workers > 0, or isolation=None"
+            "set num_workers > 0, or isolation='auto'"
         )
     if loader.helpers is not None:
         if isinstance(loader.helpers, bool) or not isinstance(loader.helpers, int):
@@ -497,10 +502,10 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
         if loader.isolation not in ("process", "auto"):
             raise ValueError(
                 f"helpers={loader.helpers} sets how many helper processes run the worker "
-                "threads, so it needs isolation='process' or 'auto' (without it the threads run "
-                "in this process)"
+                f"threads, so it needs isolation='process' or 'auto' (with "
+                f"isolation={loader.isolation!r} the threads always run in this process)"
             )
-        if not 1 <= loader.helpers <= max(loader.num_workers, 1):
+        if not 1 <= loader.helpers <= loader.num_workers:
             raise ValueError(
                 f"helpers must be between 1 and num_workers={loader.num_workers} (each helper "
                 f"runs at least one worker), got {loader.helpers}"

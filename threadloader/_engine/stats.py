@@ -181,9 +181,14 @@ MIN_STEPS = 8
 STEP_SLOWDOWN = 1.2
 #: ... and by at least this many seconds: a few microseconds of noise on a tiny step is not it.
 STEP_SLOWDOWN_MIN_S = 20e-6
+#: ... and the time lost over the busy steps must be at least this share of the epoch's wall
+#: time: a loop that does almost nothing between batches loses nothing worth a helper process.
+STEP_LOSS_SHARE = 0.05
 
 
-def step_slowed(busy_s: float, steps_busy: int, idle_s: float, steps_idle: int) -> bool:
+def step_slowed(
+    busy_s: float, steps_busy: int, idle_s: float, steps_idle: int, wall_s: float
+) -> bool:
     """Whether the training loop's own steps were slower while worker threads ran.
 
     Steps are the times between ``next()`` calls. On a GIL build a worker thread running Python
@@ -196,14 +201,21 @@ def step_slowed(busy_s: float, steps_busy: int, idle_s: float, steps_idle: int) 
         steps_busy: how many such steps.
         idle_s: mean step while every worker was idle, in seconds.
         steps_idle: how many such steps.
+        wall_s: the epoch's wall time so far, in seconds.
 
     Returns:
         True when both kinds were seen ``MIN_STEPS`` times and the busy ones were at least
-        ``STEP_SLOWDOWN`` times, and ``STEP_SLOWDOWN_MIN_S`` seconds, longer.
+        ``STEP_SLOWDOWN`` times, and ``STEP_SLOWDOWN_MIN_S`` seconds, longer, losing at least
+        ``STEP_LOSS_SHARE`` of the wall time in all.
     """
     if steps_busy < MIN_STEPS or steps_idle < MIN_STEPS:
         return False
-    return busy_s > STEP_SLOWDOWN * idle_s and busy_s - idle_s > STEP_SLOWDOWN_MIN_S
+    lost = (busy_s - idle_s) * steps_busy
+    return (
+        busy_s > STEP_SLOWDOWN * idle_s
+        and busy_s - idle_s > STEP_SLOWDOWN_MIN_S
+        and lost >= STEP_LOSS_SHARE * wall_s
+    )
 
 
 class EpochStats:
@@ -376,7 +388,7 @@ class EpochStats:
             step_idle_s=step_idle,
             steps_busy=busy_n,
             steps_idle=idle_n,
-            training_slowed=step_slowed(step_busy, busy_n, step_idle, idle_n),
+            training_slowed=step_slowed(step_busy, busy_n, step_idle, idle_n, wall),
         )
 
 

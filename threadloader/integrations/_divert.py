@@ -119,7 +119,9 @@ class _Diverted(ThreadDataLoader[Any]):
         if not workers:  # our worker options need workers: a num_workers=0 loader stays valid
             options.pop("isolation", None)
             options.pop("save_worker_rng", None)
-        if "isolation" not in options:
+            options.pop("helpers", None)
+        isolation = kwargs.get("isolation", options.get("isolation", "auto"))
+        if isolation not in ("process", "auto"):
             options.pop("helpers", None)
         elif "helpers" in options and isinstance(workers, int):
             options["helpers"] = min(options["helpers"], workers)  # at most one per worker

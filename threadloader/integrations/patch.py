@@ -58,8 +58,8 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if helpers is not None:
         if isinstance(helpers, bool) or not isinstance(helpers, int) or helpers < 1:
             raise ValueError(f"helpers must be a positive int, got {helpers!r}")
-        if options.get("isolation") not in ("process", "auto"):
-            raise ValueError("helpers needs isolation='process' or 'auto'")
+        if options.get("isolation") in ("threads",):
+            raise ValueError("helpers needs isolation='process' or 'auto' (the default)")
     check_device_args(options.get("device"), options.get("device_prefetch"))
     log_every_s = options.get("log_every_s")
     if log_every_s is not None and not log_every_s > 0:
@@ -87,10 +87,10 @@ def patch(
 
     Args:
         isolation: ``isolation=`` for diverted loaders with workers (``"process"``: helper
-            processes run the worker threads; ``"auto"``: from an epoch whose items held the
-            GIL on). Loaders with ``num_workers=0`` get None.
-        helpers: ``helpers=`` for diverted loaders with isolation, at most their
-            ``num_workers``.
+            processes run the worker threads; ``"threads"``: never; None: the loader's
+            default, ``"auto"``). Loaders with ``num_workers=0`` get the default.
+        helpers: ``helpers=`` for diverted loaders with workers whose isolation is
+            ``"process"`` or ``"auto"``, at most their ``num_workers``.
         device: ``device=`` for diverted loaders: batches arrive on this device.
         device_prefetch: ``device_prefetch=`` for diverted loaders; needs ``device``.
         log_every_s: ``log_every_s=`` for diverted loaders: a throughput line at most this often.
@@ -98,7 +98,7 @@ def patch(
 
     Raises:
         ValueError: an option ``ThreadDataLoader`` would reject (unknown isolation mode,
-            ``helpers`` below 1 or without isolation,
+            ``helpers`` below 1 or with ``isolation="threads"``,
             ``log_every_s`` <= 0, ``device_prefetch`` without ``device`` or < 1, bad device).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
         TypeError: ``save_worker_rng`` is not a bool.

@@ -93,9 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--isolation",
-        choices=("process", "auto"),
-        help="run each loader's worker threads in helper processes (isolation='process'), or "
-        "from an epoch whose items held the GIL on (isolation='auto')",
+        choices=("auto", "process", "threads"),
+        help="where each loader's worker threads run (isolation=): 'auto' (the default) moves "
+        "them into helper processes when measurements say it pays, 'process' always, "
+        "'threads' never",
     )
     parser.add_argument(
         "--helpers",

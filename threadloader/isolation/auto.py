@@ -14,9 +14,12 @@ Where the code disagrees with these rules, the code is wrong.
    in threads runs slower than the helpers did.
 4. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
    (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
-   would start afresh), with fewer than 2 workers or 2 usable CPUs, or when the dataset,
-   ``collate_fn`` or ``worker_init_fn`` cannot be pickled (checked once, into a sink that keeps
-   nothing: a helper may have to receive them pickled).
+   would start afresh), with fewer than 2 workers or 2 usable CPUs, after an epoch shorter than
+   ``MIN_EPOCH_S`` (starting helpers costs a tenth of a second or more: a short epoch could not
+   win it back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
+   Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled
+   (checked once, into a sink that keeps nothing: a helper may have to receive them pickled).
+   So an unpicklable dataset never fails under ``"auto"``: it stays in threads.
 5. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
 """
@@ -29,11 +32,15 @@ from typing import Any
 
 from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
+from threadloader.isolation import zygote
+from threadloader.isolation.parent import start_method
 
 THREADS = "threads"
 PROCESS = "process"
 #: Helpers whose epoch ran the loop at less than this share of the threads' pace lose (point 3).
 MOVE_BACK = 0.9
+#: Epochs shorter than this (wall time, seconds) never move the next one (point 4).
+MIN_EPOCH_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +137,7 @@ class AutoIsolation:
         if lost is not None:
             self.choice = Choice(THREADS, f"{signal}, but {lost}")
             return self.choice
-        blocker = self._blocker(loader)
+        blocker = self._blocker(loader, last)
         if blocker is not None:
             self.choice = Choice(THREADS, f"{signal}, but {blocker}")
             return self.choice
@@ -164,9 +171,19 @@ class AutoIsolation:
             f"{threads:.1f} with threads"
         )
 
-    def _blocker(self, loader: Any) -> str | None:
+    def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
         if loader.num_workers < 2 or usable_cpus() < 2:
             return "helper processes need 2 workers and 2 usable CPUs to help"
+        if last.wall_s < MIN_EPOCH_S:
+            return (
+                f"the epoch lasted {last.wall_s:.2f} s, too short to win back starting helper "
+                f"processes (epochs of {MIN_EPOCH_S:g} s or more move)"
+            )
+        if start_method(loader.multiprocessing_context) == "fork" and not zygote.may_fork():
+            return (
+                "multiprocessing_context='fork' and this process runs other Python threads: "
+                "forking it could copy a lock one of them holds"
+            )
         if not self._pickling_checked:
             self._pickling_problem = _unpicklable(loader)
             self._pickling_checked = True

@@ -21,13 +21,14 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    ``multiprocessing_context``: from this process, when ``iter()`` finds it running one Python
    thread (``threading`` knows no other): the helpers share its pages and get the dataset,
    ``collate_fn`` and ``worker_init_fn`` as they are, nothing pickled, as torch's fork-started
-   workers do. Otherwise from the zygote (``zygote``: a copy of this process taken when the
-   loader was built, if it ran one thread then), or from a forkserver that preloads threadloader
-   and torch (also started when the loader is built); then the dataset, ``collate_fn`` and
-   ``worker_init_fn`` are pickled once per helper (``PickledOnce``): one copy of the dataset
-   each. A process running other Python threads is never forked: one of them could hold a lock
-   the copy would keep. A ``multiprocessing_context`` the user names (``forkserver`` or
-   ``spawn``; ``fork`` is refused) is used as given.
+   workers do. Otherwise from the zygote (``zygote``: a copy of this process taken when a
+   loader with ``isolation="process"`` was built, if it ran one thread then), or from a
+   forkserver that preloads threadloader and torch (started when such a loader is built, else at
+   the first ``iter()`` that needs it); then the dataset, ``collate_fn`` and ``worker_init_fn``
+   are pickled once per helper (``PickledOnce``): one copy of the dataset each. A process running
+   other Python threads is never forked: one of them could hold a lock the copy would keep. A
+   ``multiprocessing_context`` the user names is used as given (``fork`` only while this process
+   runs one Python thread: ``"process"`` refuses it, ``"auto"`` then stays in threads).
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more
@@ -86,7 +87,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 #: Values the loader's ``isolation=`` option accepts.
-ISOLATION_MODES = (None, "process", "auto")
+ISOLATION_MODES = ("auto", "process", "threads", None)
 _PRELOAD = "threadloader.isolation.helper"
 
 
@@ -98,23 +99,28 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
         multiprocessing_context: the loader's context (a name or a context object), if any.
 
     Raises:
-        ValueError: ``isolation`` is not None, "process" or "auto", or helpers would be
-            started with ``fork``.
+        ValueError: ``isolation`` is not "auto", "process", "threads" or None, or
+            ``isolation="process"`` would start helpers with ``fork`` (``"auto"`` forks only
+            while this process runs one Python thread, and otherwise stays in threads).
     """
     if isolation not in ISOLATION_MODES:
-        raise ValueError(f"isolation must be None, 'process' or 'auto', got {isolation!r}")
-    if isolation is not None and multiprocessing_context is not None:
-        method = (
-            multiprocessing_context
-            if isinstance(multiprocessing_context, str)
-            else getattr(multiprocessing_context, "get_start_method", lambda: None)()
+        raise ValueError(
+            f"isolation must be 'auto', 'process', 'threads' or None, got {isolation!r}"
         )
-        if method == "fork":
-            raise ValueError(
-                f"isolation={isolation!r} starts helper processes with 'forkserver' or 'spawn', "
-                "not 'fork': forking a process that runs threads can copy a lock another thread "
-                "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
-            )
+    if isolation == "process" and start_method(multiprocessing_context) == "fork":
+        raise ValueError(
+            "isolation='process' starts helper processes with 'forkserver' or 'spawn', "
+            "not 'fork': forking a process that runs threads can copy a lock another thread "
+            "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
+        )
+
+
+def start_method(multiprocessing_context: object) -> str | None:
+    """The start method a loader's ``multiprocessing_context`` (a name or a context) names."""
+    if multiprocessing_context is None or isinstance(multiprocessing_context, str):
+        return multiprocessing_context
+    method = getattr(multiprocessing_context, "get_start_method", lambda: None)()
+    return method if isinstance(method, str) else None
 
 
 def helper_context(multiprocessing_context: Any = None) -> Any:
@@ -133,9 +139,11 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
         A ``fork``, ``forkserver`` or ``spawn`` context, or ``zygote.ZygoteContext()``.
 
     Raises:
-        ValueError: the given context starts processes with ``fork``.
+        ValueError: the given context starts processes with ``fork`` and this process runs
+            other Python threads.
     """
-    check_isolation("process", multiprocessing_context)
+    if start_method(multiprocessing_context) == "fork" and not zygote.may_fork():
+        check_isolation("process", multiprocessing_context)
     if multiprocessing_context is None:
         if zygote.may_fork():  # one Python thread: fork this process, as torch's workers are
             return multiprocessing.get_context("fork")
@@ -153,25 +161,22 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
     return ctx
 
 
-def start_helper_server(multiprocessing_context: Any = None, forkserver: bool = True) -> None:
+def start_helper_server(multiprocessing_context: Any = None) -> None:
     """Start what helpers are forked from, without waiting for it to be ready.
 
-    Called when a loader with isolation is built: the zygote forks now, while the script is
-    likely to have one thread still; a forkserver imports torch and threadloader while the
-    script goes on (building its model), so the first ``iter()`` forks a helper from a server
-    that is ready instead of waiting for those imports.
+    Called when a loader with ``isolation="process"`` is built: the zygote forks now, while the
+    script is likely to have one thread still; a forkserver imports torch and threadloader while
+    the script goes on (building its model), so the first ``iter()`` forks a helper from a
+    server that is ready instead of waiting for those imports. ``isolation="auto"`` starts
+    nothing here: it may never need a helper, and a zygote's copy of this process costs memory
+    from the moment the training process writes to pages they share.
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
-        forkserver: whether to start a forkserver where the zygote cannot start (False for
-            ``isolation="auto"``, which may never need a helper: a forkserver is a whole
-            interpreter with torch imported, the zygote shares this process's pages).
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return  # this process is importing __main__ for multiprocessing: start nothing here
     if multiprocessing_context is None and zygote.ensure_running():
-        return
-    if not forkserver:
         return
     ctx = helper_context(multiprocessing_context)
     if ctx.get_start_method() == "forkserver":

@@ -10,6 +10,7 @@ tests/test_concurrency.py, both on numbers given, not measured.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import threading
@@ -282,3 +283,18 @@ def test_a_fork_context_stays_in_threads_while_other_threads_run(
         other.join()
     assert modes == ["threads", "threads"]
     assert "multiprocessing_context='fork'" in str(loader.stats().mode_reason)
+
+
+@pytest.mark.parametrize(("wait_fraction", "moves"), [(0.1, True), (0.9, False)])
+def test_a_slowed_step_moves_the_workers_only_when_the_loop_does_not_wait_for_data(
+    wait_fraction: float, moves: bool
+) -> None:
+    """A loop that mostly waits for its batches is paced by the workers: a slower step only
+    shortens its wait (measured: examples/remote_images.py, whose helpers made its cached epoch
+    3x slower), so it is no reason to move."""
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
+    list(loader)
+    slowed = dataclasses.replace(
+        loader.stats(), training_slowed=True, gil_bound=False, wait_fraction=wait_fraction
+    )
+    assert auto.slowed_the_training(slowed) is moves

@@ -7,7 +7,10 @@ Where the code disagrees with these rules, the code is wrong.
    epoch in threads, the workers move into helper processes (``helpers`` of them, else one per
    worker up to the usable CPUs) when its items held the GIL (``LoaderStats.gil_bound``: worker
    threads took turns instead of running together) or when the training thread's own steps were
-   slower while worker threads ran than while they were idle (``LoaderStats.training_slowed``).
+   slower while worker threads ran than while they were idle (``LoaderStats.training_slowed``)
+   in a loop that waited for data less than ``MAX_WAIT_FOR_STEP`` of the time: a loop that
+   mostly waits for its batches is paced by the workers, and a slower step only shortens the
+   wait.
 3. After an epoch in helpers, the loop's pace (batches per second of wall time, training steps
    included) is compared with the last epoch in threads: if the helpers' is lower by more than
    ``MOVE_BACK`` the workers move back to threads, and move to helpers again only once an epoch
@@ -41,6 +44,9 @@ PROCESS = "process"
 MOVE_BACK = 0.9
 #: Epochs shorter than this (wall time, seconds) never move the next one (point 4).
 MIN_EPOCH_S = 1.0
+#: A slowed step moves the workers only in a loop that waited for data less than this share
+#: of its wall time (point 2).
+MAX_WAIT_FOR_STEP = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +70,9 @@ def held_the_gil(stats: LoaderStats) -> bool:
 
 
 def slowed_the_training(stats: LoaderStats) -> bool:
-    """Whether an epoch's training steps were slower while its worker threads ran."""
-    return stats.training_slowed
+    """Whether an epoch's training steps were slower while its worker threads ran, in a loop
+    that the step paces rather than the wait for data (point 2)."""
+    return stats.training_slowed and stats.wait_fraction < MAX_WAIT_FOR_STEP
 
 
 def loop_pace(stats: LoaderStats) -> float | None:

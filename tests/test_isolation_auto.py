@@ -48,6 +48,7 @@ def _verdict(monkeypatch: pytest.MonkeyPatch, held: bool, slowed: bool = False) 
     monkeypatch.setattr(auto, "held_the_gil", lambda stats: held)
     monkeypatch.setattr(auto, "slowed_the_training", lambda stats: slowed)
     monkeypatch.setattr(auto, "MIN_EPOCH_S", 0.0)  # these epochs last milliseconds
+    monkeypatch.setattr(auto, "MIN_EPOCH_S_SERVER", 0.0)
     # Every epoch at one pace: helpers never lose (a tiny epoch's helper start-up would).
     monkeypatch.setattr(auto, "loop_pace", lambda stats: 100.0)
 
@@ -247,6 +248,7 @@ def test_an_epoch_too_short_to_pay_for_helpers_stays_in_threads(
     """Starting helpers costs more than a short epoch could win back: no move, and says so."""
     _verdict(monkeypatch, True)
     monkeypatch.setattr(auto, "MIN_EPOCH_S", 1e9)
+    monkeypatch.setattr(auto, "MIN_EPOCH_S_SERVER", 1e9)
     loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
     _, modes = _epochs(loader, 2)
     assert modes == ["threads", "threads"]
@@ -298,3 +300,16 @@ def test_a_slowed_step_moves_the_workers_only_when_the_loop_does_not_wait_for_da
         loader.stats(), training_slowed=True, gil_bound=False, wait_fraction=wait_fraction
     )
     assert auto.slowed_the_training(slowed) is moves
+
+
+def test_helpers_started_by_a_server_need_a_longer_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where helpers would come from a forkserver (another Python thread runs, no zygote), a
+    move must win back an interpreter's start: the epoch must last MIN_EPOCH_S_SERVER."""
+    _verdict(monkeypatch, True)
+    monkeypatch.setattr(auto, "MIN_EPOCH_S_SERVER", 1e9)
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
+    _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "threads"]
+    assert "epochs of 1e+09 s or more move" in str(loader.stats().mode_reason)

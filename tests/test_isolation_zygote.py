@@ -245,7 +245,7 @@ def test_auto_with_a_fork_context_forks_this_process_running_one_thread(tmp_path
         """
         from threadloader.isolation import auto as policy
         policy.held_the_gil = lambda stats: True
-        policy.MIN_EPOCH_S = 0.0
+        policy.MIN_EPOCH_S = policy.MIN_EPOCH_S_SERVER = 0.0
         policy.loop_pace = lambda stats: 100.0
         fork = loader(multiprocessing_context="fork")
         ref = loader(isolation="threads")

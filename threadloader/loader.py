@@ -110,8 +110,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             in this process for the first epoch, which measures; each later epoch moves them
             into helper processes when the last one's items held the GIL or the training step
             ran slower while they worked, and back when helpers ran the loop slower (never
-            with ``persistent_workers``, an epoch under a second, or a dataset that cannot be
-            pickled; ``stats().mode`` says what ran and why). ``"threads"`` (or ``None``):
+            with ``persistent_workers``, an epoch too short to win back starting helpers, or a
+            dataset that cannot be pickled; ``stats().mode`` says what ran and why). ``"threads"`` (or ``None``):
             always in this process. ``"process"``: always in helper processes (``helpers``),
             so they never compete with the training thread for the GIL. Batches, their order
             and ``state_dict()`` are the same in every mode.

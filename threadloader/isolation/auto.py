@@ -18,8 +18,10 @@ Where the code disagrees with these rules, the code is wrong.
 4. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
    (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
    would start afresh), with fewer than 2 workers or 2 usable CPUs, after an epoch shorter than
-   ``MIN_EPOCH_S`` (starting helpers costs a tenth of a second or more: a short epoch could not
-   win it back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
+   ``MIN_EPOCH_S`` where helpers would be forked from this process or the zygote (a tenth of a
+   second or two to start), ``MIN_EPOCH_S_SERVER`` where they would come from a forkserver or
+   spawn (a second or more: an interpreter imports torch); a shorter epoch could not win the
+   start back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
    Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled
    (checked once, into a sink that keeps nothing: a helper may have to receive them pickled).
    So an unpicklable dataset never fails under ``"auto"``: it stays in threads.
@@ -42,8 +44,10 @@ THREADS = "threads"
 PROCESS = "process"
 #: Helpers whose epoch ran the loop at less than this share of the threads' pace lose (point 3).
 MOVE_BACK = 0.9
-#: Epochs shorter than this (wall time, seconds) never move the next one (point 4).
-MIN_EPOCH_S = 1.0
+#: Epochs shorter than this (wall time, seconds) never move the next one (point 4) ...
+MIN_EPOCH_S = 0.5
+#: ... or than this, where helpers would not be forked from this process or the zygote.
+MIN_EPOCH_S_SERVER = 3.0
 #: A slowed step moves the workers only in a loop that waited for data less than this share
 #: of its wall time (point 2).
 MAX_WAIT_FOR_STEP = 0.5
@@ -181,12 +185,15 @@ class AutoIsolation:
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
         if loader.num_workers < 2 or usable_cpus() < 2:
             return "helper processes need 2 workers and 2 usable CPUs to help"
-        if last.wall_s < MIN_EPOCH_S:
+        method = start_method(loader.multiprocessing_context)
+        forked = method in (None, "fork") and (zygote.may_fork() or zygote.running())
+        least = MIN_EPOCH_S if forked else MIN_EPOCH_S_SERVER
+        if last.wall_s < least:
             return (
                 f"the epoch lasted {last.wall_s:.2f} s, too short to win back starting helper "
-                f"processes (epochs of {MIN_EPOCH_S:g} s or more move)"
+                f"processes (epochs of {least:g} s or more move)"
             )
-        if start_method(loader.multiprocessing_context) == "fork" and not zygote.may_fork():
+        if method == "fork" and not zygote.may_fork():
             return (
                 "multiprocessing_context='fork' and this process runs other Python threads: "
                 "forking it could copy a lock one of them holds"

@@ -70,6 +70,24 @@ def test_remote_images_caches_in_a_temporary_folder(cwd: Path, tmpdir_: Path) ->
     assert _left_in(tmpdir_) == []
 
 
+def test_remote_images_reports_the_cached_epoch_when_auto_moves_it_to_helpers(
+    cwd: Path, tmpdir_: Path
+) -> None:
+    """A loaded machine can make isolation="auto" move epoch 2 into helper processes: the
+    example still reports that epoch's cache hits (the helpers' counters, not this process's)."""
+    pytest.importorskip("PIL")
+    force_a_move = (
+        "import runpy, sys; from threadloader.isolation import auto; "
+        "auto.held_the_gil = lambda stats: True; auto.loop_pace = lambda stats: 1.0; "
+        "auto.MIN_EPOCH_S = auto.MIN_EPOCH_S_SERVER = 0.0; "
+        f"sys.argv = [{str(EXAMPLES / 'remote_images.py')!r}]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    proc = _run(["-c", force_a_move], cwd, tmpdir_)
+    assert proc.returncode == 0, proc.stderr
+    assert "cache_hits=1024, cache_misses=0" in proc.stdout
+
+
 def test_remote_images_without_pillow_names_the_extra(cwd: Path, tmpdir_: Path) -> None:
     """Without Pillow the example stops with one line naming the install command."""
     script = str(EXAMPLES / "remote_images.py")

@@ -296,7 +296,7 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
             worker.initialize_here()
             result = worker.run_timed(Task(idx, index, generation), timings)
         if result.data is not NOTHING:
-            dataset_stats = helper.dataset_stats() if helper.dataset_stats is not None else None
+            dataset_stats = helper.dataset_stats()
             _send_result(sender, result, timings.events, pacer.limit, dataset_stats)
             started = result.started  # set by run_timed
             limit = None if started is None else pacer.on_batch(started, result.cpu, result.wall)
@@ -342,7 +342,9 @@ class _Helper:
         # A dataset with stats() (RemoteFiles) counts its reads here: they travel with each
         # result, for the training process's loader.stats().
         stats = getattr(spec.worker.dataset, "stats", None)
-        self.dataset_stats: Callable[[], Any] | None = stats if callable(stats) else None
+        self._dataset_stats: Callable[[], Any] | None = stats if callable(stats) else None
+        self._stats_lock = threading.Lock()
+        self._stats_taken = 0
         self.pacer = _Pacer(len(ids))
         self.board = TaskBoard(tasks, ids, limit=self.pacer.limit)
         self.workers = {
@@ -360,6 +362,19 @@ class _Helper:
         ]
         for t in self.threads:
             t.start()
+
+    def dataset_stats(self) -> tuple[int, Any] | None:
+        """The dataset's counters now, numbered: runner threads send results in any order, and
+        the training process keeps the latest-numbered snapshot, not the last to arrive.
+
+        Returns:
+            ``(number, stats)``, or None when the dataset has no ``stats()``.
+        """
+        if self._dataset_stats is None:
+            return None
+        with self._stats_lock:
+            self._stats_taken += 1
+            return self._stats_taken, self._dataset_stats()
 
 
 def _wait_for_the_end(control: Connection, ring: RingWriter) -> None:

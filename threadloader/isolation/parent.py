@@ -284,6 +284,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         # result; this controller only carries their sum to stats().
         self._limits = [1] * count
         self._dataset_stats: list[Any] = [None] * count
+        self._stats_numbers = [0] * count  # of each helper's latest snapshot kept
         self._concurrency = ConcurrencyController(self._num_workers, minimum=count)
         self._new_stats()
         self._reset(loader, first_iter=True)
@@ -350,8 +351,8 @@ class IsolatedDataLoaderIter(DispatchingIter):
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
             _, idx, worker_id, generation, data, state, rng, timings, limit, dataset_stats = msg
             helper = worker_id % len(links.links)
-            if dataset_stats is not None:
-                self._dataset_stats[helper] = dataset_stats
+            if dataset_stats is not None and dataset_stats[0] > self._stats_numbers[helper]:
+                self._stats_numbers[helper], self._dataset_stats[helper] = dataset_stats
                 self._stats.dataset = combined_stats(self._dataset_stats)
             self._limits[helper] = limit
             self._concurrency.limit = sum(self._limits)  # the helpers', for stats()

@@ -120,7 +120,8 @@ class _Diverted(ThreadDataLoader[Any]):
             options.pop("isolation", None)
             options.pop("save_worker_rng", None)
             options.pop("helpers", None)
-        isolation = kwargs.get("isolation", options.get("isolation", "auto"))
+        default = _SIGNATURE.parameters["isolation"].default
+        isolation = kwargs.get("isolation", options.get("isolation", default))
         if isolation not in ("process", "auto"):
             options.pop("helpers", None)
         elif "helpers" in options and isinstance(workers, int):

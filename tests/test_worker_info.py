@@ -168,6 +168,50 @@ def test_get_worker_info_imported_before_threadloader_is_thread_aware() -> None:
     assert proc.stdout.strip() == "ok"
 
 
+def test_workers_get_their_own_generators_on_a_torch_without_its_rng_container() -> None:
+    """A torch before 2.13 has no ``_RNG``: threadloader imports, and each worker's
+    ``WorkerInfo.rng`` still holds generators of its own, seeded as on a torch that has it."""
+    script = textwrap.dedent(
+        """
+        import random, sys
+        import torch
+        import torch.utils.data._utils.worker as torch_worker
+        from torch.utils.data import get_worker_info
+
+        def draws(loader_cls):
+            class Data:
+                def __len__(self):
+                    return 8
+                def __getitem__(self, i):
+                    rng = get_worker_info().rng
+                    return (get_worker_info().id, rng.torch_generator.initial_seed(),
+                            rng.random_generator.random(), torch.rand(1).item())
+            gen = torch.Generator().manual_seed(3)
+            loader = loader_cls(Data(), batch_size=2, num_workers=2, generator=gen,
+                                collate_fn=list)
+            return sorted(item for batch in loader for item in batch)
+
+        if sys.argv[1] == "without":
+            del torch_worker._RNG
+        from threadloader import ThreadDataLoader
+        print(draws(ThreadDataLoader))
+        """
+    )
+
+    def run(case: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, case],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert run("without") == run("with")
+
+
 @pytest.mark.parametrize("num_workers", [1, 2, 3])
 def test_thread_safe_generator_is_this_workers_generator(num_workers: int) -> None:
     """torch.random.thread_safe_generator() in a worker is a torch.Generator: its WorkerInfo's rng."""

@@ -19,7 +19,6 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.worker import (
-    _RNG,
     WorkerInfo,
     _generate_state,
     _IterableDatasetStopIteration,
@@ -34,10 +33,10 @@ from threadloader._engine.worker_rng import load_rng_state, rng_state
 from threadloader._primitives import worker_globals
 from threadloader._primitives.queues import BoundedQueue
 from threadloader._primitives.timing import StageRecorder
-from threadloader._primitives.worker_globals import WorkerRNGs
+from threadloader._primitives.worker_globals import RNG, WorkerRNGs
 
 
-def _make_rngs(base_seed: int, worker_id: int) -> tuple[_RNG, WorkerRNGs]:
+def _make_rngs(base_seed: int, worker_id: int) -> tuple[Any, WorkerRNGs]:
     """The worker's ``WorkerInfo.rng`` and its process-global RNGs, seeded as torch seeds a
     worker process.
 
@@ -47,7 +46,7 @@ def _make_rngs(base_seed: int, worker_id: int) -> tuple[_RNG, WorkerRNGs]:
     """
     seed = base_seed + worker_id
     numpy_seed = _generate_state(base_seed, worker_id)
-    rng = _RNG(
+    rng = RNG(
         random_generator=random.Random(seed),
         torch_generator=torch.Generator().manual_seed(seed),
         numpy_generator=np.random.default_rng(numpy_seed),

@@ -36,6 +36,7 @@ dispatch on the calling thread:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import random
@@ -50,7 +51,21 @@ import numpy.random
 import numpy.random.mtrand
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.data._utils.worker import _RNG
+from torch.utils.data._utils import worker as _torch_worker
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OwnRNG:
+    """A thread worker's generators, with the fields of torch's ``_RNG``, for a torch that
+    lacks it (before 2.13): ``WorkerInfo.rng`` then holds one of these."""
+
+    random_generator: random.Random
+    torch_generator: torch.Generator
+    numpy_generator: object | None = None
+
+
+#: The type of ``WorkerInfo.rng``: torch's own container where torch has one.
+RNG: Any = getattr(_torch_worker, "_RNG", _OwnRNG)
 
 
 class WorkerRNGs:
@@ -64,7 +79,7 @@ class WorkerRNGs:
 
     __slots__ = ("numpy_legacy", "random", "rng", "torch")
 
-    def __init__(self, rng: _RNG, numpy_legacy: np.random.RandomState) -> None:
+    def __init__(self, rng: Any, numpy_legacy: np.random.RandomState) -> None:
         self.rng = rng
         self.random = rng.random_generator
         self.torch = rng.torch_generator

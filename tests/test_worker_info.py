@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.utils.data._utils.worker as torch_worker_module
 from helpers import assert_epochs_equal, collect, collect_epochs, torch_epochs
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data import get_worker_info as imported_get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 from torch.utils.data._utils.worker import get_worker_info as private_get_worker_info
@@ -498,3 +499,51 @@ def test_workers_leave_process_global_random_state_and_threads_alone(num_workers
     assert after[1] == before[1]
     assert np.array_equal(after[2], before[2])
     assert after[3:] == before[3:]
+
+
+class IntraOpThreads:
+    """Map-style: item i is where it was fetched (the training thread or another) and the number
+    of intra-op threads torch uses there."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> tuple[bool, int]:
+        time.sleep(0.002)
+        return threading.current_thread() is threading.main_thread(), torch.get_num_threads()
+
+
+def _threads_of_a_new_thread() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_workers_run_torch_ops_on_one_intra_op_thread_like_torch_workers(num_workers: int) -> None:
+    """A worker thread sees ``torch.get_num_threads() == 1``, as torch's worker processes do;
+    the training thread, also while it runs a task itself, and threads started after the loader
+    keep the process's number."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # more than one, on any machine
+    try:
+        new_thread_before = _threads_of_a_new_thread()
+        ours = collect(
+            ThreadDataLoader(IntraOpThreads(), batch_size=2, num_workers=num_workers,
+                             collate_fn=keep_list)
+        )  # fmt: skip
+        theirs = collect(
+            DataLoader(IntraOpThreads(), batch_size=2, num_workers=num_workers,
+                       collate_fn=keep_list)
+        )  # fmt: skip
+        assert {n for batch in theirs for _, n in batch} == {1}
+        on_workers = {n for batch in ours for in_main, n in batch if not in_main}
+        on_training_thread = {n for batch in ours for in_main, n in batch if in_main}
+        assert on_workers == {1}
+        assert on_training_thread <= {2}
+        assert torch.get_num_threads() == 2
+        assert _threads_of_a_new_thread() == new_thread_before == 2
+    finally:
+        torch.set_num_threads(before)

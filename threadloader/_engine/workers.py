@@ -5,8 +5,9 @@ A worker is torch's worker process turned into a thread of the training process:
 - it gets a ``WorkerInfo`` of its own (``worker_method="thread"``, ``rng`` set), installed in a
   thread-local that torch's ``get_worker_info()`` consults (see ``worker_info``);
 - its seed is ``base_seed + worker_id`` as in torch, which seeds *its own* generators
-  (``random.Random``, ``torch.Generator``, numpy ``Generator`` and legacy ``RandomState``); it
-  never calls ``torch.set_num_threads`` (that would change the whole process);
+  (``random.Random``, ``torch.Generator``, numpy ``Generator`` and legacy ``RandomState``);
+- like a worker process, it runs torch's CPU ops on one intra-op thread (``intra_op``), which
+  leaves the training thread's number alone;
 - each worker sees its own copy of the dataset object (``dataset_copy``: shallow, so the data
   it references is in memory once), and its thread's global RNG functions reach its own
   generators (``_primitives.worker_globals``), as a worker process has its own of both.
@@ -24,6 +25,7 @@ from threadloader._engine.tasks import NOTHING, NewEpoch, Result, WorkerSpec
 from threadloader._engine.worker import Worker, current_context, leave
 from threadloader._primitives import exit_hook, worker_globals
 from threadloader._primitives.gate import Gate
+from threadloader._primitives.intra_op import single_intra_op_thread
 from threadloader._primitives.queues import BoundedQueue, QueueClosed
 from threadloader._primitives.timing import StageRecorder
 
@@ -39,6 +41,7 @@ def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> N
     The task stays at the head of the worker's queue until the worker holds a gate slot and its
     ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
     """
+    single_intra_op_thread()
     previous = current_context()
     try:
         worker.enter()  # for the thread's whole life

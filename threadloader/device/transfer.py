@@ -43,6 +43,7 @@ import torch
 
 from threadloader._primitives import exit_hook
 from threadloader._primitives.finalizers import Finalizer
+from threadloader._primitives.intra_op import single_intra_op_thread
 from threadloader.device.copier import CudaCopier, Moved, PassThrough
 from threadloader.device.handoff import END, Failure, Handoff, HandoffClosed, HandoffState, failure
 from threadloader.device.pinned import BufferPool, PoolStats
@@ -242,6 +243,7 @@ def _transfer_loop(transfer: _Transfer, source: Iterator[Any]) -> None:
     """What the transfer thread runs: take a slot, pull a batch, copy it, hand it over."""
     handoff, copier = transfer.handoff, transfer.copier
     try:
+        single_intra_op_thread()  # as torch's pin-memory thread: staging copies stay on this one
         copier.enter_thread()
     except BaseException as exc:  # noqa: BLE001  # delivered to the consumer, not lost
         _finish(handoff, failure(exc))

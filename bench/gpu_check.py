@@ -230,10 +230,25 @@ def torch_run(ds: Dataset[Any], dev: torch.device, args: argparse.Namespace, ste
         del it
 
 
+def _isolation(args: argparse.Namespace) -> dict[str, Any]:
+    """ThreadDataLoader's isolation options from the command line; none: its defaults."""
+    options: dict[str, Any] = {}
+    if args.isolation is not None:
+        options["isolation"] = args.isolation
+    if args.helpers is not None:
+        options["helpers"] = args.helpers
+    return options
+
+
 def ours_run(ds: Dataset[Any], dev: torch.device, args: argparse.Namespace, step: Any) -> Any:
     if HAS_DEVICE_OPTION:
         loader: Any = ThreadDataLoader(
-            ds, batch_size=args.batch_size, num_workers=args.workers, shuffle=True, device=dev
+            ds,
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            shuffle=True,
+            device=dev,
+            **_isolation(args),
         )
         it: Any = iter(loader)
     else:  # compose by hand until the loader has device=
@@ -264,6 +279,9 @@ def training_section(dev: torch.device, args: argparse.Namespace) -> list[list[s
     }
     rows = []
     ours_name = "ThreadDataLoader(device=)" if HAS_DEVICE_OPTION else "ThreadDataLoader+Prefetcher"
+    if _isolation(args):
+        options = ", ".join(f"{k}={v!r}" for k, v in _isolation(args).items())
+        ours_name = f"ThreadDataLoader(device=, {options})"
     for scenario, work_s in scenarios.items():
         ds = Images(n, work_s)
         results: dict[str, tuple[list[float], list[float]]] = {"torch": ([], []), "ours": ([], [])}
@@ -319,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-ms", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--isolation", choices=["auto", "threads", "process"], help="ThreadDataLoader's isolation"
+    )
+    parser.add_argument("--helpers", type=int, help="ThreadDataLoader's helpers (with process)")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.bandwidth_gb = 2, 40, 2

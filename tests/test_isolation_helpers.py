@@ -333,3 +333,68 @@ def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["batches", "8"]
+
+
+def test_helpers_never_pin_so_a_training_process_using_cuda_can_fork_them(
+    tmp_path: Any,
+) -> None:
+    """A process forked from one that initialised CUDA fails at its first CUDA call
+    (``Tensor.is_pinned()`` included). Here every pinning call raises outside the training
+    process, as it would there: the helpers, forked from it, collate numbers, tensors and a
+    type with its own ``pin_memory()`` without one, and the batches are the in-process ones."""
+    done = _run_script(
+        tmp_path,
+        """
+        import os
+        import torch
+        from torch.utils.data._utils.collate import default_collate_fn_map
+        from threadloader import ThreadDataLoader
+
+        TRAINING = os.getpid()
+
+        def cuda_only_in_training(original):
+            def call(self, *args, **kwargs):
+                if os.getpid() != TRAINING:
+                    raise RuntimeError("CUDA error: initialization error")
+                return original(self, *args, **kwargs)
+            return call
+
+        torch.Tensor.is_pinned = cuda_only_in_training(torch.Tensor.is_pinned)
+        torch.Tensor.pin_memory = cuda_only_in_training(torch.Tensor.pin_memory)
+
+        class Box:
+            def __init__(self, i):
+                self.i = i
+            def __eq__(self, other):
+                return self.i == other.i
+            def pin_memory(self):
+                if os.getpid() != TRAINING:
+                    raise RuntimeError("CUDA error: initialization error")
+                return self
+
+        def collate_boxes(batch, *, collate_fn_map=None):
+            return Box(tuple(box.i for box in batch))  # a batch type with its own pin_memory()
+
+        default_collate_fn_map[Box] = collate_boxes
+
+        class Items:
+            def __len__(self):
+                return 24
+            def __getitem__(self, i):
+                return {"x": torch.full((3, 4), i), "label": i, "score": i / 2, "box": Box(i)}
+
+        def epochs(isolation):
+            loader = ThreadDataLoader(Items(), batch_size=4, num_workers=2, shuffle=True,
+                                      generator=torch.Generator().manual_seed(0),
+                                      persistent_workers=True, isolation=isolation,
+                                      **({"helpers": 2} if isolation == "process" else {}))
+            return [[(b["x"].tolist(), b["label"].tolist(), b["score"].tolist(), b["box"])
+                     for b in loader] for _ in range(2)]
+
+        if __name__ == "__main__":
+            assert epochs("process") == epochs("threads")
+            print("ok")
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok"]

@@ -305,3 +305,29 @@ def test_loader_device_batches_equal_dataloader_batches() -> None:
             count["tensors"] += 1
         assert_batches_equal(to_cpu(a), b)
     assert count["tensors"] == 2 * len(theirs)
+
+
+@pytest.mark.parametrize("option", ["pin_memory", "device"])
+def test_helper_processes_of_a_process_using_cuda_deliver_dataloaders_batches(
+    option: str,
+) -> None:
+    """Helpers forked from a process that already initialised CUDA never call CUDA themselves
+    (a forked child cannot): over two epochs the batches are DataLoader's, pinned or on the
+    device, from ``isolation="process"``."""
+    torch.zeros(1, device=DEVICE)  # CUDA initialised in this process before the helpers fork
+    kwargs: dict[str, Any] = {"pin_memory": True} if option == "pin_memory" else {"device": "cuda"}
+    loader: Any = ThreadDataLoader(
+        Images(), batch_size=8, num_workers=2, isolation="process", helpers=2,
+        persistent_workers=True, **kwargs,
+    )  # fmt: skip
+    theirs = list(DataLoader(Images(), batch_size=8))
+    for _ in range(2):
+        ours = list(loader)
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            for t in tensors_in(a):
+                if option == "pin_memory":
+                    assert t.is_pinned()
+                else:
+                    assert t.device == DEVICE
+            assert_batches_equal(to_cpu(a), b)

@@ -110,6 +110,13 @@ def pageable_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return torch.empty(shape, dtype=dtype)
 
 
+#: Nothing ``pinned_collate`` builds with ``pageable_allocator`` is pinned: what torch's collate
+#: functions make (numbers, user types) is already ordinary memory and is kept as made. In an
+#: isolation helper, pinning would touch CUDA, which a process forked from one that uses CUDA
+#: cannot do; the training process pins.
+pageable_allocator.stacks_only = True  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------------------------
 # Pinning any batch: torch's pin_memory(), with the destination memory from an allocator.
 
@@ -287,9 +294,10 @@ or unknown to us, which is then pinned as torch's pin thread would pin it."""
 def _finish(collated: Any, allocator: Allocator) -> Any:
     """What torch's collate made without us: pinned, unless the allocator only stacks.
 
-    An allocator with a true ``stacks_only`` attribute (``_recycle.RecyclingAllocator``) hands
-    out ordinary memory to save the cost of fresh pages on large stacks; anything else torch
-    built is already in ordinary memory and is kept as it is, exactly as default_collate made it.
+    An allocator with a true ``stacks_only`` attribute hands out ordinary memory
+    (``pageable_allocator``, ``recycle.RecyclingAllocator``, an isolation helper's
+    ``shm_ring.SlotAllocator``); anything else torch built is already in ordinary memory and is
+    kept as it is, exactly as default_collate made it, and nothing is pinned.
     """
     if getattr(allocator, "stacks_only", False):
         return collated

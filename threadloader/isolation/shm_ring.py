@@ -306,7 +306,14 @@ class SlotAllocator:
 
     A request that does not fit gets ordinary memory and marks the allocator ``overflowed``;
     ``pack`` then moves the whole batch to a bigger slot.
+
+    Attributes:
+        stacks_only: ``pinned_collate`` keeps what torch's collate functions build as built;
+            ``pack`` copies it into the slot. Nothing is pinned in a helper: that would touch
+            CUDA, which a process forked from one that uses CUDA cannot do.
     """
+
+    stacks_only = True
 
     def __init__(self, slot: Slot) -> None:
         self.slot = slot

@@ -20,7 +20,9 @@ never carry over, measured in interleaved rounds (the order rotates each round):
 Each measurement takes ``WARMUP`` batches (worker start-up), then times the rest of the epoch;
 memory is the peak PSS of the process tree (``threadloader.compare.memory_probe``), sampled every
 0.25 s, and the RSS summed over the tree once all workers are up (what ``top`` adds up: each
-process counts the pages it shares with the others; PSS splits them). The cache case runs two epochs of ``thread32`` with ``cache_dir=``: the second reads
+process counts the pages it shares with the others; PSS splits them). The short case times a 1,024-object epoch from the loader's constructor to its
+last batch, start-up included, the first loader of the interpreter (samples/s and the first
+batch). The cache case runs two epochs of ``thread32`` with ``cache_dir=``: the second reads
 local files only. The per-thread case compares the memory of 8 and 64 worker threads on 64-byte
 objects (so batches in flight weigh nothing) and divides by the 56 extra threads: at the peak,
 and once the epoch is over with the (persistent) workers idle.
@@ -50,6 +52,7 @@ OBJECT_BYTES = 16384
 BATCH = 16
 WORKERS = 32
 WARMUP = 64  # batches before timing starts: two per worker
+SHORT = 1024  # objects in the short epoch, timed from the loader's constructor
 LOADERS = ("thread32", "thread32_serial", "dl32")
 LABELS = {
     "thread32": "ThreadDataLoader(32) + RemoteFiles (batch reads concurrent)",
@@ -125,6 +128,16 @@ def test_remote_throughput(benchmark: Any, server_port: int, remote_case: tuple[
     _results.setdefault(loader, []).append(out)
 
 
+def test_remote_short_epoch(benchmark: Any, server_port: int, remote_case: tuple[int, str]) -> None:
+    """A 1,024-object epoch, start-up included, the first loader of a fresh interpreter."""
+    round_no, loader = remote_case
+    benchmark.group = "remote-short"
+    out: dict[str, Any] = {}
+    _once(benchmark, lambda: out.update(_run("short", loader, server_port)))
+    benchmark.extra_info.update(loader=loader, round=round_no, **out)
+    _results.setdefault(f"short-{loader}", []).append(out)
+
+
 def test_remote_cache_second_epoch(benchmark: Any, server_port: int, remote_round: int) -> None:
     """Epoch 1 (server) against epoch 2 (cache_dir) of ThreadDataLoader(32)."""
     benchmark.group = "remote-cache"
@@ -174,6 +187,16 @@ def _report(tr: Any) -> None:
                 f"{med(r['above_bytes'] for r in rows) / 2**20:10.0f}"
                 f"{med(r['rss_sum_bytes'] for r in rows) / 2**20:10.0f}   rounds: {each}"
             )
+    for loader in LOADERS:
+        rows = _results.get(f"short-{loader}", [])
+        if rows:
+            tr.write_line(
+                f"{SHORT:,}-object epoch from the constructor, {LABELS[loader]}: "
+                f"{med(r['samples_per_s'] for r in rows):,.0f} samples/s, first batch "
+                f"{med(r['first_batch_s'] for r in rows):.3f} s (rounds: "
+                + ", ".join(f"{r['samples_per_s']:.0f}" for r in rows)
+                + ")"
+            )
     goals = []
     thread, dl = _results.get("thread32", []), _results.get("dl32", [])
     if thread:
@@ -189,6 +212,10 @@ def _report(tr: Any) -> None:
         goals.append(("  (same, above the built dataset)", above, 10.0))
         rss = med(d["rss_sum_bytes"] / t["rss_sum_bytes"] for t, d in pairs)
         goals.append(("  (same, RSS summed over processes)", rss, 10.0))
+    short = _results.get("short-thread32", [])
+    if short:
+        got = med(r["samples_per_s"] for r in short)
+        goals.append((f"thread32, {SHORT:,}-object epoch >= 90% of the limit", got / LIMIT, 0.9))
     cache = _results.get("cache", [])
     if cache:
         speedup = med(c["epoch1_s"] / c["epoch2_s"] for c in cache)
@@ -266,6 +293,28 @@ def _throughput(loader_name: str, port: int) -> dict[str, Any]:
     }
 
 
+def _short(loader_name: str, port: int) -> dict[str, Any]:
+    """The first loader of this interpreter over ``SHORT`` objects: seconds from building it to
+    its first batch and to the end of the epoch, start-up included."""
+    from threadloader.remote import RemoteFiles
+
+    concurrency = 32 if loader_name == "thread32" else 0
+    dataset = RemoteFiles(_urls(port)[:SHORT], max_concurrency=concurrency)
+    samples = 0
+    start = time.perf_counter()
+    it = iter(_loader(loader_name, dataset))
+    samples += next(it)
+    first = time.perf_counter()
+    for n in it:
+        samples += n
+    end = time.perf_counter()
+    del it
+    dataset.close()
+    if samples != SHORT:
+        raise RuntimeError(f"read {samples} samples, expected {SHORT}")
+    return {"samples_per_s": SHORT / (end - start), "first_batch_s": first - start}
+
+
 def _cache(port: int) -> dict[str, Any]:
     from threadloader.remote import RemoteFiles
 
@@ -332,10 +381,12 @@ if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
     if what == "throughput":
         out = _throughput(args[0], int(args[1]))
+    elif what == "short":
+        out = _short(args[0], int(args[1]))
     elif what == "cache":
         out = _cache(int(args[1]))
     elif what == "threads":
         out = _threads(int(args[0]), int(args[1]))
     else:
-        sys.exit("usage: bench_remote.py throughput|cache|threads ...")
+        sys.exit("usage: bench_remote.py throughput|short|cache|threads ...")
     print(json.dumps(out))

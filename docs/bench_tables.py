@@ -587,6 +587,32 @@ def render_remote(data: dict[str, Any]) -> list[str]:
         "lrrr",
         table,
     )
+    short = []
+    for loader in ("thread32", "thread32_serial", "dl32"):
+        mine = sorted(
+            (r for r in rows if r.get("group") == "remote-short" and r["loader"] == loader),
+            key=lambda r: r["round"],
+        )
+        if mine:
+            rates = [r["samples_per_s"] for r in mine]
+            short.append(
+                [
+                    LOADERS[loader],
+                    f"{_n(statistics.median(rates))} ({', '.join(_n(x) for x in rates)})",
+                    f"{statistics.median(rates) / 3200:.2f}",
+                    f"{statistics.median(r['first_batch_s'] for r in mine):.3f}",
+                ]
+            )
+    if short:
+        lines += [
+            "",
+            (
+                "A short epoch, start-up included: 1,024 objects, timed from the loader's "
+                "constructor to its last batch, the first loader of a fresh interpreter."
+            ),
+            "",
+            *_table(["loader", "samples/s (rounds)", "of 3,200", "first batch, s"], "lrrr", short),
+        ]
     cache = [r for r in rows if r.get("group") == "remote-cache"]
     if cache:
         speed = [r["epoch1_s"] / r["epoch2_s"] for r in sorted(cache, key=lambda r: r["round"])]

@@ -118,24 +118,24 @@ def _once(benchmark: Any, fn: Any) -> None:
     benchmark.pedantic(fn, rounds=1, iterations=1, warmup_rounds=0)
 
 
+def _measure_loader(benchmark: Any, what: str, key: str, port: int, case: tuple[int, str]) -> None:
+    """Run ``what`` for the case's loader in a fresh interpreter; keep its row under ``key``."""
+    round_no, loader = case
+    benchmark.group = f"remote-{what}"
+    out: dict[str, Any] = {}
+    _once(benchmark, lambda: out.update(_run(what, loader, port)))
+    benchmark.extra_info.update(loader=loader, round=round_no, **out)
+    _results.setdefault(key.format(loader=loader), []).append(out)
+
+
 def test_remote_throughput(benchmark: Any, server_port: int, remote_case: tuple[int, str]) -> None:
     """Samples/s and peak memory of one loader on the 10 ms workload, in one round."""
-    round_no, loader = remote_case
-    benchmark.group = "remote-throughput"
-    out: dict[str, Any] = {}
-    _once(benchmark, lambda: out.update(_run("throughput", loader, server_port)))
-    benchmark.extra_info.update(loader=loader, round=round_no, **out)
-    _results.setdefault(loader, []).append(out)
+    _measure_loader(benchmark, "throughput", "{loader}", server_port, remote_case)
 
 
 def test_remote_short_epoch(benchmark: Any, server_port: int, remote_case: tuple[int, str]) -> None:
     """A 1,024-object epoch, start-up included, the first loader of a fresh interpreter."""
-    round_no, loader = remote_case
-    benchmark.group = "remote-short"
-    out: dict[str, Any] = {}
-    _once(benchmark, lambda: out.update(_run("short", loader, server_port)))
-    benchmark.extra_info.update(loader=loader, round=round_no, **out)
-    _results.setdefault(f"short-{loader}", []).append(out)
+    _measure_loader(benchmark, "short", "short-{loader}", server_port, remote_case)
 
 
 def test_remote_cache_second_epoch(benchmark: Any, server_port: int, remote_round: int) -> None:

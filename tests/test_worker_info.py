@@ -523,9 +523,9 @@ def _threads_of_a_new_thread() -> int:
 
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_workers_run_torch_ops_on_one_intra_op_thread_like_torch_workers(num_workers: int) -> None:
-    """A worker thread sees ``torch.get_num_threads() == 1``, as torch's worker processes do;
-    the training thread, also while it runs a task itself, and threads started after the loader
-    keep the process's number."""
+    """Every item is made on one intra-op thread (``torch.get_num_threads() == 1``), as in
+    torch's worker processes, also when the training thread runs a worker's task itself; the
+    training thread and threads started after the loader keep the process's number."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # more than one, on any machine
     try:
@@ -539,11 +539,35 @@ def test_workers_run_torch_ops_on_one_intra_op_thread_like_torch_workers(num_wor
                        collate_fn=keep_list)
         )  # fmt: skip
         assert {n for batch in theirs for _, n in batch} == {1}
-        on_workers = {n for batch in ours for in_main, n in batch if not in_main}
-        on_training_thread = {n for batch in ours for in_main, n in batch if in_main}
-        assert on_workers == {1}
-        assert on_training_thread <= {2}
+        assert {n for batch in ours for _, n in batch} == {1}
         assert torch.get_num_threads() == 2
         assert _threads_of_a_new_thread() == new_thread_before == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_one_intra_op_thread_without_an_openmp_runtime_found_leaves_other_threads_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the OpenMP runtime cannot be reached (no /proc), ``torch.set_num_threads`` makes
+    the thread's number 1, and the number a later thread takes is put back."""
+    from threadloader._primitives import intra_op
+
+    monkeypatch.setattr(intra_op, "_openmp_setter", lambda: None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+
+        def worker() -> None:
+            intra_op.single_intra_op_thread()
+            seen.append(torch.get_num_threads())
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        assert seen == [1]
+        assert torch.get_num_threads() == 2
+        assert _threads_of_a_new_thread() == 2
     finally:
         torch.set_num_threads(before)

@@ -30,10 +30,14 @@ from threadloader._engine.dataset_copy import worker_copy
 from threadloader._engine.fetch import Fetcher
 from threadloader._engine.tasks import NOTHING, NewEpoch, Result, Task, WorkerSpec
 from threadloader._engine.worker_rng import load_rng_state, rng_state
-from threadloader._primitives import worker_globals
+from threadloader._primitives import intra_op, worker_globals
 from threadloader._primitives.queues import BoundedQueue
 from threadloader._primitives.timing import StageRecorder
 from threadloader._primitives.worker_globals import RNG, WorkerRNGs
+
+#: What ``current_context`` reads and ``leave`` puts back: the WorkerInfo, the global RNGs and
+#: the intra-op thread count of the calling thread.
+Context = tuple[WorkerInfo | None, WorkerRNGs | None, int]
 
 
 def _make_rngs(base_seed: int, worker_id: int) -> tuple[Any, WorkerRNGs]:
@@ -163,14 +167,15 @@ class Worker:
         finally:
             leave(previous)
 
-    def enter(self) -> tuple[WorkerInfo | None, WorkerRNGs | None]:
-        """Make the calling thread act as this worker: its WorkerInfo and global RNGs.
+    def enter(self) -> Context:
+        """Make the calling thread act as this worker: its WorkerInfo, its global RNGs, and
+        one intra-op thread for torch's CPU ops (``intra_op.as_worker``).
 
         Returns:
             What to hand ``leave`` to make the thread what it was before (``current_context``
             read before the call is the same, and safe against a Ctrl-C inside it).
         """
-        return worker_info.swap(self.info), worker_globals.swap(self.rngs)
+        return worker_info.swap(self.info), worker_globals.swap(self.rngs), intra_op.as_worker()
 
     def snapshot(self) -> Any:
         """This worker's dataset state now (``dataset_state``), if the loader tracks it."""
@@ -256,13 +261,14 @@ class Worker:
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
 
 
-def current_context() -> tuple[WorkerInfo | None, WorkerRNGs | None]:
+def current_context() -> Context:
     """The calling thread's worker context now, for a later ``leave``."""
-    return worker_info.current(), worker_globals.current()
+    return worker_info.current(), worker_globals.current(), torch.get_num_threads()
 
 
-def leave(previous: tuple[WorkerInfo | None, WorkerRNGs | None]) -> None:
+def leave(previous: Context) -> None:
     """Undo ``Worker.enter`` on the calling thread."""
+    intra_op.restore(previous[2])
     worker_globals.swap(previous[1])
     worker_info.swap(previous[0])
 

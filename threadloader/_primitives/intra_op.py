@@ -5,33 +5,68 @@ many is a per-thread setting: a thread takes the process's number the first time
 and keeps its own after. On a thread other than the one that imported torch, each op that runs
 in parallel pays for its own team: cloning a 3x224x224 uint8 image took 46-54 us on a new
 thread against 6 us with one intra-op thread (2 cores), and N workers each using every core's
-threads oversubscribe the machine. torch's worker processes and its pin-memory thread call
-``torch.set_num_threads(1)``, and so does each of our worker and transfer threads.
+threads oversubscribe the machine. torch's worker processes run on one intra-op thread
+(``torch.set_num_threads(1)``), and so does each of our worker and transfer threads.
 
-``torch.set_num_threads`` also sets the number that threads take when they first run an op, so
-``single_intra_op_thread`` puts the process's number back afterwards, from a short-lived thread
-of its own: threads the training code starts later still use every core, and the training
-thread's own setting never changes.
+Only the calling thread's number changes. ``torch.set_num_threads`` would also change the
+number that threads take when they first run an op, the OpenMP threads of the training
+thread's own team included, and through them how some of the training step's kernels split
+their work: a loss then differs from torch's in its last digits, depending on when a worker
+thread started. So the calling thread's OpenMP setting is changed directly, through the OpenMP
+runtime that torch loaded; where it cannot be found, ``torch.set_num_threads`` is used, and the
+process's number is put back at once for the threads that start later.
+
+The training thread runs a worker's task itself at times (a batch no worker had started, or
+every batch while the training thread alone is fastest). It does so with one intra-op thread
+too (``as_worker``), and gets its own number back after: a batch must not depend on which
+thread made it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import threading
+from collections.abc import Callable
 
 import torch
 
 _lock = threading.Lock()
+_RUNTIMES = ("libgomp", "libiomp5", "libomp")
 
 
-def single_intra_op_thread() -> None:
-    """Make torch run the calling thread's CPU ops on that thread alone.
+@functools.cache
+def _openmp_setter() -> Callable[[int], None] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch loaded; None if none is found."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".1"))}
+    except OSError:  # no /proc (macOS): torch.set_num_threads instead
+        return None
+    found = [p for p in paths if os.path.basename(p).startswith(_RUNTIMES)]
+    found.sort(key=lambda p: (os.sep + "torch" + os.sep not in p, p))  # torch's own first
+    for path in found:
+        try:
+            setter = ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        setter.argtypes = [ctypes.c_int]
+        setter.restype = None
+        return setter
+    return None
 
-    Leaves the training thread's number and the one later threads take as they were.
-    """
-    with _lock:  # two threads doing this at once must not put back each other's 1
-        process_setting = torch.get_num_threads()  # a new thread reads the process's number
-        torch.set_num_threads(1)
-        if process_setting != 1:
+
+def _set_this_thread(count: int) -> None:
+    torch.get_num_threads()  # torch sets a thread's number when it first asks: let it go first
+    setter = _openmp_setter()
+    if setter is not None:
+        setter(count)
+        return
+    with _lock:  # two threads doing this at once must not put back each other's number
+        process_setting = _new_thread_setting()
+        torch.set_num_threads(count)
+        if process_setting != count:
             restore = threading.Thread(
                 target=torch.set_num_threads,
                 args=(process_setting,),
@@ -39,3 +74,38 @@ def single_intra_op_thread() -> None:
             )
             restore.start()
             restore.join()
+
+
+def _new_thread_setting() -> int:
+    """The number a thread starting now would take."""
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    return seen[0]
+
+
+def single_intra_op_thread() -> None:
+    """Make torch run the calling thread's CPU ops on that thread alone, for its whole life.
+
+    Leaves the training thread's number and the one later threads take as they were.
+    """
+    _set_this_thread(1)
+
+
+def as_worker() -> int:
+    """Make the calling thread run torch's CPU ops on itself alone, for one worker's task.
+
+    Returns:
+        The thread's number before, for ``restore``.
+    """
+    before = torch.get_num_threads()
+    if before != 1:
+        _set_this_thread(1)
+    return before
+
+
+def restore(before: int) -> None:
+    """Give the calling thread back the number ``as_worker`` returned."""
+    if before != 1:
+        _set_this_thread(before)

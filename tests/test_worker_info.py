@@ -571,3 +571,31 @@ def test_one_intra_op_thread_without_an_openmp_runtime_found_leaves_other_thread
         assert _threads_of_a_new_thread() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_task_run_as_a_worker_without_an_openmp_runtime_found_starts_no_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The training thread may run every batch as a worker: without the OpenMP runtime, each
+    task's one intra-op thread and the number put back after cost no thread start."""
+    from threadloader._primitives import intra_op
+
+    monkeypatch.setattr(intra_op, "_openmp_setter", lambda: None)
+    starts: list[threading.Thread] = []
+
+    class Counted(threading.Thread):
+        def start(self) -> None:
+            starts.append(self)
+            super().start()
+
+    monkeypatch.setattr(intra_op.threading, "Thread", Counted)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        previous = intra_op.as_worker()
+        assert torch.get_num_threads() == 1
+        intra_op.restore(previous)
+        assert previous == torch.get_num_threads() == 2
+        assert starts == []
+    finally:
+        torch.set_num_threads(before)

@@ -13,8 +13,9 @@ number that threads take when they first run an op, the OpenMP threads of the tr
 thread's own team included, and through them how some of the training step's kernels split
 their work: a loss then differs from torch's in its last digits, depending on when a worker
 thread started. So the calling thread's OpenMP setting is changed directly, through the OpenMP
-runtime that torch loaded; where it cannot be found, ``torch.set_num_threads`` is used, and the
-process's number is put back at once for the threads that start later.
+runtime that torch loaded. Where it cannot be found, ``torch.set_num_threads`` is used: a worker
+thread then puts the process's number back at once for the threads that start later, and the
+training thread when its task is done.
 
 The training thread runs a worker's task itself at times (a batch no worker had started, or
 every batch while the training thread alone is fastest). It does so with one intra-op thread
@@ -57,23 +58,18 @@ def _openmp_setter() -> Callable[[int], None] | None:
     return None
 
 
-def _set_this_thread(count: int) -> None:
+def _set_own(count: int) -> bool:
+    """Set the calling thread's OpenMP number alone, if the runtime was found.
+
+    Returns:
+        Whether it was set (else the caller falls back to ``torch.set_num_threads``).
+    """
     torch.get_num_threads()  # torch sets a thread's number when it first asks: let it go first
     setter = _openmp_setter()
-    if setter is not None:
-        setter(count)
-        return
-    with _lock:  # two threads doing this at once must not put back each other's number
-        process_setting = _new_thread_setting()
-        torch.set_num_threads(count)
-        if process_setting != count:
-            restore = threading.Thread(
-                target=torch.set_num_threads,
-                args=(process_setting,),
-                name="threadloader-intra-op-setting",
-            )
-            restore.start()
-            restore.join()
+    if setter is None:
+        return False
+    setter(count)
+    return True
 
 
 def _new_thread_setting() -> int:
@@ -90,22 +86,41 @@ def single_intra_op_thread() -> None:
 
     Leaves the training thread's number and the one later threads take as they were.
     """
-    _set_this_thread(1)
+    if _set_own(1):
+        return
+    with _lock:  # two threads doing this at once must not put back each other's number
+        process_setting = _new_thread_setting()
+        torch.set_num_threads(1)
+        if process_setting != 1:
+            restore_later = threading.Thread(
+                target=torch.set_num_threads,
+                args=(process_setting,),
+                name="threadloader-intra-op-setting",
+            )
+            restore_later.start()
+            restore_later.join()
 
 
 def as_worker() -> int:
     """Make the calling thread run torch's CPU ops on itself alone, for one worker's task.
 
+    Without the OpenMP runtime, ``torch.set_num_threads(1)`` also sets the number a thread
+    starting during the task takes; ``restore`` sets the process's number back with the
+    calling thread's. No thread is started for that: the training thread may do this for
+    every batch.
+
     Returns:
         The thread's number before, for ``restore``.
     """
     before = torch.get_num_threads()
-    if before != 1:
-        _set_this_thread(1)
+    if before != 1 and not _set_own(1):
+        with _lock:
+            torch.set_num_threads(1)
     return before
 
 
 def restore(before: int) -> None:
     """Give the calling thread back the number ``as_worker`` returned."""
-    if before != 1:
-        _set_this_thread(before)
+    if before != 1 and not _set_own(before):
+        with _lock:
+            torch.set_num_threads(before)

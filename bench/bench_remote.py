@@ -20,10 +20,10 @@ never carry over, measured in interleaved rounds (the order rotates each round):
 Each measurement takes ``WARMUP`` batches (worker start-up), then times the rest of the epoch;
 memory is the peak PSS of the process tree (``threadloader.compare.memory_probe``), sampled every
 0.25 s, and the RSS summed over the tree once all workers are up (what ``top`` adds up: each
-process counts the pages it shares with the others; PSS splits them). The short case times a 1,024-object epoch from the loader's constructor to its
-last batch, start-up included, the first loader of the interpreter (samples/s and the first
-batch). The cache case runs two epochs of ``thread32`` with ``cache_dir=``: the second reads
-local files only. The per-thread case compares the memory of 8 and 64 worker threads on 64-byte
+process counts the pages it shares with the others; PSS splits them). The short case times a
+1,024-object epoch from the loader's constructor to its last batch, start-up included, the first
+loader of the interpreter (samples/s and the first batch). The cache case runs two epochs of
+``thread32`` with ``cache_dir=``: the second reads local files only. The per-thread case compares the memory of 8 and 64 worker threads on 64-byte
 objects (so batches in flight weigh nothing) and divides by the 56 extra threads: at the peak,
 and once the epoch is over with the (persistent) workers idle.
 
@@ -259,12 +259,18 @@ def _urls(port: int, kind: str = "obj") -> list[str]:
     return [f"http://127.0.0.1:{port}/{kind}/{i}" for i in range(OBJECTS)]
 
 
-def _throughput(loader_name: str, port: int) -> dict[str, Any]:
-    from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
+def _remote_files(loader_name: str, port: int, count: int = OBJECTS) -> Any:
+    """The first ``count`` objects, read as ``loader_name`` reads them (``LOADERS``)."""
     from threadloader.remote import RemoteFiles
 
     concurrency = 32 if loader_name == "thread32" else 0
-    dataset = RemoteFiles(_urls(port), max_concurrency=concurrency)
+    return RemoteFiles(_urls(port)[:count], max_concurrency=concurrency)
+
+
+def _throughput(loader_name: str, port: int) -> dict[str, Any]:
+    from threadloader.compare.memory_probe import PeakSampler, tree_pss_bytes
+
+    dataset = _remote_files(loader_name, port)
     baseline = tree_pss_bytes()
     samples = 0
     start = time.perf_counter()
@@ -296,10 +302,7 @@ def _throughput(loader_name: str, port: int) -> dict[str, Any]:
 def _short(loader_name: str, port: int) -> dict[str, Any]:
     """The first loader of this interpreter over ``SHORT`` objects: seconds from building it to
     its first batch and to the end of the epoch, start-up included."""
-    from threadloader.remote import RemoteFiles
-
-    concurrency = 32 if loader_name == "thread32" else 0
-    dataset = RemoteFiles(_urls(port)[:SHORT], max_concurrency=concurrency)
+    dataset = _remote_files(loader_name, port, SHORT)
     samples = 0
     start = time.perf_counter()
     it = iter(_loader(loader_name, dataset))

@@ -279,8 +279,9 @@ def training_section(dev: torch.device, args: argparse.Namespace) -> list[list[s
     }
     rows = []
     ours_name = "ThreadDataLoader(device=)" if HAS_DEVICE_OPTION else "ThreadDataLoader+Prefetcher"
-    if _isolation(args):
-        options = ", ".join(f"{k}={v!r}" for k, v in _isolation(args).items())
+    chosen = _isolation(args)
+    if chosen:
+        options = ", ".join(f"{k}={v!r}" for k, v in chosen.items())
         ours_name = f"ThreadDataLoader(device=, {options})"
     for scenario, work_s in scenarios.items():
         ds = Images(n, work_s)

@@ -111,8 +111,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             into helper processes when the last one's items held the GIL or the training step
             ran slower while they worked, and back when helpers ran the loop slower (never
             with ``persistent_workers``, an epoch too short to win back starting helpers, or a
-            dataset that cannot be pickled; ``stats().mode`` says what ran and why). ``"threads"`` (or ``None``):
-            always in this process. ``"process"``: always in helper processes (``helpers``),
+            dataset that cannot be pickled; ``stats().mode`` says what ran and why).
+            ``"threads"`` (or ``None``): always in this process. ``"process"``: always in helper processes (``helpers``),
             so they never compete with the training thread for the GIL. Batches, their order
             and ``state_dict()`` are the same in every mode.
         helpers: (ours, keyword-only) when the worker threads run in helper processes, how

@@ -595,7 +595,7 @@ def test_an_epoch_whose_data_changed_learns_afresh() -> None:
     clock = FakeClock()
     ctl = ConcurrencyController(32, minimum=0, clock=clock, cpus=2)
     remote = {32: 200.0, 0: 6.0}  # batches/s; 160 ms a batch, 5 ms of it CPU (a core in all)
-    while clock.now < 3.0:
+    while clock.now < 8.0:  # the first probe down comes after 40 fetches' time (6.4 s)
         dt = 1.0 / remote[ctl.limit]
         clock.now += dt
         ctl.on_batch(started=clock.now - 0.16, cpu=0.005, wall=0.16)
@@ -809,3 +809,28 @@ def test_a_worker_waiting_for_its_task_in_the_training_thread_leaves_its_gate_sl
     assert it._stats.snapshot().batches_run_by_caller == 1
     del it
     assert dataset.most == 2  # worker 1 fetched while the training thread did
+
+
+def test_a_probe_down_waits_until_the_run_has_lasted_many_fetch_times() -> None:
+    """6 threads sleeping ~1 ms an item, 146 ms a fetch, next to a 10 ms GPU step.
+
+    A probe to the training thread alone costs about two fetch times (285 ms measured on an
+    H200), which in a one-second first epoch made the loop wait 1.4x as long as DataLoader's.
+    It comes only after FIRST_PROBE_FETCHES fetch times; it still comes, so a GIL-bound
+    dataset with slow batches is still found out.
+    """
+    from threadloader._primitives.concurrency import FIRST_PROBE_FETCHES
+
+    clock = FakeClock()
+    ctl = ConcurrencyController(6, minimum=0, clock=clock, cpus=16)
+    fetch_s, cpu = 0.146, 0.02  # 0.14 of each fetch on the CPU: 0.8 cores in all, "contended"
+    rates = {6: 41.0, 0: 6.0}
+    first_change = None
+    while clock.now < 15.0 and first_change is None:
+        dt = 1.0 / rates[ctl.limit]
+        clock.now += dt
+        if ctl.on_batch(started=clock.now - fetch_s, cpu=cpu, wall=fetch_s) is not None:
+            first_change = clock.now
+    assert first_change is not None and ctl.limit == 0  # the probe came...
+    # ...after 40 fetch times: not in the first 80-step epoch (1.2 s), where it came at 0.4 s
+    assert first_change >= max(1.2, FIRST_PROBE_FETCHES * fetch_s)

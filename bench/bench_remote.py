@@ -22,8 +22,11 @@ memory is the peak PSS of the process tree (``threadloader.compare.memory_probe`
 0.25 s, and the RSS summed over the tree once all workers are up (what ``top`` adds up: each
 process counts the pages it shares with the others; PSS splits them). The short case times a
 1,024-object epoch from the loader's constructor to its last batch, start-up included, the first
-loader of the interpreter (samples/s and the first batch). The cache case runs two epochs of
-``thread32`` with ``cache_dir=``: the second reads local files only. The per-thread case compares the memory of 8 and 64 worker threads on 64-byte
+loader of the interpreter (samples/s and the first batch), next to ``bare32``: 32 plain threads
+reading the same objects over ``http.client`` with no loader, the most a loader keeping 32 reads
+in flight could reach on this machine and server. The cache case runs two epochs of
+``thread32`` with ``cache_dir=``: the second reads local files only. The per-thread case
+compares the memory of 8 and 64 worker threads on 64-byte
 objects (so batches in flight weigh nothing) and divides by the 56 extra threads: at the peak,
 and once the epoch is over with the (persistent) workers idle.
 
@@ -33,6 +36,7 @@ The end of the session prints the medians and checks the goals.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -59,6 +63,10 @@ LABELS = {
     "thread32_serial": "ThreadDataLoader(32) + RemoteFiles(max_concurrency=0)",
     "dl32": "DataLoader(32 processes) + RemoteFiles(max_concurrency=0)",
 }
+#: The short case also times this floor: no loader and no dataset, 32 plain threads each reading
+#: its 32 objects one after another over one keep-alive connection (``http.client``).
+SHORT_LOADERS = (*LOADERS, "bare32")
+LABELS["bare32"] = "32 plain threads + http.client, no loader (the floor)"
 LIMIT = WORKERS / (LATENCY_MS / 1e3)  # samples/s with exactly 32 reads in flight
 SERVER = Path(__file__).resolve().parents[1] / "tests" / "remote_servers.py"
 
@@ -67,12 +75,13 @@ _results: dict[str, list[dict[str, Any]]] = {}
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     rounds = metafunc.config.getoption("--bench-rounds")
-    if "remote_case" in metafunc.fixturenames:
-        cases = []
-        for r in range(rounds):
-            shift = r % len(LOADERS)
-            cases += [(r, loader) for loader in LOADERS[shift:] + LOADERS[:shift]]
-        metafunc.parametrize("remote_case", cases, ids=[f"round{r}-{lo}" for r, lo in cases])
+    for fixture, loaders in (("remote_case", LOADERS), ("short_case", SHORT_LOADERS)):
+        if fixture in metafunc.fixturenames:
+            cases = []
+            for r in range(rounds):
+                shift = r % len(loaders)
+                cases += [(r, loader) for loader in loaders[shift:] + loaders[:shift]]
+            metafunc.parametrize(fixture, cases, ids=[f"round{r}-{lo}" for r, lo in cases])
     if "remote_round" in metafunc.fixturenames:
         metafunc.parametrize(
             "remote_round", range(rounds), ids=[f"round{r}" for r in range(rounds)]
@@ -133,9 +142,9 @@ def test_remote_throughput(benchmark: Any, server_port: int, remote_case: tuple[
     _measure_loader(benchmark, "throughput", "{loader}", server_port, remote_case)
 
 
-def test_remote_short_epoch(benchmark: Any, server_port: int, remote_case: tuple[int, str]) -> None:
+def test_remote_short_epoch(benchmark: Any, server_port: int, short_case: tuple[int, str]) -> None:
     """A 1,024-object epoch, start-up included, the first loader of a fresh interpreter."""
-    _measure_loader(benchmark, "short", "short-{loader}", server_port, remote_case)
+    _measure_loader(benchmark, "short", "short-{loader}", server_port, short_case)
 
 
 def test_remote_cache_second_epoch(benchmark: Any, server_port: int, remote_round: int) -> None:
@@ -187,13 +196,16 @@ def _report(tr: Any) -> None:
                 f"{med(r['above_bytes'] for r in rows) / 2**20:10.0f}"
                 f"{med(r['rss_sum_bytes'] for r in rows) / 2**20:10.0f}   rounds: {each}"
             )
-    for loader in LOADERS:
+    for loader in SHORT_LOADERS:
         rows = _results.get(f"short-{loader}", [])
         if rows:
+            got = med(r["samples_per_s"] for r in rows)
+            first = med(r["first_batch_s"] for r in rows)
             tr.write_line(
                 f"{SHORT:,}-object epoch from the constructor, {LABELS[loader]}: "
-                f"{med(r['samples_per_s'] for r in rows):,.0f} samples/s, first batch "
-                f"{med(r['first_batch_s'] for r in rows):.3f} s (rounds: "
+                f"{got:,.0f} samples/s ({got / LIMIT:.2f} of the limit)"
+                + (f", first batch {first:.3f} s" if not math.isnan(first) else "")
+                + " (rounds: "
                 + ", ".join(f"{r['samples_per_s']:.0f}" for r in rows)
                 + ")"
             )
@@ -318,6 +330,28 @@ def _short(loader_name: str, port: int) -> dict[str, Any]:
     return {"samples_per_s": SHORT / (end - start), "first_batch_s": first - start}
 
 
+def _bare_reads(port: int) -> dict[str, Any]:
+    """``SHORT`` objects read by 32 plain threads, no loader: the floor a loader adds to."""
+    import http.client
+    import threading
+
+    def read(first: int) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", port)
+        for i in range(first, SHORT, WORKERS):
+            connection.request("GET", f"/obj/{i}")
+            connection.getresponse().read()
+        connection.close()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=read, args=(w,)) for w in range(WORKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    end = time.perf_counter()
+    return {"samples_per_s": SHORT / (end - start), "first_batch_s": float("nan")}
+
+
 def _cache(port: int) -> dict[str, Any]:
     from threadloader.remote import RemoteFiles
 
@@ -385,7 +419,7 @@ if __name__ == "__main__":
     if what == "throughput":
         out = _throughput(args[0], int(args[1]))
     elif what == "short":
-        out = _short(args[0], int(args[1]))
+        out = _bare_reads(int(args[1])) if args[0] == "bare32" else _short(args[0], int(args[1]))
     elif what == "cache":
         out = _cache(int(args[1]))
     elif what == "threads":

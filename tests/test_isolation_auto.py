@@ -255,6 +255,32 @@ def test_an_epoch_too_short_to_pay_for_helpers_stays_in_threads(
     assert "too short to win back starting helper processes" in str(loader.stats().mode_reason)
 
 
+def test_a_third_of_a_second_epoch_of_gil_bound_items_moves_to_forked_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pure-Python items, no step: 0.47 s epochs in threads, 0.25 s in forked helpers.
+
+    Forked helpers start within tens of milliseconds, so such an epoch is long enough to move;
+    a forkserver's (an interpreter importing torch) still needs seconds.
+    """
+    import types
+
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: True)
+    loader = types.SimpleNamespace(
+        persistent_workers=False, num_workers=2, helpers=None, multiprocessing_context=None,
+        dataset=WherePid(), collate_fn=None, worker_init_fn=None,
+    )  # fmt: skip
+    last = types.SimpleNamespace(
+        gil_bound=True, training_slowed=False, wait_fraction=1.0, batches=300, wall_s=0.47
+    )
+    policy = auto.AutoIsolation()
+    assert policy.next_epoch(loader, last).mode == "process"
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    choice = auto.AutoIsolation().next_epoch(loader, last)
+    assert choice.mode == "threads" and "too short" in choice.reason
+
+
 def test_the_default_accepts_what_torch_accepts() -> None:
     """The default mode refuses nothing DataLoader takes: no workers, a fork context, helpers."""
     ThreadDataLoader(WherePid(), num_workers=0)

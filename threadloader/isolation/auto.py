@@ -18,8 +18,8 @@ Where the code disagrees with these rules, the code is wrong.
 4. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
    (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
    would start afresh), with fewer than 2 workers or 2 usable CPUs, after an epoch shorter than
-   ``MIN_EPOCH_S`` where helpers would be forked from this process or the zygote (a tenth of a
-   second or two to start), ``MIN_EPOCH_S_SERVER`` where they would come from a forkserver or
+   ``MIN_EPOCH_S`` where helpers would be forked from this process or the zygote (a few tens of
+   milliseconds to start), ``MIN_EPOCH_S_SERVER`` where they would come from a forkserver or
    spawn (a second or more: an interpreter imports torch); a shorter epoch could not win the
    start back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
    Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled
@@ -45,7 +45,12 @@ PROCESS = "process"
 #: Helpers whose epoch ran the loop at less than this share of the threads' pace lose (point 3).
 MOVE_BACK = 0.9
 #: Epochs shorter than this (wall time, seconds) never move the next one (point 4) ...
-MIN_EPOCH_S = 0.5
+#: Helpers forked from this process delivered their first batch 20-50 ms later than threads
+#: (2 helpers on 2 cores: 22 against 5 ms on pure-Python items, 31 against 3 ms with a 3M-string
+#: dataset, 123 against 78 ms on JPEGs), under a sixth of a 0.3 s epoch; and an epoch in helpers
+#: that loses moves back (point 3). The pure-Python items ran a 0.47 s epoch in threads, 0.25 s
+#: in helpers.
+MIN_EPOCH_S = 0.3
 #: ... or than this, where helpers would not be forked from this process or the zygote.
 MIN_EPOCH_S_SERVER = 3.0
 #: A slowed step moves the workers only in a loop that waited for data less than this share

@@ -112,9 +112,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             ran slower while they worked, and back when helpers ran the loop slower (never
             with ``persistent_workers``, an epoch too short to win back starting helpers, or a
             dataset that cannot be pickled; ``stats().mode`` says what ran and why).
-            ``"threads"`` (or ``None``): always in this process. ``"process"``: always in helper processes (``helpers``),
-            so they never compete with the training thread for the GIL. Batches, their order
-            and ``state_dict()`` are the same in every mode.
+            ``"threads"`` (or ``None``): always in this process. ``"process"``: always in
+            helper processes (``helpers``), so they never compete with the training thread for
+            the GIL. Batches, their order and ``state_dict()`` are the same in every mode.
         helpers: (ours, keyword-only) when the worker threads run in helper processes, how
             many helpers share them: worker ``w`` runs in helper ``w % helpers``. Each helper
             holds one copy of the dataset and runs its workers' threads on its own GIL, so

@@ -61,10 +61,12 @@ def _openmp_setter() -> Callable[[int], None] | None:
 def _set_own(count: int) -> bool:
     """Set the calling thread's OpenMP number alone, if the runtime was found.
 
+    The thread must have asked torch for its number before (``torch.get_num_threads``): torch
+    sets a thread's number when it first asks, and would overwrite this one.
+
     Returns:
         Whether it was set (else the caller falls back to ``torch.set_num_threads``).
     """
-    torch.get_num_threads()  # torch sets a thread's number when it first asks: let it go first
     setter = _openmp_setter()
     if setter is None:
         return False
@@ -86,6 +88,7 @@ def single_intra_op_thread() -> None:
 
     Leaves the training thread's number and the one later threads take as they were.
     """
+    torch.get_num_threads()  # torch's first setting of this thread's number comes before ours
     if _set_own(1):
         return
     with _lock:  # two threads doing this at once must not put back each other's number

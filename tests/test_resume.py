@@ -226,6 +226,53 @@ def test_stateful_iterable_dataset_resumes_per_worker(cut: int, num_workers: int
     )
 
 
+class SlowFirstShard(IterableDataset[int]):
+    """Worker w yields w, w + N, ... below 9; worker 0 sleeps before its first item, so the other
+    workers' ends arrive before batches made ahead of them are delivered."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        while wid + self.pos * nw < 9:
+            if wid == 0 and self.pos == 0:
+                time.sleep(0.3)
+            self.pos += 1
+            yield wid + (self.pos - 1) * nw
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+@pytest.mark.parametrize("in_order", [True, False])
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_worker_whose_end_arrived_before_its_last_batches_resumes_them(
+    isolation: str, in_order: bool
+) -> None:
+    """A worker's end of data counts in the state only once its earlier batches were delivered:
+    a state taken before that resumes the worker, and no batch of it is lost."""
+    make = lambda: ThreadDataLoader(
+        SlowFirstShard(), batch_size=3, num_workers=4, isolation=isolation, in_order=in_order
+    )
+    loader = make()
+    it = iter(loader)
+    first = [next(it).tolist()]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [batch.tolist() for batch in resumed]
+    if in_order:
+        assert first + rest == [[0, 4, 8], [1, 5], [2, 6], [3, 7]]
+    else:
+        assert sorted(map(tuple, first + rest)) == [(0, 4, 8), (1, 5), (2, 6), (3, 7)]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_iterable_dataset_without_state_is_replayed_with_a_warning(num_workers: int) -> None:
     """An IterableDataset without state_dict resumes by replaying, and says so."""
@@ -812,3 +859,97 @@ def test_a_state_saves_and_loads_through_torch_distributed_checkpoint(tmp_path: 
     dcp.load(target, checkpoint_id=str(tmp_path))
     resumed.load_state_dict(target["loader"])
     assert head + [b.tolist() for b in resumed] == full
+
+
+class ServedCount(Dataset[torch.Tensor]):
+    """Map-style, stateful: item i is ``[i, items this copy served, a draw from the worker's
+    global torch RNG]``."""
+
+    def __init__(self) -> None:
+        self.served = 0
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.served += 1
+        return torch.tensor([i, self.served, int(torch.randint(0, 1000, ()))])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.served = state["served"]
+
+
+class EpochCount(IterableDataset[torch.Tensor]):
+    """Iterable, its own iterator, stateful: item ``[i, iter() calls on this copy, a draw]``."""
+
+    def __init__(self) -> None:
+        self.pos, self.epoch = 0, -1
+
+    def __iter__(self) -> EpochCount:
+        self.pos, self.epoch = 0, self.epoch + 1
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        i = wid + self.pos * nw
+        if i >= 8:
+            raise StopIteration
+        self.pos += 1
+        return torch.tensor([i, self.epoch, int(torch.randint(0, 1000, ()))])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos, self.epoch = state["pos"], state["epoch"]
+
+
+_PERSISTENT = {"num_workers": 2, "persistent_workers": True, "save_worker_rng": True}
+BETWEEN_EPOCHS = {
+    "no workers": {"num_workers": 0},
+    "persistent threads": {**_PERSISTENT, "isolation": "threads"},
+    "persistent helpers": {**_PERSISTENT, "isolation": "process"},
+}
+
+
+@pytest.mark.parametrize("stop_seen", [False, True], ids=["after last batch", "after the end"])
+@pytest.mark.parametrize("dataset", [ServedCount, EpochCount])
+@pytest.mark.parametrize("options", BETWEEN_EPOCHS.values(), ids=BETWEEN_EPOCHS.keys())
+def test_a_state_taken_between_epochs_carries_what_the_next_epoch_inherits(
+    options: dict[str, Any], dataset: type, stop_seen: bool
+) -> None:
+    """Between epochs, a loader without workers carries its dataset into the next epoch, and
+    persistent workers their dataset copies, generators and seeds: a state taken then (after
+    the last batch, or after StopIteration) resumes the next epoch as the uninterrupted run's,
+    with a global-RNG shuffle restored by the checkpoint too. States were dropped (no workers:
+    before StopIteration; persistent workers: always) and the global RNG drew a new base seed.
+    An IterableDataset's end is known only at StopIteration: before it, the state is mid-epoch.
+    """
+    map_style = dataset is ServedCount
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(dataset(), batch_size=2, shuffle=map_style, **options)
+
+    torch.manual_seed(3)
+    reference = make()
+    expected = [[b.tolist() for b in reference] for _ in range(2)]
+    torch.manual_seed(3)
+    loader = make()
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(4)]
+    if stop_seen:
+        assert next(it, None) is None
+    state, global_rng = loader.state_dict(), torch.get_rng_state()  # a checkpoint
+    assert state["in_progress"] is not (map_style or stop_seen)
+    del it, loader
+    torch.manual_seed(99)  # the process restarts...
+    torch.set_rng_state(global_rng)  # ...and restores the checkpoint
+    resumed = make()
+    resumed.load_state_dict(state)
+    if state["in_progress"]:
+        first += [b.tolist() for b in resumed]  # the rest of the epoch: nothing
+    assert [first, [b.tolist() for b in resumed]] == expected

@@ -287,8 +287,11 @@ class ThreadDataLoader(DataLoader[T_co]):
         # the global RNG all the same: give that draw back, so that a global RNG restored with
         # the checkpoint (Accelerate's load_state does) seeds the next epochs as it would have
         # without the interruption (torchdata's StatefulDataLoader draws nothing either).
-        undo = resume is not None and resume.rng_source == "global"
+        undo = resume is not None and resume.rng_source == "global" and not resume.next_epoch
         global_rng = torch.get_rng_state() if undo else None
+        carry = self._continue_persistent
+        if carry is not None and carry[0] is None:  # the global RNG, as the new iterator finds it
+            self._continue_persistent = (torch.get_rng_state(), carry[1])
         it = self._new_iterator(resume)
         if global_rng is not None:
             torch.set_rng_state(global_rng)
@@ -417,12 +420,22 @@ class ThreadDataLoader(DataLoader[T_co]):
             if isinstance(self._pending_state.get(key), torch.Tensor):
                 self._pending_state[key] = encode_rng(self._pending_state[key])
         self._continue_persistent = None
-        if not state["in_progress"] and state["rng_source"] == "generator":
+        by_generator = state["rng_source"] == "generator"
+        if not state["in_progress"] and by_generator:
             self.generator.set_state(state["rng_state"])
-            if self.persistent_workers and self.num_workers > 0 and int(state["epoch"]) >= 1:
-                # The saving loader would have reused its persistent iterator for the next
-                # epoch, drawing no base seed; a new iterator here draws one (see __iter__).
-                self._continue_persistent = (state["rng_state"], int(state["base_seed"]))
+        if (
+            not state["in_progress"]
+            and self.persistent_workers
+            and self.num_workers > 0
+            and int(state["epoch"]) >= 1
+        ):
+            # The saving loader would have reused its persistent iterator for the next epoch,
+            # drawing no base seed; a new iterator here draws one (see __iter__). Its workers
+            # would have kept their dataset copies and generators (``_engine.state`` point 8).
+            rng_state = state["rng_state"] if by_generator else None  # None: as iter() finds it
+            self._continue_persistent = (rng_state, int(state["base_seed"]))
+            if resume.worker_states is not None or resume.rng_states is not None:
+                self._resume = dataclasses.replace(resume, next_epoch=True)
 
     def check_worker_number_rationality(self) -> None:
         """Warn when the number of worker threads is far beyond what the machine can use.

@@ -16,7 +16,8 @@ where the code disagrees with these points, the code is wrong:
 4. A state taken between epochs without workers holds the loader's own dataset as the
    finished epoch left it; loading it puts the dataset there (``settle_dataset``: dataset
    state, ``iter()``, iterator state), and the next epoch calls ``iter()`` anew, as
-   StatefulDataLoader starts a new epoch after resuming a finished one.
+   StatefulDataLoader starts a new epoch after resuming a finished one. So does each
+   persistent worker's copy, from a state taken between epochs of persistent workers.
 """
 
 from __future__ import annotations

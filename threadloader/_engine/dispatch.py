@@ -129,6 +129,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             ),
             resume_states=resume.worker_states if resume is not None else None,
             resume_state_form=resume.worker_state_form if resume is not None else 1,
+            resume_finished_epoch=resume is not None and resume.next_epoch,
             capture_rng=bool(loader.save_worker_rng),
             resume_rng=resume.rng_states if resume is not None else None,
         )
@@ -200,7 +201,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             progress.next_worker = resume.next_worker % self._num_workers
             for _ in range(progress.next_worker):
                 next(self._worker_queue_idx_cycle)
-        progress.workers_alive = self._workers_status  # the same list: torch's logic updates it
+        # Which workers' IterableDataset ended as of the batches delivered, for state_dict():
+        # a worker's end is behind the loop only once every batch it made before it is.
+        progress.workers_alive = list(self._workers_status)
+        self._ends: dict[int, int] = {}  # worker -> batch number of its end, not yet behind
         self._fill()
 
     def _fill(self) -> None:
@@ -304,6 +308,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._tasks_outstanding -= 1
             if isinstance(result.data, _IterableDatasetStopIteration):
                 self._workers_status[result.data.worker_id] = False
+                self._ends[result.data.worker_id] = result.idx
+                self._note_ends()
                 self._try_put_index()
                 continue
             if result.idx != self._rcvd_idx:
@@ -316,7 +322,19 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._rcvd_idx += 1
             return self._process_data(result)
 
+    def _note_ends(self) -> None:
+        """Mark in the progress the workers whose IterableDataset ended and whose every earlier
+        batch was delivered: a state taken now resumes each of the others, their batches still
+        to come included (an end can arrive before the worker's last batches are delivered)."""
+        task_info = self._task_info
+        for worker_id, end in list(self._ends.items()):
+            if not any(i < end and info[0] == worker_id for i, info in task_info.items()):
+                self._progress.workers_alive[worker_id] = False
+                del self._ends[worker_id]
+
     def _process_data(self, result: Result) -> Any:
+        if self._ends:
+            self._note_ends()
         self._workers_num_tasks[result.worker_id] -= 1
         self._try_put_index()
         return self._deliver(result)

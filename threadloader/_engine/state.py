@@ -34,6 +34,11 @@ How state works; where the code disagrees with this, the code is wrong.
    holds the first position not behind the loop and, with ``in_order=False``, the positions after
    it already delivered; a resume continues at the first and skips the others, so a batch is
    never lost nor repeated. ``batches_yielded`` stays torch's count of returned batches.
+8. Between epochs, what the next epoch inherits is saved with the state: without workers, the
+   loader's dataset; with persistent workers, each worker's dataset state and (with
+   ``save_worker_rng``) generators as of its last delivered batch, and the epoch's base seed,
+   which the saving loader's workers would have kept. The resumed next epoch starts its workers
+   from them, with fresh iterators, and draws its indices as a new epoch does.
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ class Resume:
     skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
     global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
+    # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
+    # start from the saved dataset and generator states; nothing else is resumed.
+    next_epoch: bool = False
 
 
 @dataclass
@@ -205,7 +213,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
     own = sampler_generator(loader)
-    if resume is None:
+    if resume is None or resume.next_epoch:
         progress.base_seed = int(it._base_seed)
         progress.rng_source, progress.rng_state = snapshot_rng(loader)
         progress.global_rng_state = (
@@ -274,14 +282,18 @@ def continue_persistent(it: Any, loader: Any) -> None:
 
     A state taken between epochs of a loader with persistent workers starts the next epoch,
     which that loader would have run on its existing iterator (``_reset``: no new base seed).
-    A new iterator has just drawn one from the generator; restoring the saved generator state
-    and base seed makes the next epoch's order (and worker seeds) the uninterrupted run's.
+    A new iterator has just drawn one from the generator, or from the global RNG without one;
+    restoring that RNG as it was before the draw, and the saved base seed, makes the next
+    epoch's order (and worker seeds) the uninterrupted run's.
     """
     saved = loader._continue_persistent
     if saved is None:
         return
     loader._continue_persistent = None
-    loader.generator.set_state(saved[0])
+    if rng_source(loader) == "generator":
+        loader.generator.set_state(saved[0])
+    else:
+        torch.set_rng_state(saved[0])
     it._base_seed = saved[1]
 
 
@@ -384,12 +396,15 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         if fresh and progress is not None:
             sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
     live = not fresh and progress is not None
+    # Between epochs, what carries state into the next one: without workers, the loader's own
+    # dataset; with persistent workers, their dataset copies and generators (point 8). Other
+    # workers' copies start each epoch from the loader's dataset.
+    carried = progress is not None and (
+        (loader.num_workers == 0 and (progress.exhausted or complete))
+        or (loader.num_workers > 0 and loader.persistent_workers)
+    )
     worker_states = None
-    saved = progress.dataset_states if live else None  # type: ignore[union-attr]
-    if progress is not None and progress.exhausted and loader.num_workers == 0:
-        # Between epochs without workers the loader's own dataset carries its state into the
-        # next epoch (with workers, each epoch's copies start from the loader's dataset).
-        saved = progress.dataset_states
+    saved = progress.dataset_states if live or carried else None  # type: ignore[union-attr]
     if saved is not None and any(state is not None for state in saved):
         worker_states = list(saved)
     return {
@@ -415,7 +430,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "worker_state_form": dataset_state.FORM,
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
-        "worker_rng_states": _rng_states(loader, progress) if live else None,
+        "worker_rng_states": _rng_states(loader, progress) if live or carried else None,
         "global_rng_state": (
             encode_rng(progress.global_rng_state)  # type: ignore[union-attr]
             if live and progress.global_rng_state is not None  # type: ignore[union-attr]

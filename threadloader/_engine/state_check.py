@@ -174,7 +174,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     replay_data = kind == "iterable" and not stateful_iterable and batches > 0
     expected = max(loader.num_workers, 1)
     if worker_states is not None and len(worker_states) != expected:
-        if stateful_iterable:
+        if stateful_iterable and state["in_progress"]:
             raise ValueError(
                 f"loader state holds {len(worker_states)} IterableDataset worker states, this "
                 f"loader has {expected} workers: an IterableDataset resumes on the same number "

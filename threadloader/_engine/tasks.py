@@ -100,5 +100,8 @@ class WorkerSpec:
     capture_state: bool = False  # snapshot the dataset's state after each batch (_dataset_state)
     resume_states: list[Any] | None = None  # per-worker dataset states to resume from
     resume_state_form: int = 1  # how ``resume_states`` are written (_dataset_state point 3)
+    # The states are where a finished epoch left persistent workers' copies (_state point 8):
+    # each copy is settled there (_dataset_state point 4), and the new epoch iterates anew.
+    resume_finished_epoch: bool = False
     capture_rng: bool = False  # snapshot the worker's generators after each batch
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from

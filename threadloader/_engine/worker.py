@@ -135,7 +135,11 @@ class Worker:
             resume = self.spec.resume_states
             state = resume[self.id] if resume is not None else None
             form = self.spec.resume_state_form
-            dataset_state.restore_dataset(self.info.dataset, state, form)
+            if self.spec.resume_finished_epoch:
+                dataset_state.settle_dataset(self.info.dataset, state, form)
+                state = None  # the epoch's own iterator starts afresh
+            else:
+                dataset_state.restore_dataset(self.info.dataset, state, form)
             # After worker_init_fn: the saved state already includes what it drew.
             rng = self.spec.resume_rng
             if rng is not None and rng[self.id] is not None:

@@ -953,3 +953,35 @@ def test_a_state_taken_between_epochs_carries_what_the_next_epoch_inherits(
     if state["in_progress"]:
         first += [b.tolist() for b in resumed]  # the rest of the epoch: nothing
     assert [first, [b.tolist() for b in resumed]] == expected
+
+
+@pytest.mark.parametrize("resumed_workers", [0, 2])
+@pytest.mark.parametrize("sampler", ["shuffle", "with replacement"])
+def test_a_state_taken_before_the_first_index_was_drawn_resumes_every_later_epoch(
+    sampler: str, resumed_workers: int
+) -> None:
+    """Without workers the sampler draws its epoch's seed from the global RNG at the first
+    next(): a checkpoint taken after iter() and before it holds a global RNG that never saw the
+    draw. The resume draws it under the saved RNG and must leave the global RNG advanced, as the
+    uninterrupted run's was (it gave back the undrawn one: the next epoch repeated this one)."""
+    data = list(range(12))
+
+    def make(num_workers: int) -> ThreadDataLoader[Any]:
+        if sampler == "shuffle":
+            return ThreadDataLoader(data, batch_size=4, shuffle=True, num_workers=num_workers)
+        replacement = torch.utils.data.RandomSampler(data, replacement=True)
+        return ThreadDataLoader(data, batch_size=4, sampler=replacement, num_workers=num_workers)
+
+    torch.manual_seed(0)
+    reference = make(0)
+    expected = [[b.tolist() for b in reference] for _ in range(3)]
+    torch.manual_seed(0)
+    loader = make(0)
+    it = iter(loader)
+    state, global_rng = loader.state_dict(), torch.get_rng_state()
+    del it, loader
+    torch.manual_seed(99)
+    torch.set_rng_state(global_rng)
+    resumed = make(resumed_workers)
+    resumed.load_state_dict(state)
+    assert [[b.tolist() for b in resumed] for _ in range(3)] == expected

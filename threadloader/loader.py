@@ -213,7 +213,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._resume: Resume | None = None
         self._pending_state: dict[str, Any] | None = None  # loaded, and no iter() since
         # (generator state, base seed) a new persistent iterator continues from (load_state_dict)
-        self._continue_persistent: tuple[Any, int] | None = None
+        self._undo_seed_draw: tuple[Any, int] | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         self._host_epoch: weakref.ref[Any] | None = None
         # device= with persistent workers: the last epoch's facade and its transfer thread
@@ -242,7 +242,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started += 1
         self._pending_state = None  # this epoch starts from it: its own progress says the rest
         if self._iterator is not None:
-            self._continue_persistent = None  # reused: it draws no new base seed
+            self._undo_seed_draw = None  # reused: it draws no new base seed
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         it: Any = super().__iter__()
@@ -284,18 +284,19 @@ class ThreadDataLoader(DataLoader[T_co]):
     def _get_iterator(self) -> _BaseDataLoaderIter:
         resume, self._resume = self._resume, None
         # A resumed epoch's base seed comes from the state, but torch's iterator draws one from
-        # the global RNG all the same: give that draw back, so that a global RNG restored with
-        # the checkpoint (Accelerate's load_state does) seeds the next epochs as it would have
-        # without the interruption (torchdata's StatefulDataLoader draws nothing either).
-        undo = resume is not None and resume.rng_source == "global" and not resume.next_epoch
-        global_rng = torch.get_rng_state() if undo else None
-        carry = self._continue_persistent
-        if carry is not None and carry[0] is None:  # the global RNG, as the new iterator finds it
-            self._continue_persistent = (torch.get_rng_state(), carry[1])
-        it = self._new_iterator(resume)
-        if global_rng is not None:
-            torch.set_rng_state(global_rng)
-        return it
+        # the global RNG all the same: the iterator gives that draw back (``undo_seed_draw``),
+        # so that a global RNG restored with the checkpoint (Accelerate's load_state does) seeds
+        # the next epochs as it would have without the interruption (torchdata's
+        # StatefulDataLoader draws nothing either).
+        if resume is not None and resume.rng_source == "global" and self._undo_seed_draw is None:
+            self._undo_seed_draw = (None, resume.base_seed)
+        undo = self._undo_seed_draw
+        if undo is not None and undo[0] is None:  # the global RNG, as the new iterator finds it
+            self._undo_seed_draw = (torch.get_rng_state(), undo[1])
+        try:
+            return self._new_iterator(resume)
+        finally:
+            self._undo_seed_draw = None  # used, or the iterator failed: never for a later one
 
     def _new_iterator(self, resume: Resume | None) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
@@ -419,7 +420,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
             if isinstance(self._pending_state.get(key), torch.Tensor):
                 self._pending_state[key] = encode_rng(self._pending_state[key])
-        self._continue_persistent = None
+        self._undo_seed_draw = None
         by_generator = state["rng_source"] == "generator"
         if not state["in_progress"] and by_generator:
             self.generator.set_state(state["rng_state"])
@@ -433,7 +434,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             # drawing no base seed; a new iterator here draws one (see __iter__). Its workers
             # would have kept their dataset copies and generators (``_engine.state`` point 8).
             rng_state = state["rng_state"] if by_generator else None  # None: as iter() finds it
-            self._continue_persistent = (rng_state, int(state["base_seed"]))
+            self._undo_seed_draw = (rng_state, int(state["base_seed"]))
             if resume.worker_states is not None or resume.rng_states is not None:
                 self._resume = dataclasses.replace(resume, next_epoch=True)
 

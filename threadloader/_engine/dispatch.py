@@ -254,6 +254,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
 
     def _next_index(self) -> Any:
         start = time.perf_counter()
+        self._progress.indices_drawn = True
         try:
             return next(self._sampler_iter)
         finally:

@@ -18,6 +18,7 @@ from threadloader._engine.state import (
     ProgressMixin,
     Resume,
     begin_pass,
+    undo_seed_draw,
     warn_replay,
     without_predrawn,
 )
@@ -54,6 +55,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         # IterableDataset's __iter__ once more than torch does: skip to the base class.
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (_datapipes point 5)
             _BaseDataLoaderIter.__init__(self, loader)
+        undo_seed_draw(self, loader)
         if self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         shard_here(self._dataset, self._world_size, self._rank)  # as torch's, before any iter()
@@ -96,6 +98,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         finally:
             self._stats.caller.add("sampler", time.perf_counter() - start)
         self._drawn += 1
+        self._progress.indices_drawn = True
         return index
 
     def _next_data(self) -> Any:

@@ -9,7 +9,10 @@ How state works; where the code disagrees with this, the code is wrong.
    sampler's own state. The loader snapshots it there, and on resume puts it back at the same
    point, so the same permutation comes out. With a ``generator``, the global RNG is snapshotted
    too (a sampler without one, like ``RandomSampler(replacement=True)``, seeds its epoch from
-   the global RNG) and the first indices are drawn under it; the user's global RNG is given back.
+   the global RNG) and the first indices are drawn under it; the user's global RNG is given back,
+   unless the state was taken before the pass drew an index (``num_workers=0`` draws at the
+   first ``next()``): then the global RNG saved with the user's checkpoint never saw the draw,
+   and it is left as the draw leaves it, as in the uninterrupted run.
    A generator of the sampler's own (``RandomSampler(generator=g)``, or the one Accelerate gives
    a sampler it shards over processes) is snapshotted and put back the same way.
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
@@ -80,6 +83,7 @@ class Resume:
     skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
     global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
+    indices_drawn: bool = True  # the pass drew its first index before the save (point 2)
     # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
     # start from the saved dataset and generator states; nothing else is resumed.
     next_epoch: bool = False
@@ -105,6 +109,7 @@ class Progress:
     # With a loader generator, the global RNG as well: a sampler may draw from it (point 2).
     global_rng_state: torch.Tensor | None = None
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
+    indices_drawn: bool = False  # the pass drew an index yet (point 2)
     # Per-worker dataset states as of each one's last delivered batch (point 4).
     dataset_states: list[Any] | None = None
     next_worker: int = 0
@@ -212,6 +217,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.done = progress.pass_start = 0
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
+    progress.indices_drawn = False
     own = sampler_generator(loader)
     if resume is None or resume.next_epoch:
         progress.base_seed = int(it._base_seed)
@@ -238,8 +244,10 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
         try:
             first = list(itertools.islice(sampler_iter, 1))
         finally:
-            torch.set_rng_state(mine)
+            if resume.indices_drawn:  # else the user's RNG, saved with the state, never saw it
+                torch.set_rng_state(mine)
         sampler_iter = Predrawn(first, sampler_iter)
+        progress.indices_drawn = True
     if resume.replay_indices:
         for _ in itertools.islice(sampler_iter, resume.position):
             pass
@@ -277,19 +285,21 @@ class Predrawn(Iterator[Any]):
         return next(self.rest)
 
 
-def continue_persistent(it: Any, loader: Any) -> None:
+def undo_seed_draw(it: Any, loader: Any) -> None:
     """Undo a new iterator's base-seed draw where the saving loader's would have drawn none.
 
-    A state taken between epochs of a loader with persistent workers starts the next epoch,
-    which that loader would have run on its existing iterator (``_reset``: no new base seed).
+    Called right after torch's iterator ``__init__`` drew it, before the epoch's pass begins. A
+    resumed epoch's base seed is the saved one. A state taken between epochs of a loader with
+    persistent workers starts the next epoch, which that loader would have run on its existing
+    iterator (``_reset``: no new base seed).
     A new iterator has just drawn one from the generator, or from the global RNG without one;
     restoring that RNG as it was before the draw, and the saved base seed, makes the next
     epoch's order (and worker seeds) the uninterrupted run's.
     """
-    saved = loader._continue_persistent
+    saved = loader._undo_seed_draw
     if saved is None:
         return
-    loader._continue_persistent = None
+    loader._undo_seed_draw = None
     if rng_source(loader) == "generator":
         loader.generator.set_state(saved[0])
     else:
@@ -437,6 +447,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
             else None
         ),
         "sampler_rng_state": _sampler_rng_state(loader, progress if live else None),
+        "indices_drawn": progress.indices_drawn if live else True,  # type: ignore[union-attr]
     }
 
 

@@ -245,4 +245,5 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         skips=tuple(skips) if kind == "map" else (),
         global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
+        indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
     )

@@ -48,7 +48,7 @@ from threadloader._engine.dispatch import DispatchingIter, prefetch_factor
 from threadloader._engine.state import (
     Progress,
     Resume,
-    continue_persistent,
+    undo_seed_draw,
     without_predrawn,
 )
 from threadloader._engine.tasks import NewEpoch, Result, Task
@@ -96,7 +96,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._progress = Progress()
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
             super().__init__(loader)
-        continue_persistent(self, loader)
+        undo_seed_draw(self, loader)
         self._resume = resume
         if resume is not None:
             self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's

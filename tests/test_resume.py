@@ -985,3 +985,28 @@ def test_a_state_taken_before_the_first_index_was_drawn_resumes_every_later_epoc
     resumed = make(resumed_workers)
     resumed.load_state_dict(state)
     assert [[b.tolist() for b in resumed] for _ in range(3)] == expected
+
+
+def test_an_out_of_order_state_refuses_another_number_of_ranks() -> None:
+    """Positions delivered ahead (in_order=False) count batches of the saving rank's share: on
+    another number of ranks they name other samples (samples were read twice and others never).
+    The same number of ranks resumes; another is refused, naming why."""
+
+    def make(world: int, rank: int, slow: frozenset[int] = frozenset()) -> Any:
+        dataset = SlowItems(slow, n=12)
+        sampler = DistributedShuffleSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        return ThreadDataLoader(
+            dataset, batch_size=2, sampler=sampler, num_workers=2, in_order=False, timeout=30
+        )
+
+    loader = make(1, 0, slow=frozenset({0}))
+    it = iter(loader)
+    first = [next(it)]
+    state = loader.state_dict()
+    del it
+    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    with pytest.raises(ValueError, match=r"saved on 1 ranks .* out of order .* this run has 2"):
+        make(2, 0).load_state_dict(state)
+    same = make(1, 0)
+    same.load_state_dict(state)
+    assert sorted(_items(first) + _items(list(same))) == list(range(12))

@@ -85,6 +85,12 @@ def _check_same_batches(loader: Any, state: Mapping[str, Any], positional: bool)
         )
 
 
+def _sampler_ranks(sampler_state: Any) -> int | None:
+    """The number of ranks a positional sampler's saved state shares its epoch over, if any."""
+    ranks = sampler_state.get("num_replicas") if isinstance(sampler_state, Mapping) else None
+    return ranks if type(ranks) is int else None
+
+
 def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     """Check ``state`` against ``loader`` and turn it into a pending resume.
 
@@ -158,6 +164,19 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
     if state["in_progress"] and kind == "map":
         _check_same_batches(loader, state, positional is not None)
+    if skips and positional is not None:
+        # The sampler's own number of ranks where it has one, else torch.distributed's.
+        saved_ranks = _sampler_ranks(state.get("sampler"))
+        ranks = getattr(positional[0], "num_replicas", None)
+        if saved_ranks is None or type(ranks) is not int:
+            saved_ranks, ranks = state["world_size"], world_size
+        if saved_ranks != ranks:
+            raise ValueError(
+                f"loader state was saved on {saved_ranks} ranks with batches delivered out of "
+                f"order (in_order=False), this run has {ranks}: the positions of those batches "
+                "belong to the saving rank's share of the epoch. Resume on the same number of "
+                "ranks, or save from a loader with in_order=True to resume on another"
+            )
     if replay_indices and state["world_size"] != world_size:
         raise ValueError(
             f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "

@@ -210,7 +210,9 @@ class DistributedShuffleSampler(Sampler[int]):
         The saved seed replaces this sampler's; ``num_replicas`` may differ from the saved one.
 
         Args:
-            state: a dict from ``state_dict()`` of any rank, saved with any world size.
+            state: a dict from ``state_dict()`` of any rank, saved with any world size. (A
+                loader state whose batches were delivered out of order resumes on the same
+                world size only.)
 
         Raises:
             ValueError: if the format version, dataset length or ``shuffle`` differ from this

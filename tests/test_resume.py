@@ -1010,3 +1010,45 @@ def test_an_out_of_order_state_refuses_another_number_of_ranks() -> None:
     same = make(1, 0)
     same.load_state_dict(state)
     assert sorted(_items(first) + _items(list(same))) == list(range(12))
+
+
+class SlowWorkerShards(IterableDataset[int]):
+    """No state: worker w yields w, w + N, ... below 8; worker ``slow`` waits 0.3 s first."""
+
+    def __init__(self, slow: int) -> None:
+        self.slow = slow
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        assert info is not None
+        if info.id == self.slow:
+            time.sleep(0.3)
+        yield from range(info.id, 8, info.num_workers)
+
+
+@pytest.mark.filterwarnings("ignore:SlowWorkerShards has no state_dict")
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_replay_after_delivery_as_completed_drops_what_each_worker_delivered(
+    isolation: str,
+) -> None:
+    """An IterableDataset without state is replayed; with in_order=False the batches the loop
+    received came as workers finished them, so the replay drops as many of *each worker's*
+    batches as the loop had from it. It dropped the first k of the new run, which came from
+    another worker: samples were read twice and others never."""
+
+    def make(slow: int) -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            SlowWorkerShards(slow), batch_size=2, num_workers=2, in_order=False,
+            isolation=isolation,
+        )  # fmt: skip
+
+    loader = make(slow=0)
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    assert first == [[1, 3], [5, 7]], "worker 1 did not finish first: the scenario is wrong"
+    resumed = make(slow=1)  # after the restart, the other worker is the slow one
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for b in resumed]
+    assert sorted(x for b in first + rest for x in b) == list(range(8))

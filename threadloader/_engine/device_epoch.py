@@ -91,6 +91,7 @@ class _HostBatches:
             dataset_states=list(progress.dataset_states or []) or None,
             rng_states=list(progress.rng_states or []) or None,
             workers_alive=list(progress.workers_alive),
+            worker_batches=list(progress.worker_batches),
         )
         return Tagged(batch, snapshot)
 

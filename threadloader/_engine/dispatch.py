@@ -165,6 +165,12 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._discard = resume.batches if resume is not None and resume.replay_data else 0
         if self._discard:
             warn_replay(self._dataset, self._discard)
+        counts = resume.worker_batches if resume is not None else None
+        self._discard_by_worker = (
+            list(counts) if self._discard and counts and len(counts) == self._num_workers else None
+        )
+        self._delivered_by = 0
+        self._progress.worker_batches = [0] * self._num_workers
         self._send_idx = 0  # number of the next batch to dispatch
         self._rcvd_idx = 0  # number of the next batch to deliver (in order)
         self._sampler_done = False  # the sampler ran out: what is in flight drains
@@ -266,10 +272,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._ready, self._ran_here = True, False  # _get_result may clear / set them
         delivered = ended = False
         try:
-            while self._discard:  # replaying an IterableDataset without state (_state point 4)
-                self._next_batch()
-                self._discard -= 1
             data = self._next_batch()
+            while self._discard and self._replayed():  # _state point 4
+                data = self._next_batch()
             delivered = True
             return data
         except StopIteration:
@@ -340,10 +345,25 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._try_put_index()
         return self._deliver(result)
 
+    def _replayed(self) -> bool:
+        """Whether the batch just taken is one the loop received before the save (replaying an
+        IterableDataset without state, ``_state`` point 4): counted off per worker where the
+        state says how many of each worker's batches the loop received, since batches
+        delivered as completed (``in_order=False``) came in no fixed order."""
+        by_worker = self._discard_by_worker
+        if by_worker is not None:
+            worker_id = self._delivered_by
+            if not by_worker[worker_id]:
+                return False
+            by_worker[worker_id] -= 1
+        self._discard -= 1
+        return True
+
     def _deliver(self, result: Result) -> Any:
         """Record what delivering ``result`` changes in the progress; its batch, or its error."""
-        worker_id = result.worker_id
+        worker_id = self._delivered_by = result.worker_id
         progress = self._progress
+        progress.worker_batches[worker_id] += 1
         if result.state is not None and progress.dataset_states is not None:
             progress.dataset_states[worker_id] = result.state
         if result.rng is not None and progress.rng_states is not None:

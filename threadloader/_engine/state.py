@@ -23,7 +23,8 @@ How state works; where the code disagrees with this, the code is wrong.
    its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``); for
    an IterableDataset, round-robin order continues with the worker after the one that made the
    last batch. Any other IterableDataset is replayed: its first batches are fetched again and
-   dropped, with a warning. A map-style dataset's states resume on the same number of
+   dropped, with a warning; as many of each worker's as the loop had received from it, so a
+   replay is exact also after delivery as completed (``in_order=False``). A map-style dataset's states resume on the same number of
    workers; on another number each copy keeps its own state, with a warning.
 5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
    number of workers raises ``ValueError`` naming the mismatch.
@@ -84,6 +85,7 @@ class Resume:
     global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
     indices_drawn: bool = True  # the pass drew its first index before the save (point 2)
+    worker_batches: list[int] | None = None  # batches received from each worker (point 4)
     # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
     # start from the saved dataset and generator states; nothing else is resumed.
     next_epoch: bool = False
@@ -110,6 +112,7 @@ class Progress:
     global_rng_state: torch.Tensor | None = None
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
     indices_drawn: bool = False  # the pass drew an index yet (point 2)
+    worker_batches: list[int] = field(default_factory=list)  # delivered from each worker
     # Per-worker dataset states as of each one's last delivered batch (point 4).
     dataset_states: list[Any] | None = None
     next_worker: int = 0
@@ -448,6 +451,11 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         ),
         "sampler_rng_state": _sampler_rng_state(loader, progress if live else None),
         "indices_drawn": progress.indices_drawn if live else True,  # type: ignore[union-attr]
+        "worker_batches": (
+            list(progress.worker_batches)  # type: ignore[union-attr]
+            if live and kind == "iterable" and worker_states is None and loader.num_workers > 0
+            else None
+        ),
     }
 
 

@@ -265,4 +265,26 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
+        worker_batches=_worker_batches(state, batches) if replay_data else None,
     )
+
+
+def _worker_batches(state: Mapping[str, Any], batches: int) -> list[int] | None:
+    """The batches received from each worker (optional: older states replay in order).
+
+    Raises:
+        ValueError: not a list of counts >= 0 adding up to ``batches_yielded``.
+    """
+    counts = state.get("worker_batches")
+    if counts is None:
+        return None
+    if (
+        not isinstance(counts, list)
+        or not all(type(n) is int and n >= 0 for n in counts)
+        or sum(counts) != batches
+    ):
+        raise ValueError(
+            f"loader state worker_batches {counts!r} is not a count per worker adding up to "
+            f"batches_yielded ({batches})"
+        )
+    return list(counts)

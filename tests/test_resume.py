@@ -360,6 +360,9 @@ def test_bad_states_raise_naming_the_mismatch() -> None:
         ("base_seed", None, "base_seed must be an int"),
         ("rng_state", torch.zeros(3, dtype=torch.uint8), "not a global RNG state"),
         ("global_rng_state", torch.zeros(3, dtype=torch.uint8), "not a torch global RNG state"),
+        ("worker_states", 5, "worker_states must be a list"),
+        ("worker_states", [3], r"entries must be None or \{'dataset'"),
+        ("workers_status", "x", "workers_status must be a list of bools"),
     ],
 )
 def test_malformed_fields_raise_before_anything_changes(key: str, value: Any, match: str) -> None:
@@ -1052,3 +1055,15 @@ def test_a_replay_after_delivery_as_completed_drops_what_each_worker_delivered(
     resumed.load_state_dict(state)
     rest = [b.tolist() for b in resumed]
     assert sorted(x for b in first + rest for x in b) == list(range(8))
+
+
+def test_a_replayed_position_past_the_end_of_the_epoch_is_refused() -> None:
+    """A mid-epoch position beyond the epoch's batches names no batch to resume at: refused
+    (it was accepted, and the resumed epoch silently yielded nothing)."""
+    source = ThreadDataLoader(Ids(10), batch_size=2)
+    it = iter(source)
+    next(it)
+    state = {**source.state_dict(), "position": 9, "batches_yielded": 9}
+    del it
+    with pytest.raises(ValueError, match="position 9 is past the end of this loader's epoch"):
+        ThreadDataLoader(Ids(10), batch_size=2).load_state_dict(state)

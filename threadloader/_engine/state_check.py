@@ -35,6 +35,34 @@ def _check_int(state: Mapping[str, Any], key: str, minimum: int | None = 0) -> N
         raise ValueError(f"loader state {key} must be {wanted}, got {value!r}")
 
 
+def _check_worker_fields(state: Mapping[str, Any]) -> None:
+    """``worker_states``: None or a list of per-worker states, each None or (point 3 of
+    ``dataset_state``) ``{"dataset": ..., "iterator": ...}``; ``workers_status``: None or a
+    list of bools. What a dataset's own ``load_state_dict`` makes of its part is its own."""
+    states = state["worker_states"]
+    if states is not None and not isinstance(states, list):
+        raise ValueError(
+            f"loader state worker_states must be a list (a state per worker) or None, got "
+            f"{type(states).__name__}"
+        )
+    if states is not None and state.get("worker_state_form", 1) >= dataset_state.FORM:
+        for entry in states:
+            if entry is not None and not (
+                isinstance(entry, Mapping) and set(entry) <= {"dataset", "iterator"}
+            ):
+                raise ValueError(
+                    "loader state worker_states entries must be None or "
+                    f"{{'dataset': ..., 'iterator': ...}}, got {entry!r}"
+                )
+    status = state["workers_status"]
+    if status is not None and (
+        not isinstance(status, list) or not all(type(alive) is bool for alive in status)
+    ):
+        raise ValueError(
+            f"loader state workers_status must be a list of bools or None, got {status!r}"
+        )
+
+
 def _sampler_checks_sources(loader: Any) -> bool:
     """A MixtureSampler checks each source's length by name; sources may be added at restart."""
     from threadloader.streams import MixtureSampler
@@ -91,6 +119,14 @@ def _sampler_ranks(sampler_state: Any) -> int | None:
     return ranks if type(ranks) is int else None
 
 
+def _batches_per_epoch(loader: Any) -> float:
+    """Batches a replayed map-style epoch holds; infinity where its sampler has no length."""
+    try:
+        return len(loader._index_sampler)
+    except TypeError:
+        return float("inf")
+
+
 def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     """Check ``state`` against ``loader`` and turn it into a pending resume.
 
@@ -112,6 +148,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     for key in ("epoch", "batches_yielded", "num_workers", "next_worker"):
         _check_int(state, key)
     _check_int(state, "base_seed", minimum=None)
+    _check_worker_fields(state)
     if type(state["in_progress"]) is not bool:
         raise ValueError(f"loader state in_progress must be a bool, got {state['in_progress']!r}")
     kind = KINDS[loader._dataset_kind]
@@ -164,6 +201,11 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
     if state["in_progress"] and kind == "map":
         _check_same_batches(loader, state, positional is not None)
+        if positional is None and position > _batches_per_epoch(loader):
+            raise ValueError(
+                f"loader state position {position} is past the end of this loader's epoch "
+                f"({_batches_per_epoch(loader)} batches)"
+            )
     if skips and positional is not None:
         # The sampler's own number of ranks where it has one, else torch.distributed's.
         saved_ranks = _sampler_ranks(state.get("sampler"))

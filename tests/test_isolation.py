@@ -585,6 +585,32 @@ def test_batches_kept_by_the_loop_are_never_overwritten() -> None:
     assert_epochs_equal(kept, theirs)
 
 
+class NumpyRows(Dataset[Any]):
+    """Item i: ``np.full(4, i)``, C order, or Fortran order for a 2-d item when ``fortran``."""
+
+    def __init__(self, fortran: bool) -> None:
+        self.fortran = fortran
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> Any:
+        if self.fortran:
+            return np.asfortranarray(np.full((2, 3), float(i)))
+        return np.full(4, float(i))
+
+
+@pytest.mark.parametrize("fortran", [False, True], ids=["C order", "Fortran order"])
+def test_numpy_arrays_kept_by_the_loop_are_never_overwritten(fortran: bool) -> None:
+    """A batch of numpy arrays (a collate_fn that keeps them) views its slot: the slot goes back
+    only once no array views it. numpy shortened the arrays' base to the segment's, so the slot
+    went back at delivery, and later batches overwrote the kept ones."""
+    loader = IsolatedLoader(NumpyRows(fortran), batch_size=2, num_workers=2, collate_fn=keep_list)
+    kept = list(loader)
+    assert [[float(a.flat[0]) for a in b] for b in kept] == [[2 * k, 2 * k + 1] for k in range(8)]
+    assert all(float(a.max()) == float(a.min()) for b in kept for a in b)
+
+
 def test_slots_return_when_batches_are_dropped() -> None:
     """A loop that drops each batch reuses slots: 100 batches fit in the first slots made."""
     iterator = iter(IsolatedLoader(Ids(400), batch_size=4, num_workers=2))

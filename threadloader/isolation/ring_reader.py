@@ -89,13 +89,17 @@ class RingReader:
                     typed = by_dtype[dtype] = base.view(dtype)
                 leaf = typed.as_strided(shape, stride, offset // typed.element_size())
             else:
+                # Through the tensor: numpy shortens a view's base to the array that owns the
+                # memory (the segment's), which would let ``owner`` die, and the slot go back,
+                # while the leaf still views it; a tensor holds ``owner``, and ends the chain.
+                held = base.numpy()
                 np_dtype = np.dtype(dtype)
                 if stride:  # Fortran order, kept
-                    leaf = np.ndarray(shape, np_dtype, buffer=owner, offset=offset, strides=stride)
+                    leaf = np.ndarray(shape, np_dtype, buffer=held, offset=offset, strides=stride)
                 else:
                     count = int(np.prod(shape, dtype=np.int64))
                     end = offset + count * np_dtype.itemsize
-                    leaf = owner[offset:end].view(np_dtype).reshape(shape)
+                    leaf = held[offset:end].view(np_dtype).reshape(shape)
             loaded[index] = leaf
             return leaf
 

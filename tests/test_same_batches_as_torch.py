@@ -264,6 +264,42 @@ def test_persistent_workers_give_dataloaders_batches_over_three_epochs(num_worke
         assert_epochs_equal(ours[epoch], theirs[epoch])
 
 
+class GlobalDraws(torch.utils.data.Dataset[float]):
+    """Item i: a draw from the worker's global torch RNG (its own in a worker)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> float:
+        return float(torch.rand(()))
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_persistent_workers_finish_an_abandoned_epochs_batches_like_dataloader(
+    num_workers: int, isolation: str
+) -> None:
+    """Leaving an epoch early: torch's persistent workers make every batch already given to
+    them before the next epoch starts, so what those batches drew is drawn in every run. The
+    next epoch's draws equal torch's (they depended on how many batches a worker had started
+    by the break)."""
+
+    def epochs(make: Callable[..., Any], **extra: Any) -> list[list[list[float]]]:
+        torch.manual_seed(0)
+        loader = make(
+            GlobalDraws(), batch_size=2, num_workers=num_workers, persistent_workers=True,
+            **extra,
+        )  # fmt: skip
+        first = []
+        for batch in loader:
+            first.append(batch.tolist())
+            break
+        return [first, [b.tolist() for b in loader], [b.tolist() for b in loader]]
+
+    theirs = epochs(torch_loader, multiprocessing_context="fork")
+    assert epochs(ThreadDataLoader, isolation=isolation) == theirs
+
+
 def _threads_beyond(baseline: set[threading.Thread]) -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t not in baseline}
 

@@ -183,7 +183,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         """
         if not self._in_order:
             raise ValueError("a live change of the index stream needs in_order=True")
-        self._generation = self._pool.new_epoch()
+        self._generation = self._pool.new_epoch(finish_queued=False)
         self._forget_in_flight()
         self._sampler_done = False  # rewound
         self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale

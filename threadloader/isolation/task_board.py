@@ -20,8 +20,10 @@ The rules; where the code disagrees with them, the code is wrong:
 2. At most ``limit`` runners hold a worker at once (the pacer's number); the others wait on a
    condition, without asking for the GIL.
 3. One runner at a time reads the pipe, and only when nothing can be claimed. It reads
-   everything already waiting, so an epoch restart drops the abandoned epoch's tasks queued
-   before it instead of running them.
+   everything already waiting. An epoch restart (persistent workers) queues each worker's
+   epoch message behind the abandoned epoch's tasks, which run first, as torch's persistent
+   workers finish theirs: what they draw or change is then the same in every run (their
+   results are stale, and the training process drops them).
 4. A runner that finishes looks for its next message itself; a waiting runner is woken only when
    there may be work for it (new messages, a higher limit, the end).
 5. The pipe's end (the training process closed it or died) ends every runner: ``take`` returns
@@ -144,8 +146,7 @@ class TaskBoard:
         if msg[0] == EPOCH:
             generation, seed = msg[1], msg[2]
             self._generation = generation
-            # Rule 3: the abandoned epoch's tasks not started yet are dropped.
-            self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
+            # Rule 3: each worker starts the new epoch after the abandoned epoch's tasks.
             self._queue.extend((EPOCH, w, generation, seed) for w in self._worker_ids)
         elif msg[3] >= self._generation:
             self._queue.append(msg)

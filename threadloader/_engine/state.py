@@ -24,8 +24,9 @@ How state works; where the code disagrees with this, the code is wrong.
    an IterableDataset, round-robin order continues with the worker after the one that made the
    last batch. Any other IterableDataset is replayed: its first batches are fetched again and
    dropped, with a warning; as many of each worker's as the loop had received from it, so a
-   replay is exact also after delivery as completed (``in_order=False``). A map-style dataset's states resume on the same number of
-   workers; on another number each copy keeps its own state, with a warning.
+   replay is exact also after delivery as completed (``in_order=False``). A map-style
+   dataset's states resume on the same number of workers; on another number each copy keeps
+   its own state, with a warning.
 5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
    number of workers raises ``ValueError`` naming the mismatch.
 6. With ``save_worker_rng=True`` each worker's own generators (``WorkerInfo.rng``) are saved as
@@ -294,10 +295,9 @@ def undo_seed_draw(it: Any, loader: Any) -> None:
     Called right after torch's iterator ``__init__`` drew it, before the epoch's pass begins. A
     resumed epoch's base seed is the saved one. A state taken between epochs of a loader with
     persistent workers starts the next epoch, which that loader would have run on its existing
-    iterator (``_reset``: no new base seed).
-    A new iterator has just drawn one from the generator, or from the global RNG without one;
-    restoring that RNG as it was before the draw, and the saved base seed, makes the next
-    epoch's order (and worker seeds) the uninterrupted run's.
+    iterator (``_reset``: no new base seed). The draw came from the generator, or from the
+    global RNG without one; restoring that RNG as it was before the draw, and the saved base
+    seed, makes the next epoch's order (and worker seeds) the uninterrupted run's.
     """
     saved = loader._undo_seed_draw
     if saved is None:

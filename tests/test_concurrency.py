@@ -188,6 +188,41 @@ def test_persistent_workers_parked_at_limit_zero_start_the_next_epoch(monkeypatc
     assert torch.equal(first, torch.arange(40)) and torch.equal(second, torch.arange(40))
 
 
+class Draws(Dataset[float]):
+    """Item i: a draw from the worker's global torch RNG."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> float:
+        return float(torch.rand(()))
+
+
+@pytest.mark.timeout(30)
+def test_parked_persistent_workers_finish_an_abandoned_epochs_tasks_before_the_next(
+    monkeypatch,
+) -> None:
+    """Leaving an epoch while workers are parked at limit 0 with tasks queued: the training
+    thread starts the next epoch on their behalf, after running those tasks as they would have
+    (torch's persistent workers make every batch given to them), so the next epochs' draws are
+    torch's, and nothing waits for a parked worker."""
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero)
+
+    def epochs(loader: Any, park: bool) -> list[list[float]]:
+        it = iter(loader)
+        if park:
+            it._pool.gate.set_limit(0)  # the tasks dispatched at iter() stay queued
+        out = [[next(it).tolist()]]
+        del it
+        return out + [[b.tolist() for b in loader] for _ in range(2)]
+
+    kwargs: dict[str, Any] = {"batch_size": 2, "num_workers": 2, "persistent_workers": True}
+    torch.manual_seed(0)
+    expected = epochs(torch_loader(Draws(), multiprocessing_context="fork", **kwargs), False)
+    torch.manual_seed(0)
+    assert epochs(ThreadDataLoader(Draws(), **kwargs), True) == expected
+
+
 class _Schedule(ConcurrencyController):
     """A controller that follows a fixed schedule of limits, one entry per delivered batch."""
 

@@ -142,6 +142,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         resume = self._resume if first_iter else None
         self._resume = None
+        if not first_iter and not self._progress.exhausted:
+            self._dispatch_as_torch_would()  # from the abandoned epoch's index stream
         if not first_iter or resume is None:
             # As torch's worker iterator: the first epoch's sampler iterator is the second one
             # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
@@ -222,6 +224,19 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         parked = sum(len(info) == 3 for info in self._task_info.values())
         for _ in range(self._max_tasks - self._tasks_outstanding - parked):
             self._try_put_index()
+
+    def _dispatch_as_torch_would(self) -> None:
+        """Top up an abandoned epoch's batches in flight to what torch's iterator keeps in
+        flight: the lean path (``threaded``) dispatches none ahead. Persistent workers make
+        every batch given to them before the next epoch, as torch's do (``WorkerPool.new_epoch``,
+        the helper's ``task_board`` rule 3), so what those batches draw from a worker's
+        generators is drawn whatever the concurrency limit was at the break."""
+        parked = sum(len(info) == 3 for info in self._task_info.values())
+        while not self._sampler_done and self._tasks_outstanding + parked < self._max_tasks:
+            sent = self._send_idx
+            DispatchingIter._try_put_index(self)  # also on the lean path, which dispatches none
+            if self._send_idx == sent:
+                return
 
     def _forget_in_flight(self) -> None:
         """Drop every batch dispatched and not delivered (their results will be stale)."""

@@ -228,3 +228,32 @@ def test_a_stateful_iterable_dataset_resumes_its_state_and_its_draws(cut: int) -
     assert state["worker_states"] is not None and state["worker_rng_states"] is not None
     for mine, want in zip(got, reference, strict=True):
         assert_batches_equal(mine, want)
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_resumed_state_saved_again_before_every_worker_delivered_resumes_exactly(
+    isolation: str,
+) -> None:
+    """A resumed worker that has delivered nothing since still holds the generator state it was
+    resumed from, already in its saved (plain) form: saving again must keep it as it is (it
+    raised AttributeError), and resuming from that second state draws what an uninterrupted
+    run draws."""
+    make = lambda: _loader(num_workers=3, isolation=isolation)
+    reference = list(make())
+    loader = make()
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    first = loader.state_dict()
+    del it
+    loader = make()
+    loader.load_state_dict(first)
+    it = iter(loader)
+    got.append(next(it))  # one worker of three delivered since the resume
+    second = loader.state_dict()
+    del it
+    loader = make()
+    loader.load_state_dict(second)
+    got += list(loader)
+    assert len(got) == len(reference)
+    for mine, want in zip(got, reference, strict=True):
+        assert_batches_equal(mine, want)

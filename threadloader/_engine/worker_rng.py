@@ -38,15 +38,21 @@ def rng_state(rngs: WorkerRNGs) -> dict[str, Any]:
 def as_plain(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with lists for ``random``'s tuples: what a loader state may hold.
 
-    Done when the state is saved, not at every batch's snapshot.
+    Done when the state is saved, not at every batch's snapshot. A state already plain (a
+    resumed worker's that has delivered nothing since) comes back as it is.
     """
     version, internal, gauss_next = state["random"]
     plain = {**state, "random": [version, list(internal), gauss_next]}
-    plain["torch"] = encode_rng(state["torch"])
+    torch_state = state["torch"]
+    plain["torch"] = torch_state if isinstance(torch_state, str) else encode_rng(torch_state)
     legacy = state.get("numpy_global")
     if legacy is not None:
         inner = legacy["state"]
-        plain["numpy_global"] = {**legacy, "state": {**inner, "key": inner["key"].tolist()}}
+        key = inner["key"]
+        plain["numpy_global"] = {
+            **legacy,
+            "state": {**inner, "key": key.tolist() if hasattr(key, "tolist") else key},
+        }
     return plain
 
 

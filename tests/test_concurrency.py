@@ -162,6 +162,11 @@ class _AlwaysZero(ConcurrencyController):
         return None
 
 
+class _AlwaysMax(ConcurrencyController):
+    def on_batch(self, *args: float | None) -> int | None:
+        return None
+
+
 @pytest.mark.timeout(30)
 def test_workers_parked_at_limit_zero_never_stall_the_epoch(monkeypatch) -> None:
     """A worker still starting when the limit drops to 0 does not leave its batch unfetched."""
@@ -221,6 +226,49 @@ def test_parked_persistent_workers_finish_an_abandoned_epochs_tasks_before_the_n
     expected = epochs(torch_loader(Draws(), multiprocessing_context="fork", **kwargs), False)
     torch.manual_seed(0)
     assert epochs(ThreadDataLoader(Draws(), **kwargs), True) == expected
+
+
+class CallCount(Dataset[tuple[int, int]]):
+    """Item i: ``(i, items this copy made)``; a persistent worker's copy keeps counting."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return 300
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        self.calls += 1
+        return i, self.calls
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lean", [True, False], ids=["limit 0", "every thread"])
+def test_persistent_workers_left_early_in_several_epochs_count_like_dataloader(
+    monkeypatch, lean: bool
+) -> None:
+    """Epochs left after 1 batch, then before the loop kept one (break at the first), then
+    after 3: each worker's copy has made what torch's had, whatever the limit. A worker parked
+    through two abandoned epochs started only the first of them on the training thread, so its
+    copy lagged one item behind torch's."""
+    monkeypatch.setattr(threaded, "ConcurrencyController", _AlwaysZero if lean else _AlwaysMax)
+
+    def epochs(loader: Any) -> list[list[list[int]]]:
+        out = []
+        for taken in (None, 1, 0, 3):
+            epoch: list[list[int]] = []
+            for batch in loader:
+                if taken is not None and len(epoch) >= taken:
+                    break
+                epoch.append([int(x) for x in batch])
+            out.append(epoch)
+        return out[1:]
+
+    kwargs: dict[str, Any] = {
+        "batch_size": 1, "num_workers": 2, "prefetch_factor": 1, "persistent_workers": True,
+    }  # fmt: skip
+    expected = epochs(torch_loader(CallCount(), multiprocessing_context="fork", **kwargs))
+    assert epochs(ThreadDataLoader(CallCount(), **kwargs)) == expected
 
 
 class _Schedule(ConcurrencyController):

@@ -301,17 +301,23 @@ class ThreadedDataLoaderIter(DispatchingIter):
 def _start_pending_epoch(worker: Worker) -> bool:
     """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``).
 
-    The abandoned epoch's tasks queued before it run first, as the worker would have run them
-    (``WorkerPool.new_epoch``); their results are stale and dropped.
+    The abandoned epochs' tasks queued before it run first, as the worker would have run them
+    (``WorkerPool.new_epoch``; a worker parked through several epochs has several); their
+    results are stale and dropped.
     """
+    started = False
     while True:
+        pending = worker.tasks.holds(lambda m: isinstance(m, NewEpoch))
+        if not pending:
+            return started
         head = worker.tasks.head()
         if isinstance(head, NewEpoch):
             if not worker.tasks.take_head_if(head):
-                return False
+                return started
             worker.start_epoch(head.generation, head.seed)
-            return True
-        if not isinstance(head, Task) or not worker.tasks.holds(lambda m: isinstance(m, NewEpoch)):
-            return False
+            started = True
+            continue
+        if not isinstance(head, Task):
+            return started
         if worker.tasks.take_head_if(head) and head.generation == worker.generation:
             worker.run_timed(head, worker.recorder, cpu_time=False)

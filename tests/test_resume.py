@@ -1008,7 +1008,7 @@ def test_an_out_of_order_state_refuses_another_number_of_ranks() -> None:
     state = loader.state_dict()
     del it
     assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
-    with pytest.raises(ValueError, match=r"saved on 1 ranks .* out of order .* this run has 2"):
+    with pytest.raises(ValueError, match=r"saved on 1 ranks .*in_order=False.* this run has 2"):
         make(2, 0).load_state_dict(state)
     same = make(1, 0)
     same.load_state_dict(state)
@@ -1067,3 +1067,26 @@ def test_a_replayed_position_past_the_end_of_the_epoch_is_refused() -> None:
     del it
     with pytest.raises(ValueError, match="position 9 is past the end of this loader's epoch"):
         ThreadDataLoader(Ids(10), batch_size=2).load_state_dict(state)
+
+
+def test_an_out_of_order_state_without_batches_ahead_refuses_another_number_of_ranks() -> None:
+    """A rank whose own state holds no batch delivered ahead still cannot stand for its
+    siblings on another number of ranks: theirs may (a torchrun script loads rank r % W's
+    state; samples of the other rank were lost and others read twice)."""
+
+    def make(world: int, rank: int) -> Any:
+        dataset = SlowItems(n=12)
+        sampler = DistributedShuffleSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        return ThreadDataLoader(
+            dataset, batch_size=2, sampler=sampler, num_workers=2, in_order=False, timeout=30
+        )
+
+    loader = make(2, 0)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    assert state["in_progress"] and state["in_order"] is False
+    with pytest.raises(ValueError, match=r"saved on 2 ranks .*in_order=False.* this run has 1"):
+        make(1, 0).load_state_dict(state)
+    make(2, 0).load_state_dict(state)  # the same number of ranks resumes

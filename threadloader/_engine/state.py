@@ -427,6 +427,8 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "batches_yielded": batches,
         "position": position,
         "delivered_ahead": ahead,
+        # Delivered as completed (point 7): another rank's state may hold batches ahead.
+        "in_order": bool(loader.in_order) or loader.num_workers <= 1 if live else True,
         "base_seed": base_seed,
         "rng_source": source,
         "rng_state": encode_rng(rng_state),

@@ -206,7 +206,10 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 f"loader state position {position} is past the end of this loader's epoch "
                 f"({_batches_per_epoch(loader)} batches)"
             )
-    if skips and positional is not None:
+    out_of_order = bool(skips) or state.get("in_order") is False  # optional: older states
+    if out_of_order and state["in_progress"] and positional is not None:
+        # Any rank's state may hold batches delivered ahead, this one's or its siblings': the
+        # ranks' cursors differ, and no one rank's state says where the others got to.
         # The sampler's own number of ranks where it has one, else torch.distributed's.
         saved_ranks = _sampler_ranks(state.get("sampler"))
         ranks = getattr(positional[0], "num_replicas", None)
@@ -214,10 +217,11 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             saved_ranks, ranks = state["world_size"], world_size
         if saved_ranks != ranks:
             raise ValueError(
-                f"loader state was saved on {saved_ranks} ranks with batches delivered out of "
-                f"order (in_order=False), this run has {ranks}: the positions of those batches "
-                "belong to the saving rank's share of the epoch. Resume on the same number of "
-                "ranks, or save from a loader with in_order=True to resume on another"
+                f"loader state was saved on {saved_ranks} ranks from a loader delivering batches "
+                f"as completed (in_order=False), this run has {ranks}: each rank's batches "
+                "delivered ahead belong to its share of the epoch, and its state does not say "
+                "where the other ranks got to. Resume on the same number of ranks, or save from "
+                "a loader with in_order=True to resume on another"
             )
     if replay_indices and state["world_size"] != world_size:
         raise ValueError(

@@ -389,14 +389,21 @@ def _mixture_reference(at: int) -> list[int]:
     return [mixture[i] for i in mixture.indices_at(np.arange(400)).tolist()]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    ("num_workers", "isolation"), [(0, "threads"), (2, "threads"), (2, "process")]
+)
 @pytest.mark.parametrize("cut", [3, 10])
-def test_loader_set_mixture_weights_applies_from_the_next_batch(num_workers: int, cut: int) -> None:
+def test_loader_set_mixture_weights_applies_from_the_next_batch(
+    num_workers: int, isolation: str, cut: int
+) -> None:
     """loader.set_mixture_weights() after k batches: batch k+1 on is drawn with the new weights,
-    whatever the workers had prefetched; the stream equals a schedule changed at k * batch_size."""
+    whatever the workers had prefetched; the stream equals a schedule changed at k * batch_size.
+    In helper processes too (the batches they had prefetched were delivered as well)."""
     mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
     sampler = MixtureSampler(mixture, samples_per_epoch=400)
-    loader = ThreadDataLoader(mixture, batch_size=8, sampler=sampler, num_workers=num_workers)
+    loader = ThreadDataLoader(
+        mixture, batch_size=8, sampler=sampler, num_workers=num_workers, isolation=isolation
+    )
     it = iter(loader)
     got = [next(it) for _ in range(cut)]
     position = loader.set_mixture_weights({"a": 0.1, "b": 0.9})

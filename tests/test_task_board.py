@@ -126,7 +126,7 @@ def test_an_epoch_restart_runs_the_abandoned_epochs_queued_tasks_first() -> None
     old = _tasks(6, workers=2)
     for msg in old:  # all queued before any runner reads
         ours.send(msg)
-    ours.send((EPOCH, 1, 42))
+    ours.send((EPOCH, 1, 42, False))
     new = _tasks(4, workers=2, generation=1)
     for msg in new:
         ours.send(msg)

@@ -41,6 +41,7 @@ from threadloader._engine.state import (
     Resume,
     begin_pass,
     warn_replay,
+    without_predrawn,
 )
 from threadloader._engine.stats import EpochStats
 from threadloader._engine.tasks import Result, WorkerSpec
@@ -104,8 +105,25 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         """True once ``close()`` ran or the epoch ended for good (timeout, Ctrl-C)."""
         return not self._finalizer.alive
 
-    def _restart_workers(self) -> None:
+    def _restart_workers(self, drop_queued: bool = False) -> None:
+        """Start the workers' next generation: a persistent epoch's, after the tasks they were
+        given (as torch's), or with ``drop_queued`` a redispatch's, dropping those tasks."""
         raise NotImplementedError
+
+    def redispatch(self) -> None:
+        """Drop every batch dispatched and not delivered, and dispatch again from the sampler.
+
+        For a sampler that was just rewound to the delivered position (a live mixture-weight
+        change): in-flight results become stale (new generation) and are discarded on arrival;
+        tasks not started are dropped, since they were drawn from the rewound stream.
+        """
+        if not self._in_order:
+            raise ValueError("a live change of the index stream needs in_order=True")
+        self._restart_workers(drop_queued=True)
+        self._forget_in_flight()
+        self._sampler_done = False  # rewound
+        self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
+        self._fill()
 
     def _worker_spec(
         self, loader: Any, resume: Resume | None, collate_fn: Callable[[Any], Any]

@@ -49,7 +49,6 @@ from threadloader._engine.state import (
     Progress,
     Resume,
     undo_seed_draw,
-    without_predrawn,
 )
 from threadloader._engine.tasks import NewEpoch, Result, Task
 from threadloader._engine.worker import Worker
@@ -164,8 +163,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._finalizer.detach()
         self._pool.close(wait=False)
 
-    def _restart_workers(self) -> None:
-        self._generation = self._pool.new_epoch(self._shared_seed)
+    def _restart_workers(self, drop_queued: bool = False) -> None:
+        seed = None if drop_queued else self._shared_seed
+        self._generation = self._pool.new_epoch(seed, finish_queued=not drop_queued)
 
     def _new_stats(self) -> None:
         super()._new_stats()
@@ -174,20 +174,6 @@ class ThreadedDataLoaderIter(DispatchingIter):
             for worker, recorder in zip(pool.workers, self._stats.workers, strict=True):
                 worker.recorder = recorder
             self._stats.workers_active = pool.gate.active
-
-    def redispatch(self) -> None:
-        """Drop every batch dispatched and not delivered, and dispatch again from the sampler.
-
-        For a sampler that was just rewound to the delivered position (a live mixture-weight
-        change): in-flight results become stale (new generation) and are discarded on arrival.
-        """
-        if not self._in_order:
-            raise ValueError("a live change of the index stream needs in_order=True")
-        self._generation = self._pool.new_epoch(finish_queued=False)
-        self._forget_in_flight()
-        self._sampler_done = False  # rewound
-        self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
-        self._fill()
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Task:
         task = Task(idx, index, self._generation)

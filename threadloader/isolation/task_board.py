@@ -23,7 +23,8 @@ The rules; where the code disagrees with them, the code is wrong:
    everything already waiting. An epoch restart (persistent workers) queues each worker's
    epoch message behind the abandoned epoch's tasks, which run first, as torch's persistent
    workers finish theirs: what they draw or change is then the same in every run (their
-   results are stale, and the training process drops them).
+   results are stale, and the training process drops them). A redispatch (a live change of the
+   index stream) drops them instead: they were drawn from the stream it rewound.
 4. A runner that finishes looks for its next message itself; a waiting runner is woken only when
    there may be work for it (new messages, a higher limit, the end).
 5. The pipe's end (the training process closed it or died) ends every runner: ``take`` returns
@@ -41,7 +42,7 @@ from typing import Any
 
 # Message tags, training process -> helper, on the task pipe:
 TASK = 0  # (TASK, worker_id, idx, generation, index)
-EPOCH = 1  # (EPOCH, generation, seed): persistent workers start over; one per worker here
+EPOCH = 1  # (EPOCH, generation, seed, drop_queued): workers start over; one per worker here
 
 
 class TaskBoard:
@@ -144,8 +145,10 @@ class TaskBoard:
 
     def _add(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == EPOCH:
-            generation, seed = msg[1], msg[2]
+            generation, seed, drop_queued = msg[1], msg[2], msg[3]
             self._generation = generation
+            if drop_queued:  # rule 3: a redispatch's tasks not started came from a rewound stream
+                self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
             # Rule 3: each worker starts the new epoch after the abandoned epoch's tasks.
             self._queue.extend((EPOCH, w, generation, seed) for w in self._worker_ids)
         elif msg[3] >= self._generation:

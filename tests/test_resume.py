@@ -911,6 +911,34 @@ class EpochCount(IterableDataset[torch.Tensor]):
         self.pos, self.epoch = state["pos"], state["epoch"]
 
 
+class StartsAtLoaded(IterableDataset[torch.Tensor]):
+    """Hugging Face's streams' pattern: ``__iter__`` is a generator, and a loaded state says
+    where the *next* ``iter()`` starts; the state counts items handed out this epoch."""
+
+    def __init__(self) -> None:
+        self.start, self.consumed = 0, 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        wid, nw = _worker()
+        start, self.start = self.start, 0
+        self.consumed = start
+        for j, i in enumerate(range(wid, 8, nw)):
+            if j >= start:
+                self.consumed = j + 1
+                yield torch.tensor([i, 0, int(torch.randint(0, 1000, ()))])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["consumed"]
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
 _PERSISTENT = {"num_workers": 2, "persistent_workers": True, "save_worker_rng": True}
 BETWEEN_EPOCHS = {
     "no workers": {"num_workers": 0},
@@ -920,7 +948,7 @@ BETWEEN_EPOCHS = {
 
 
 @pytest.mark.parametrize("stop_seen", [False, True], ids=["after last batch", "after the end"])
-@pytest.mark.parametrize("dataset", [ServedCount, EpochCount])
+@pytest.mark.parametrize("dataset", [ServedCount, EpochCount, StartsAtLoaded])
 @pytest.mark.parametrize("options", BETWEEN_EPOCHS.values(), ids=BETWEEN_EPOCHS.keys())
 def test_a_state_taken_between_epochs_carries_what_the_next_epoch_inherits(
     options: dict[str, Any], dataset: type, stop_seen: bool
@@ -931,8 +959,12 @@ def test_a_state_taken_between_epochs_carries_what_the_next_epoch_inherits(
     with a global-RNG shuffle restored by the checkpoint too. States were dropped (no workers:
     before StopIteration; persistent workers: always) and the global RNG drew a new base seed.
     An IterableDataset's end is known only at StopIteration: before it, the state is mid-epoch.
+    A generator ``__iter__`` that starts where a loaded state says (StartsAtLoaded) gave an
+    empty next epoch: the loaded end of the epoch was never run through.
     """
     map_style = dataset is ServedCount
+    if dataset is StartsAtLoaded and options["num_workers"] == 0 and stop_seen:
+        pytest.skip("as StatefulDataLoader, num_workers=0 loads the state without running it out")
 
     def make() -> ThreadDataLoader[Any]:
         return ThreadDataLoader(dataset(), batch_size=2, shuffle=map_style, **options)
@@ -1090,3 +1122,43 @@ def test_an_out_of_order_state_without_batches_ahead_refuses_another_number_of_r
     with pytest.raises(ValueError, match=r"saved on 2 ranks .*in_order=False.* this run has 1"):
         make(1, 0).load_state_dict(state)
     make(2, 0).load_state_dict(state)  # the same number of ranks resumes
+
+
+class UnevenStartsAtLoaded(StartsAtLoaded):
+    """Worker 0 yields 0, 2; worker 1 (slow) yields 1, 3, 5."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        wid, _ = _worker()
+        if wid == 1:
+            time.sleep(0.2)
+        start, self.start = self.start, 0
+        self.consumed = start
+        for j, i in enumerate([[0, 2], [1, 3, 5]][wid]):
+            if j >= start:
+                self.consumed = j + 1
+                yield torch.tensor(i)
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_worker_ended_at_the_save_starts_the_following_epoch_in_full(isolation: str) -> None:
+    """A persistent worker whose IterableDataset had ended when a mid-epoch state was taken is
+    not asked again in the resumed epoch; its copy is run to the loaded end all the same, so
+    the following epoch starts at its beginning (it started at the loaded end: its items were
+    lost)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            UnevenStartsAtLoaded(), batch_size=2, num_workers=2, persistent_workers=True,
+            isolation=isolation,
+        )  # fmt: skip
+
+    loader = make()
+    it = iter(loader)
+    first = [next(it).tolist(), next(it).tolist()]
+    state = loader.state_dict()
+    del it, loader
+    assert first == [[0, 2], [1, 3]] and state["workers_status"] == [False, True]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [[5]]
+    assert [b.tolist() for b in resumed] == [[0, 2], [1, 3], [5]]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._engine import worker_info
@@ -415,7 +415,10 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._resume = resume if state["in_progress"] else None
         if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
-            settle_dataset(self.dataset, resume.worker_states[0], resume.worker_state_form)
+            iterable = self._dataset_kind == _DatasetKind.Iterable
+            settle_dataset(
+                self.dataset, resume.worker_states[0], resume.worker_state_form, iterable, False
+            )
         self._pending_state = copy.deepcopy(dict(state))
         for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
             if isinstance(self._pending_state.get(key), torch.Tensor):

@@ -17,7 +17,10 @@ where the code disagrees with these points, the code is wrong:
    finished epoch left it; loading it puts the dataset there (``settle_dataset``: dataset
    state, ``iter()``, iterator state), and the next epoch calls ``iter()`` anew, as
    StatefulDataLoader starts a new epoch after resuming a finished one. So does each
-   persistent worker's copy, from a state taken between epochs of persistent workers.
+   persistent worker's copy, from a state taken between epochs of persistent workers, whose
+   restored iterator is then run to its end (``run_to_end``), as StatefulDataLoader's
+   persistent workers do; and the copy of a worker whose IterableDataset had ended when a
+   mid-epoch state was taken, whose next epoch must not start where the loaded state left it.
 """
 
 from __future__ import annotations
@@ -73,11 +76,32 @@ def restore_dataset(dataset: Any, state: Any, form: int) -> None:
         dataset.load_state_dict(state["dataset"])
 
 
-def settle_dataset(dataset: Any, state: Any, form: int) -> None:
-    """Put the loader's own dataset where a finished epoch left it (point 4)."""
+def settle_dataset(dataset: Any, state: Any, form: int, iterable: bool, run_out: bool) -> None:
+    """Put a dataset where a finished epoch left it (point 4).
+
+    With ``run_out`` (persistent workers' copies, as StatefulDataLoader's persistent workers
+    do), an IterableDataset's restored iterator is asked for one more item (``run_to_end``).
+    Without it (the loader's own dataset, ``num_workers=0``) the iterator is only restored, as
+    StatefulDataLoader does there.
+    """
     restore_dataset(dataset, state, form)
-    if form >= FORM and state is not None and state.get("iterator") is not None:
-        restore_iterator(iter(dataset), state, form)
+    if not iterable or state is None:
+        return
+    iterator = iter(dataset)
+    restore_iterator(iterator, state, form)
+    if run_out:
+        run_to_end(iterator)
+
+
+def run_to_end(iterator: Any) -> None:
+    """Ask a restored iterator at its epoch's end for one more item, which it does not have.
+
+    A ``__iter__`` written as a generator takes a loaded state in only once it runs (Hugging
+    Face's streams: "start at this example at the next ``iter()``"); without the run, its next
+    epoch would start at the end of this one, and be empty. An item it does yield (a state
+    that did not describe the end) is dropped.
+    """
+    next(iterator, None)
 
 
 def restore_iterator(iterator: Any, state: Any, form: int) -> None:

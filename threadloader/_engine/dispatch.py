@@ -148,6 +148,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             resume_states=resume.worker_states if resume is not None else None,
             resume_state_form=resume.worker_state_form if resume is not None else 1,
             resume_finished_epoch=resume is not None and resume.next_epoch,
+            resume_ended=frozenset(
+                i for i, alive in enumerate(resume.workers_status or []) if not alive
+            )
+            if resume is not None
+            else frozenset(),
             capture_rng=bool(loader.save_worker_rng),
             resume_rng=resume.rng_states if resume is not None else None,
         )

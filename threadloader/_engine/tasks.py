@@ -103,5 +103,7 @@ class WorkerSpec:
     # The states are where a finished epoch left persistent workers' copies (_state point 8):
     # each copy is settled there (_dataset_state point 4), and the new epoch iterates anew.
     resume_finished_epoch: bool = False
+    # Workers whose IterableDataset had ended when the state was taken: settled the same way.
+    resume_ended: frozenset[int] = frozenset()
     capture_rng: bool = False  # snapshot the worker's generators after each batch
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from

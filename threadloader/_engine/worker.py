@@ -136,7 +136,8 @@ class Worker:
             state = resume[self.id] if resume is not None else None
             form = self.spec.resume_state_form
             if self.spec.resume_finished_epoch:
-                dataset_state.settle_dataset(self.info.dataset, state, form)
+                iterable = self.spec.dataset_kind == _DatasetKind.Iterable
+                dataset_state.settle_dataset(self.info.dataset, state, form, iterable, True)
                 state = None  # the epoch's own iterator starts afresh
             else:
                 dataset_state.restore_dataset(self.info.dataset, state, form)
@@ -151,6 +152,8 @@ class Worker:
             if self._fetcher is not None and state is not None:
                 try:  # after iter(dataset), as StatefulDataLoader (_dataset_state point 2)
                     dataset_state.restore_iterator(self._fetcher.iterator, state, form)
+                    if self.id in self.spec.resume_ended:  # never asked again this epoch
+                        dataset_state.run_to_end(self._fetcher.iterator)
                 except BaseException:  # noqa: BLE001  # delivered to the training thread
                     self._pending_error = ExceptionWrapper(where=self._where())
         self.ready = True

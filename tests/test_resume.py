@@ -1162,3 +1162,56 @@ def test_a_worker_ended_at_the_save_starts_the_following_epoch_in_full(isolation
     resumed.load_state_dict(state)
     assert [b.tolist() for b in resumed] == [[5]]
     assert [b.tolist() for b in resumed] == [[0, 2], [1, 3], [5]]
+
+
+class CountsEpochs(IterableDataset[list[int]]):
+    """Its own iterator: item ``[i, iter() calls on this copy]``; the state holds both."""
+
+    def __init__(self) -> None:
+        self.epoch, self.pos = -1, 0
+
+    def __iter__(self) -> CountsEpochs:
+        self.epoch, self.pos = self.epoch + 1, 0
+        return self
+
+    def __next__(self) -> list[int]:
+        wid, nw = _worker()
+        i = wid + self.pos * nw
+        if i >= 8:
+            raise StopIteration
+        self.pos += 1
+        return [i, self.epoch]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+@pytest.mark.parametrize("taken", [0, 1])
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_persistent_worker_that_has_not_delivered_in_this_epoch_resumes_its_kept_copy(
+    isolation: str, taken: int
+) -> None:
+    """In a later epoch of persistent workers, a worker that has delivered nothing yet still has
+    the copy the last epoch left it: a state taken then resumes that copy (it resumed a fresh
+    one, whose items carried epoch 0 instead of 1)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            CountsEpochs(), batch_size=None, num_workers=2, persistent_workers=True,
+            isolation=isolation,
+        )  # fmt: skip
+
+    reference = make()
+    expected = [[list(x) for x in reference] for _ in range(2)][1]
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    got = [list(next(it)) for _ in range(taken)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + [list(x) for x in resumed] == expected

@@ -10,9 +10,11 @@ where the code disagrees with these points, the code is wrong:
 2. On resume, in this order (StatefulDataLoader's): the dataset's state is loaded, then the
    epoch's ``iter(dataset)`` is called, then the iterator's state is loaded. So a dataset that
    resets its position inside ``__iter__`` gets it back afterwards.
-3. A state is ``{"dataset": ..., "iterator": ...}`` per worker (either may be None). A loader
-   state saved before this form held the dataset's raw state per worker, loaded before
-   ``iter()``; ``restore_dataset`` still takes it (``form`` 1).
+3. A state is ``{"dataset": ..., "iterator": ...}`` per worker (either may be None), with
+   ``"finished": True`` when it is where a finished epoch left a persistent worker's copy (the
+   worker has delivered nothing in the current epoch yet). A loader state saved before this
+   form held the dataset's raw state per worker, loaded before ``iter()``; ``restore_dataset``
+   still takes it (``form`` 1).
 4. A state taken between epochs without workers holds the loader's own dataset as the
    finished epoch left it; loading it puts the dataset there (``settle_dataset``: dataset
    state, ``iter()``, iterator state), and the next epoch calls ``iter()`` anew, as
@@ -91,6 +93,19 @@ def settle_dataset(dataset: Any, state: Any, form: int, iterable: bool, run_out:
     restore_iterator(iterator, state, form)
     if run_out:
         run_to_end(iterator)
+
+
+def finished(state: Any) -> Any:
+    """``state``, marked as where a finished epoch left the copy (point 3): a resume settles
+    it (``settle_dataset``) instead of restoring an iterator of the current epoch."""
+    if state is None or not isinstance(state, dict):
+        return state
+    return {**state, "finished": True}
+
+
+def is_finished(state: Any) -> bool:
+    """Whether ``state`` is marked by ``finished``."""
+    return isinstance(state, dict) and state.get("finished") is True
 
 
 def run_to_end(iterator: Any) -> None:

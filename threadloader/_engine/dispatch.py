@@ -207,13 +207,15 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         progress = self._progress
-        if (
-            progress.dataset_states is None
-            or not self._persistent_workers
-            or self._dataset_kind == _DatasetKind.Iterable  # a new epoch restarts its iterators
-        ):
-            # Persistent workers keep their map-style dataset copies: so do their states.
+        if progress.dataset_states is None or not self._persistent_workers:
             progress.dataset_states = [None] * self._num_workers
+        elif self._dataset_kind == _DatasetKind.Iterable:
+            # Persistent workers keep their dataset copies, and a new epoch restarts their
+            # iterators: until a worker delivers in this epoch, its state is where the last
+            # epoch left its copy, which a resume settles before iterating anew.
+            progress.dataset_states = [
+                dataset_state.finished(state) for state in progress.dataset_states
+            ]
         progress.next_worker = 0
         if resume is not None and resume.worker_states is not None:
             progress.dataset_states = list(resume.worker_states)

@@ -135,7 +135,7 @@ class Worker:
             resume = self.spec.resume_states
             state = resume[self.id] if resume is not None else None
             form = self.spec.resume_state_form
-            if self.spec.resume_finished_epoch:
+            if self.spec.resume_finished_epoch or dataset_state.is_finished(state):
                 iterable = self.spec.dataset_kind == _DatasetKind.Iterable
                 dataset_state.settle_dataset(self.info.dataset, state, form, iterable, True)
                 state = None  # the epoch's own iterator starts afresh

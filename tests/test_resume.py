@@ -1215,3 +1215,38 @@ def test_a_persistent_worker_that_has_not_delivered_in_this_epoch_resumes_its_ke
     resumed = make()
     resumed.load_state_dict(state)
     assert got + [list(x) for x in resumed] == expected
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_state_after_a_break_holds_what_the_finished_batches_did_to_the_copies(
+    isolation: str,
+) -> None:
+    """Persistent workers make the batches given to them before the next epoch (as torch's):
+    a state taken in that epoch before a worker delivers holds what those batches did to its
+    dataset copy (it held the state of the worker's last delivered batch: the resumed copy
+    counted fewer items than the uninterrupted one)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            ServedCount(), batch_size=1, num_workers=2, persistent_workers=True,
+            prefetch_factor=2, isolation=isolation,
+        )  # fmt: skip
+
+    def run(cut: int | None) -> list[list[int]]:
+        loader = make()
+        for i, _ in enumerate(loader):
+            if i == 3:
+                break
+        it = iter(loader)
+        if cut is None:
+            return [b[0, :2].tolist() for b in it]
+        out = [next(it)[0, :2].tolist() for _ in range(cut)]
+        state = loader.state_dict()
+        del it, loader
+        resumed = make()
+        resumed.load_state_dict(state)
+        return out + [b[0, :2].tolist() for b in resumed]
+
+    expected = run(None)
+    assert run(0) == expected
+    assert run(1) == expected

@@ -300,6 +300,40 @@ def test_persistent_workers_finish_an_abandoned_epochs_batches_like_dataloader(
     assert epochs(ThreadDataLoader, isolation=isolation) == theirs
 
 
+class Sixteen(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(16))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("iterable", [True, False], ids=["iterable", "map-style"])
+def test_persistent_workers_survive_epochs_left_before_their_first_batch(iterable: bool) -> None:
+    """Epochs left right after iter(), again and again: each waits for what was given to the
+    workers, as torch's does, so nothing piles up (a worker's task queue overflowed with a
+    RuntimeError, or a result queue did, killing a worker thread and hanging the loop)."""
+
+    def epochs(make: Callable[..., Any], **extra: Any) -> list[Any]:
+        dataset = Sixteen() if iterable else list(range(16))
+        order = {} if iterable else {"in_order": False}
+        loader = make(
+            dataset, batch_size=3, num_workers=2, prefetch_factor=2, persistent_workers=True,
+            **order, **extra,
+        )  # fmt: skip
+        out = [[b.tolist() for b in loader]]
+        for _ in range(3):
+            it = iter(loader)
+            del it
+        out.append([b.tolist() for b in loader])
+        return out
+
+    theirs = epochs(torch_loader, multiprocessing_context="fork")
+    ours = epochs(ThreadDataLoader, isolation="threads")
+    if iterable:
+        assert ours == theirs
+    else:
+        assert [sorted(map(tuple, e)) for e in ours] == [sorted(map(tuple, e)) for e in theirs]
+
+
 def _threads_beyond(baseline: set[threading.Thread]) -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t not in baseline}
 

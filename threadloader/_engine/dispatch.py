@@ -166,7 +166,12 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         resume = self._resume if first_iter else None
         self._resume = None
         if not first_iter and not self._progress.exhausted:
-            self._dispatch_as_torch_would()  # from the abandoned epoch's index stream
+            try:
+                self._dispatch_as_torch_would()  # from the abandoned epoch's index stream
+                self._finish_abandoned()
+            except KeyboardInterrupt:
+                self._abandon()
+                raise
         if not first_iter or resume is None:
             # As torch's worker iterator: the first epoch's sampler iterator is the second one
             # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
@@ -262,6 +267,43 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             DispatchingIter._try_put_index(self)  # also on the lean path, which dispatches none
             if self._send_idx == sent:
                 return
+
+    def _finish_abandoned(self) -> None:
+        """Wait for every batch of the abandoned epoch in flight, as torch's ``_reset`` waits
+        for its persistent workers, and keep the state each worker's copy is left in: a state
+        taken in the next epoch, before a worker delivers there, holds what those batches did
+        to its dataset copy and generators. Their data is dropped."""
+        # Parked results (their slots go back with the restart) came before the rest, per worker.
+        for _, info in sorted(self._task_info.items()):
+            if len(info) == 3:
+                self._keep_state_of(info[2])
+        while True:
+            # A worker whose IterableDataset ended answers none of its later tasks.
+            waiting = [
+                i
+                for i, info in self._task_info.items()
+                if len(info) == 2 and self._workers_status[info[0]]
+            ]
+            if not waiting:
+                return
+            result = self._get_result(self._task_info[min(waiting)])
+            self._tasks_outstanding -= 1
+            del self._task_info[result.idx]
+            if isinstance(result.data, _IterableDatasetStopIteration):
+                self._workers_status[result.worker_id] = False
+            self._keep_state_of(result)
+            self._drop(result)
+
+    def _keep_state_of(self, result: Result) -> None:
+        """Record the states a batch left its worker's copy and generators in."""
+        progress = self._progress
+        if result.state is not None and progress.dataset_states is not None:
+            progress.dataset_states[result.worker_id] = result.state
+        if result.rng is not None and progress.rng_states is not None:
+            progress.rng_states[result.worker_id] = result.rng
+
+    def _drop(self, result: Result) -> None:
+        """Let go of a result that will never be delivered (its slot, in a helper's ring)."""
 
     def _forget_in_flight(self) -> None:
         """Drop every batch dispatched and not delivered (their results will be stale)."""

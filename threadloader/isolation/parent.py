@@ -333,6 +333,10 @@ class IsolatedDataLoaderIter(DispatchingIter):
                 parked.setdefault(info[2].worker_id % count, []).append(info[2].data.key)
         return parked
 
+    def _drop(self, result: Result) -> None:
+        if isinstance(result.data, Packed):
+            self._links.for_worker(result.worker_id).reader.discard(result.data)
+
     def _send(self, worker_id: int, idx: int, index: Any) -> None:
         link = self._links.for_worker(worker_id)
         link.reader.send_released()

@@ -446,10 +446,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         worker_id = self._delivered_by = result.worker_id
         progress = self._progress
         progress.worker_batches[worker_id] += 1
-        if result.state is not None and progress.dataset_states is not None:
-            progress.dataset_states[worker_id] = result.state
-        if result.rng is not None and progress.rng_states is not None:
-            progress.rng_states[worker_id] = result.rng
+        self._keep_state_of(result)
         progress.next_worker = (worker_id + 1) % self._num_workers
         if self._map_style:
             progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)

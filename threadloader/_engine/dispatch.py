@@ -105,9 +105,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         """True once ``close()`` ran or the epoch ended for good (timeout, Ctrl-C)."""
         return not self._finalizer.alive
 
-    def _restart_workers(self, drop_queued: bool = False) -> None:
-        """Start the workers' next generation: a persistent epoch's, after the tasks they were
-        given (as torch's), or with ``drop_queued`` a redispatch's, dropping those tasks."""
+    def _restart_workers(self, redispatch: bool = False) -> None:
+        """Start the workers' next generation, dropping the tasks they have not started: a
+        persistent epoch's (with the iterator's new shared seed), or a redispatch's."""
         raise NotImplementedError
 
     def redispatch(self) -> None:
@@ -119,7 +119,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         """
         if not self._in_order:
             raise ValueError("a live change of the index stream needs in_order=True")
-        self._restart_workers(drop_queued=True)
+        self._restart_workers(redispatch=True)
         self._forget_in_flight()
         self._sampler_done = False  # rewound
         self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
@@ -258,9 +258,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _dispatch_as_torch_would(self) -> None:
         """Top up an abandoned epoch's batches in flight to what torch's iterator keeps in
         flight: the lean path (``threaded``) dispatches none ahead. Persistent workers make
-        every batch given to them before the next epoch, as torch's do (``WorkerPool.new_epoch``,
-        the helper's ``task_board`` rule 3), so what those batches draw from a worker's
-        generators is drawn whatever the concurrency limit was at the break."""
+        every batch given to them before the next epoch, as torch's do (``_finish_abandoned``),
+        so what those batches draw from a worker's generators is drawn whatever the
+        concurrency limit was at the break."""
         parked = sum(len(info) == 3 for info in self._task_info.values())
         while not self._sampler_done and self._tasks_outstanding + parked < self._max_tasks:
             sent = self._send_idx

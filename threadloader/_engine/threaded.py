@@ -163,9 +163,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._finalizer.detach()
         self._pool.close(wait=False)
 
-    def _restart_workers(self, drop_queued: bool = False) -> None:
-        seed = None if drop_queued else self._shared_seed
-        self._generation = self._pool.new_epoch(seed, finish_queued=not drop_queued)
+    def _restart_workers(self, redispatch: bool = False) -> None:
+        seed = None if redispatch else self._shared_seed
+        self._generation = self._pool.new_epoch(seed)
 
     def _new_stats(self) -> None:
         super()._new_stats()
@@ -285,25 +285,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
 
 
 def _start_pending_epoch(worker: Worker) -> bool:
-    """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``).
-
-    The abandoned epochs' tasks queued before it run first, as the worker would have run them
-    (``WorkerPool.new_epoch``; a worker parked through several epochs has several); their
-    results are stale and dropped.
-    """
-    started = False
-    while True:
-        pending = worker.tasks.holds(lambda m: isinstance(m, NewEpoch))
-        if not pending:
-            return started
-        head = worker.tasks.head()
-        if isinstance(head, NewEpoch):
-            if not worker.tasks.take_head_if(head):
-                return started
-            worker.start_epoch(head.generation, head.seed)
-            started = True
-            continue
-        if not isinstance(head, Task):
-            return started
-        if worker.tasks.take_head_if(head) and head.generation == worker.generation:
-            worker.run_timed(head, worker.recorder, cpu_time=False)
+    """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``)."""
+    head = worker.tasks.head()
+    if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
+        worker.start_epoch(head.generation, head.seed)
+        return True
+    return False

@@ -118,13 +118,10 @@ class WorkerPool:
         start: bool = True,
     ) -> None:
         n = spec.num_workers
-        # Bounds (see _queues): each worker holds at most max_tasks tasks of an abandoned epoch
-        # (``new_epoch``), one NewEpoch and max_tasks of the new one; results, the tasks in
-        # flight of both epochs plus one stale result per worker.
-        self.results: BoundedQueue[Result] = BoundedQueue(2 * max_tasks + 2 * n, f"{name}-results")
-        self.workers = [
-            Worker(spec, i, base_seed, 2 * max_tasks + 1, recorders[i]) for i in range(n)
-        ]
+        # Bounds (see _queues): each worker holds at most max_tasks tasks plus one NewEpoch;
+        # results hold at most the tasks in flight plus one stale result per worker.
+        self.results: BoundedQueue[Result] = BoundedQueue(max_tasks + 2 * n, f"{name}-results")
+        self.workers = [Worker(spec, i, base_seed, max_tasks + 1, recorders[i]) for i in range(n)]
         self.gate = Gate(n)
         self.generation = 0
         self._lock = threading.Lock()
@@ -171,16 +168,15 @@ class WorkerPool:
         alive = sum(t.is_alive() for t in self._threads)
         return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
 
-    def new_epoch(self, seed: int | None = None, finish_queued: bool = True) -> int:
-        """Restart each worker's fetcher (persistent workers), after the tasks it was given.
+    def new_epoch(self, seed: int | None = None) -> int:
+        """Drop every task not started, and restart each worker's fetcher (persistent workers).
+
+        A persistent epoch's restart finds none of a live worker's tasks queued: the iterator
+        waited for every batch of the abandoned epoch first, as torch's ``_reset`` does
+        (``dispatch``). A redispatch's queued tasks were drawn from a rewound sampler.
 
         Args:
             seed: the iterator's new shared seed, for an IterDataPipe graph (``datapipes``).
-            finish_queued: run the abandoned epoch's tasks not started yet first, as torch's
-                persistent workers do before a new epoch: what they draw from the worker's
-                generators or change in its dataset copy is then the same in every run,
-                whatever the timing (their results are stale). False drops them (a live
-                change of the index stream, whose tasks were drawn from a rewound sampler).
 
         Returns:
             The new generation: results of earlier generations are stale.
@@ -188,10 +184,7 @@ class WorkerPool:
         self.generation += 1
         generation = self.generation
         for w in self.workers:
-            if finish_queued:
-                w.tasks.put(NewEpoch(generation, seed))
-            else:
-                w.tasks.replace_all(NewEpoch(generation, seed))
+            w.tasks.replace_all(NewEpoch(generation, seed))
         # Results the training thread never read (a break, a live weight change) would hold
         # room the new tasks need: the queue's bound counts one stale result per worker only.
         self.results.drop_where(lambda r: r.generation != generation)

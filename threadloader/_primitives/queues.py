@@ -132,11 +132,6 @@ class BoundedQueue(Generic[T]):
                 return True
             return False
 
-    def holds(self, match: Callable[[T], bool]) -> bool:
-        """Whether an unread item matches (a snapshot)."""
-        with self._lock:
-            return any(match(item) for item in self._items)
-
     def drop_where(self, stale: Callable[[T], bool]) -> None:
         """Drop every unread item for which ``stale(item)`` is true (results of an old epoch)."""
         with self._lock:

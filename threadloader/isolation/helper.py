@@ -13,7 +13,7 @@ How the helper behaves; where the code disagrees with this, the code is wrong.
    any runner runs any worker's task, as that worker (its ``WorkerInfo`` installed, its
    ``busy`` lock held), one worker's tasks one at a time and in order. The runner collates the
    batch into a shared-memory slot (``shm_ring``) and writes the result message itself. An
-   epoch message restarts persistent workers, after the abandoned epoch's tasks still queued
+   epoch message restarts persistent workers and drops the earlier epochs' tasks still queued
    (``task_board`` rule 3).
    How many runners fetch at once is the pacer's number (``_Pacer``): with one, a GIL-holding
    dataset's batches are all made by one thread, with no hand-off between threads per batch.

@@ -314,14 +314,14 @@ class IsolatedDataLoaderIter(DispatchingIter):
         if self._finalizer.detach() is not None:
             self._links.close()
 
-    def _restart_workers(self, drop_queued: bool = False) -> None:
+    def _restart_workers(self, redispatch: bool = False) -> None:
         self._generation += 1
         parked = self._parked_slots()
-        seed = None if drop_queued else self._shared_seed
+        seed = None if redispatch else self._shared_seed
         for i, link in enumerate(self._links.links):
             link.reader.give_back(parked.get(i, ()))
             link.reader.send_released()
-            link.send((EPOCH, self._generation, seed, drop_queued))
+            link.send((EPOCH, self._generation, seed))
 
     def _parked_slots(self) -> dict[int, list[Any]]:
         """Slots of batches parked in the reorder table of an abandoned epoch, by helper."""

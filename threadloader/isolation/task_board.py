@@ -20,11 +20,11 @@ The rules; where the code disagrees with them, the code is wrong:
 2. At most ``limit`` runners hold a worker at once (the pacer's number); the others wait on a
    condition, without asking for the GIL.
 3. One runner at a time reads the pipe, and only when nothing can be claimed. It reads
-   everything already waiting. An epoch restart (persistent workers) queues each worker's
-   epoch message behind the abandoned epoch's tasks, which run first, as torch's persistent
-   workers finish theirs: what they draw or change is then the same in every run (their
-   results are stale, and the training process drops them). A redispatch (a live change of the
-   index stream) drops them instead: they were drawn from the stream it rewound.
+   everything already waiting, so an epoch restart drops the earlier epochs' tasks queued
+   before it instead of running them. A persistent epoch's restart finds none of a live
+   worker's tasks there (the training process waited for every batch of the abandoned epoch,
+   as torch's ``_reset`` does); a redispatch's (a live change of the index stream) were drawn
+   from the stream it rewound.
 4. A runner that finishes looks for its next message itself; a waiting runner is woken only when
    there may be work for it (new messages, a higher limit, the end).
 5. The pipe's end (the training process closed it or died) ends every runner: ``take`` returns
@@ -42,7 +42,7 @@ from typing import Any
 
 # Message tags, training process -> helper, on the task pipe:
 TASK = 0  # (TASK, worker_id, idx, generation, index)
-EPOCH = 1  # (EPOCH, generation, seed, drop_queued): workers start over; one per worker here
+EPOCH = 1  # (EPOCH, generation, seed): workers start over; one per worker here
 
 
 class TaskBoard:
@@ -145,11 +145,10 @@ class TaskBoard:
 
     def _add(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == EPOCH:
-            generation, seed, drop_queued = msg[1], msg[2], msg[3]
+            generation, seed = msg[1], msg[2]
             self._generation = generation
-            if drop_queued:  # rule 3: a redispatch's tasks not started came from a rewound stream
-                self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
-            # Rule 3: each worker starts the new epoch after the abandoned epoch's tasks.
+            # Rule 3: the earlier epochs' tasks not started yet are dropped.
+            self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
             self._queue.extend((EPOCH, w, generation, seed) for w in self._worker_ids)
         elif msg[3] >= self._generation:
             self._queue.append(msg)

@@ -4,8 +4,9 @@ What a user measures is the loop, not the loader alone: a loader whose worker th
 GIL from the training thread can be fast and still slow the step. Each measurement runs in a
 fresh interpreter: it builds the loader, runs ``--epochs`` epochs of a loop whose step is
 ``--step-ops`` tiny torch ops (Python-bound, like launching a model's kernels; 0: no step), and
-reports batches/s over the epochs after the first (``isolation="auto"`` decides after the first
-epoch, and every loader has started its workers by then). Loaders take turns within a round, in
+reports batches/s over the epochs after the first (every loader has started its workers by
+then); with ``--epochs 1``, over the one epoch, start-up included: a run of one long epoch, which
+``isolation="auto"`` moves into helper processes mid-epoch when its items hold the GIL. Loaders take turns within a round, in
 an order that rotates each round; ratios are taken within a round, against the best of
 DataLoader, torchdata.nodes and SPDL in that round.
 
@@ -15,6 +16,7 @@ Run::
     python bench/bench_loop.py --step-ops 0 --rounds 3        # the loader alone, epochs included
     python bench/bench_loop.py --cpus 1                       # the same pinned to one CPU
     python bench/bench_loop.py --workloads python --rounds 1  # one workload, quickly
+    python bench/bench_loop.py --epochs 1 --epoch-scale 5     # one long epoch, start included
 
 Loaders, each with 2 workers (32 on ``latency``, 10 ms reads): ``dl`` DataLoader; ``torchdata``
 torchdata.nodes ParallelMapper (threads) of whole batches; ``spdl`` SPDL DataLoader (threads);
@@ -58,7 +60,9 @@ class LatencyReads:
         return torch.full((1024,), index, dtype=torch.int32)
 
 
-def _child(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str, Any]:
+def _child(
+    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1
+) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, Subset
 
@@ -72,7 +76,7 @@ def _child(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str, 
         dataset, bs = spec.dataset, spec.batch_size
     else:
         bs = LatencyReads.batch_size
-    count = min(len(dataset), EPOCH_BATCHES[workload] * bs)
+    count = min(len(dataset), EPOCH_BATCHES[workload] * scale * bs)
     ds = Subset(dataset, range(count))
     workers = WORKERS.get(workload, 2)
     if loader == "dl":
@@ -133,7 +137,9 @@ def _child(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str, 
     }
 
 
-def measure(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str, Any]:
+def measure(
+    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1
+) -> dict[str, Any]:
     """One measurement in a fresh interpreter.
 
     A baseline's interpreter that fails is run once more, with a note on stderr (torchdata's
@@ -144,7 +150,7 @@ def measure(workload: str, loader: str, step_ops: int, epochs: int) -> dict[str,
     for attempt in range(tries):
         done = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--one", workload, loader,
-             str(step_ops), str(epochs)],
+             str(step_ops), str(epochs), str(scale)],
             check=False, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         if done.returncode == 0:
@@ -159,15 +165,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ops", type=int, default=400)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument(
+        "--epoch-scale", type=int, default=1, help="epochs this many times longer (default 1)"
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--cpus", type=int, help="run every measurement on this many CPUs")
     parser.add_argument("--json", help="write every measurement here")
-    parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        workload, loader, step_ops, epochs = args.one
-        print(json.dumps(_child(workload, loader, int(step_ops), int(epochs))))
+        workload, loader, step_ops, epochs, scale = args.one
+        print(json.dumps(_child(workload, loader, int(step_ops), int(epochs), int(scale))))
         return
     if args.cpus:  # measurements are child processes: they inherit the affinity
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
@@ -178,7 +187,10 @@ def main() -> None:
         measure(workload, "threads", 0, 1)  # builds the workload's files outside the timing
         for r in range(args.rounds):
             order = loaders[r % len(loaders) :] + loaders[: r % len(loaders)]
-            got = {key: measure(workload, key, args.step_ops, args.epochs) for key in order}
+            got = {
+                key: measure(workload, key, args.step_ops, args.epochs, args.epoch_scale)
+                for key in order
+            }
             best = max(got[b]["pace"] for b in BASELINES if b in got)
             for key, out in got.items():
                 rows.append({
@@ -198,7 +210,13 @@ def main() -> None:
             print(f"| {workload} | {key} | {pace:.1f} | {ratios} | {modes} |")
     if args.json:
         with open(args.json, "w") as f:
-            out = {"step_ops": args.step_ops, "epochs": args.epochs, "cpus": cpus, "rows": rows}
+            out = {
+                "step_ops": args.step_ops,
+                "epochs": args.epochs,
+                "epoch_scale": args.epoch_scale,
+                "cpus": cpus,
+                "rows": rows,
+            }
             json.dump(out, f, indent=1)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import threading
 import warnings
 import weakref
@@ -34,6 +35,7 @@ from threadloader._primitives.concurrency import usable_cpus
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
 from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice
+from threadloader.isolation.mid_epoch import mover_for
 from threadloader.isolation.parent import (
     IsolatedDataLoaderIter,
     check_isolation,
@@ -111,7 +113,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             into helper processes when the last one's items held the GIL or the training step
             ran slower while they worked, and back when helpers ran the loop slower (never
             with ``persistent_workers``, an epoch too short to win back starting helpers, or a
-            dataset that cannot be pickled; ``stats().mode`` says what ran and why).
+            dataset that cannot be pickled; ``stats().mode`` says what ran and why). A long
+            first epoch moves mid-epoch, into helpers forked from this process, when nothing
+            but the training thread and the workers runs then.
             ``"threads"`` (or ``None``): always in this process. ``"process"``: always in
             helper processes (``helpers``), so they never compete with the training thread for
             the GIL. Batches, their order and ``state_dict()`` are the same in every mode.
@@ -303,10 +307,14 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._epoch_choice = None
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
+        first = self.isolation == "auto" and self._stats is None
         self._epoch_choice = choice = self._choose_mode()
         if choice.mode == PROCESS:
             return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
-        return ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
+        epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
+        if first:  # "auto" moves its first epoch into helpers once it has measured enough
+            epoch.mover = mover_for(self, epoch, functools.partial(_moved, weakref.ref(self)))
+        return epoch
 
     def _choose_mode(self) -> Choice:
         """Where this epoch's workers run: the ``isolation`` option, or ``"auto"``'s choice."""
@@ -463,6 +471,14 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "Threads beyond what the data source can keep busy only add switching overhead.",
                 stacklevel=2,
             )
+
+
+def _moved(loader_ref: weakref.ref[Any], choice: Choice, before: LoaderStats) -> None:
+    """Record that the first epoch moved into helpers (``mid_epoch``), for ``stats()``."""
+    loader = loader_ref()
+    if loader is not None:
+        loader._auto.moved(choice, before)
+        loader._epoch_choice = choice
 
 
 def _check_mixture_sampler(loader: ThreadDataLoader[Any]) -> None:

@@ -43,15 +43,21 @@ class Fetcher:
     ) -> None:
         self._dataset = dataset
         self._auto = auto_collation
-        self._collate = collate_fn
         self._drop_last = drop_last
         self._iterable = kind == _DatasetKind.Iterable
         self._iter: Iterator[Any] | None = iter(dataset) if self._iterable else None
         self._ended = False
+        self.recollate(collate_fn)
+
+    def recollate(self, collate_fn: Callable[[Any], Any]) -> None:
+        """Collate with ``collate_fn`` from the next batch on; the epoch's iterator stays.
+
+        For a worker carried into a helper process mid-epoch: there its batches go into
+        shared memory, where the training process's threads pinned them.
+        """
+        self._collate = collate_fn
         # Batches built here for our own default collate (_gathered, point 4).
-        ours = (
-            auto_collation and not self._iterable and getattr(collate_fn, "takes_gathered", False)
-        )
+        ours = self._auto and not self._iterable and getattr(collate_fn, "takes_gathered", False)
         self._ours = bool(ours)
         self._stack_into = getattr(collate_fn, "stack_into", None) if ours else None
 

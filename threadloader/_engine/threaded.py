@@ -33,12 +33,19 @@ where the code disagrees with this, the code is wrong.
    user code runs, so which thread does cannot be told), and the threads start when the limit
    first rises above 0. Starting and joining two threads cost ~1 ms an epoch: a 32-batch epoch
    of token windows, 30 us a batch.
+7. A move (``mover``, set by the loader: ``isolation="auto"``'s first epoch) may take the
+   workers out of this process mid-epoch. Once it is due, nothing more is dispatched; once
+   every batch in flight was delivered, the worker threads are joined and the move carries the
+   workers on elsewhere (this iterator then becomes that kind of epoch), or declines, and the
+   epoch goes on here: in threads if they still run, else on the training thread (point 5).
+   Map-style epochs only (point 1's), since the training thread must be able to make every
+   batch itself if the move declines after the threads were joined.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.utils.data import _DatasetKind
 
@@ -50,6 +57,7 @@ from threadloader._engine.state import (
     Resume,
     undo_seed_draw,
 )
+from threadloader._engine.stats import LoaderStats
 from threadloader._engine.tasks import NewEpoch, Result, Task
 from threadloader._engine.worker import Worker
 from threadloader._engine.worker_handles import ThreadHandle
@@ -63,6 +71,19 @@ if TYPE_CHECKING:
 
 #: How often the training thread, waiting for a batch it could not run itself, looks again.
 RETRY_S = 0.02
+
+
+class Mover(Protocol):
+    """Takes an epoch's workers out of this process mid-epoch (point 7)."""
+
+    def due(self, epoch: ThreadedDataLoaderIter) -> bool:
+        """Whether to start the move; asked after each batch delivered."""
+        ...
+
+    def move(self, epoch: ThreadedDataLoaderIter) -> bool:
+        """Move, with nothing in flight; False when it declined (``run_without_threads``
+        tells whether the threads were joined first)."""
+        ...
 
 
 def _controller(loader: DataLoader[Any], num_workers: int, minimum: int) -> ConcurrencyController:
@@ -141,6 +162,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
         )
         self._generation = 0
         self._all_ready = False  # every worker ran its worker_init_fn (then stays True)
+        self.mover: Mover | None = None  # point 7; only for epochs with _run_here
+        self._draining = False  # a move is due: dispatch nothing, deliver what is in flight
+        self._threadless = False  # the threads were joined for a move that declined
         self._reset(loader, first_iter=True)
 
     def __repr__(self) -> str:
@@ -229,13 +253,21 @@ class ThreadedDataLoaderIter(DispatchingIter):
     # -- the lean path (point 5 of the module docstring) --------------------------------------
 
     def _lean(self) -> bool:
-        return self._run_here and self._concurrency.limit == 0
+        return self._run_here and (self._threadless or self._concurrency.limit == 0)
 
     def _try_put_index(self) -> None:
-        if not self._lean():
+        if not self._lean() and not self._draining:
             super()._try_put_index()
 
     def _next_batch(self) -> Any:
+        if self._draining and not self._task_info:  # point 7: nothing in flight, move now
+            self._draining = False
+            mover, self.mover = self.mover, None
+            assert mover is not None
+            if mover.move(self):
+                self._fill()  # as the epoch it became
+                return self._next_batch()
+            self._fill()  # declined: dispatch ahead again (a no-op on the lean path)
         if not self._task_info and self._lean():  # every batch dispatched was delivered
             if self._workers_ready():
                 return self._fetch_here()
@@ -275,13 +307,52 @@ class ThreadedDataLoaderIter(DispatchingIter):
             # nothing about the limit (32 threads ending an epoch delivered at 8x their rate,
             # and the next epoch took that for the rate to compare itself with).
             return result.data
+        if self._threadless:
+            return result.data
         limit = self._concurrency.on_batch(result.started, result.cpu, result.wall)
         if limit is not None:
             if limit > 0:
                 self._pool.start()  # a no-op once started (point 6)
             self._pool.gate.set_limit(limit)
             self._fill()  # leaving the lean path: dispatch ahead again (a no-op on it)
+        if self.mover is not None and not self._draining and self.mover.due(self):
+            self._draining = True  # point 7
         return result.data
+
+    def join_threads(self) -> None:
+        """Join the worker threads for a move (point 7), keeping the workers; from here on,
+        unless the move carries them on elsewhere, the training thread makes every batch.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while joining (the threads left exit on their own).
+        """
+        self._finalizer.detach()
+        self._threadless = True
+        self._pool.close()
+
+    @property
+    def workers_ready(self) -> bool:
+        """Whether every worker has run its ``worker_init_fn`` and made its fetcher."""
+        return self._workers_ready()
+
+    @property
+    def makes_batches_itself(self) -> bool:
+        """Whether the training thread may make any batch itself (point 1): a move's condition."""
+        return self._run_here
+
+    @property
+    def delivered(self) -> int:
+        """Batches this iterator has returned so far."""
+        return int(self._num_yielded)
+
+    def stats_so_far(self) -> LoaderStats:
+        """The epoch's stats up to now, as ``loader.stats()`` gives them."""
+        return self._stats.snapshot()
+
+    @property
+    def pool(self) -> WorkerPool:
+        """The epoch's worker pool (its workers, and how many of its threads run)."""
+        return self._pool
 
 
 def _start_pending_epoch(worker: Worker) -> bool:

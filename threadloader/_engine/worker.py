@@ -106,6 +106,20 @@ class Worker:
     def _where(self) -> str:
         return f"in threadloader worker thread {self.id}"
 
+    def adopt(self, spec: WorkerSpec, recorder: StageRecorder) -> Worker:
+        """Carry on this worker in a process forked mid-epoch, with that process's ``spec``
+        (its ``collate_fn``) and stage recorder; everything else stays as the fork found it:
+        the dataset copy, the generators, the epoch's fetcher and ``worker_init_fn``'s work.
+
+        Returns:
+            This worker.
+        """
+        self.spec = spec
+        self.recorder = recorder
+        if self._fetcher is not None:
+            self._fetcher.recollate(spec.collate_fn)
+        return self
+
     def start_epoch(self, generation: int, seed: int | None = None) -> None:
         """(Re)create the dataset fetcher; errors surface with this worker's next task.
 

@@ -164,8 +164,13 @@ class WorkerPool:
             self.close()  # joins the threads that did start
             raise error
 
+    @property
+    def alive_threads(self) -> int:
+        """How many of the pool's threads run now (a snapshot)."""
+        return sum(t.is_alive() for t in self._threads)
+
     def __repr__(self) -> str:
-        alive = sum(t.is_alive() for t in self._threads)
+        alive = self.alive_threads
         return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
 
     def new_epoch(self, seed: int | None = None) -> int:

@@ -2,7 +2,9 @@
 
 Where the code disagrees with these rules, the code is wrong.
 
-1. The first epoch runs its workers as threads of the training process and measures.
+1. The first epoch runs its workers as threads of the training process and measures. A long
+   one moves into helpers before it ends, under ``mid_epoch``'s rules (which record the move
+   here, ``moved``).
 2. Each later epoch (each ``iter()``) is decided from the previous one's ``stats()``. After an
    epoch in threads, the workers move into helper processes (``helpers`` of them, else one per
    worker up to the usable CPUs) when its items held the GIL (``LoaderStats.gil_bound``: worker
@@ -78,6 +80,24 @@ def held_the_gil(stats: LoaderStats) -> bool:
     return stats.gil_bound
 
 
+def epoch_signal(stats: LoaderStats, epoch: str = "the last epoch's") -> str | None:
+    """What in an epoch's stats says its workers should move into helpers (point 2), or None.
+
+    Args:
+        stats: the epoch's stats.
+        epoch: how the reason names the epoch, possessive.
+    """
+    if held_the_gil(stats):
+        return f"{epoch} items held the GIL"
+    if slowed_the_training(stats):
+        busy, idle = stats.step_busy_s * 1e3, stats.step_idle_s * 1e3
+        return (
+            f"the training step took {busy:.2f} ms while worker threads ran, {idle:.2f} ms "
+            "while they were idle"
+        )
+    return None
+
+
 def slowed_the_training(stats: LoaderStats) -> bool:
     """Whether an epoch's training steps were slower while its worker threads ran, in a loop
     that the step paces rather than the wait for data (point 2)."""
@@ -141,7 +161,7 @@ class AutoIsolation:
             if lost is not None:
                 self.choice = Choice(THREADS, f"{lost}: back to threads")
             return self.choice
-        signal = self._signal(last)
+        signal = epoch_signal(last)
         if signal is None:
             self.choice = Choice(
                 THREADS,
@@ -165,17 +185,17 @@ class AutoIsolation:
         )
         return self.choice
 
-    @staticmethod
-    def _signal(last: LoaderStats) -> str | None:
-        if held_the_gil(last):
-            return "the last epoch's items held the GIL"
-        if slowed_the_training(last):
-            busy, idle = last.step_busy_s * 1e3, last.step_idle_s * 1e3
-            return (
-                f"the training step took {busy:.2f} ms while worker threads ran, {idle:.2f} ms "
-                "while they were idle"
-            )
-        return None
+    def moved(self, choice: Choice, before: LoaderStats) -> None:
+        """Record a move into helpers in the middle of the first epoch (``mid_epoch``).
+
+        Args:
+            choice: where the rest of the epoch runs, and why.
+            before: the epoch's stats up to the move: the threads' pace.
+        """
+        self.choice = choice
+        pace = loop_pace(before)
+        if pace is not None:
+            self._pace[THREADS] = pace
 
     def _helpers_lost(self) -> str | None:
         """Why helpers lose to threads on the latest measurements, or None (point 3)."""

@@ -100,6 +100,8 @@ class HelperSpec:
             runs in helper ``w % P`` of ``P``).
         collate_into_slots: ``collate_fn`` is torch's ``default_collate``, so batches can be
             stacked straight into shared memory.
+        adopted: the training process's own workers, to carry on as they are (``mid_epoch``):
+            only in a helper forked from that process, which has them in memory.
     """
 
     worker: WorkerSpec
@@ -107,6 +109,7 @@ class HelperSpec:
     max_tasks: int
     collate_into_slots: bool
     worker_ids: tuple[int, ...]
+    adopted: dict[int, Worker] | None = None
 
 
 class PickledOnce:
@@ -356,8 +359,12 @@ class _Helper:
         self._stats_taken = 0
         self.pacer = _Pacer(len(ids))
         self.board = TaskBoard(tasks, ids, limit=self.pacer.limit)
+        adopted = spec.adopted
         self.workers = {
-            i: Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}")) for i in ids
+            i: Worker(worker_spec, i, spec.base_seed, 1, StageRecorder(f"worker{i}"))
+            if adopted is None
+            else adopted[i].adopt(worker_spec, StageRecorder(f"worker{i}"))
+            for i in ids
         }
         # One runner per worker: each starts its worker, then runs any worker's tasks.
         self.threads = [

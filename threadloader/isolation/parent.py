@@ -58,6 +58,7 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
 import time
@@ -196,8 +197,18 @@ def _preload_in_forkserver(ctx: Any) -> None:
         ctx.set_forkserver_preload([*modules, _PRELOAD])
 
 
-def _start_links(ctx: Any, owner: object, worker_spec: WorkerSpec, count: int) -> list[_Link]:
-    """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails."""
+def _start_links(
+    ctx: Any,
+    owner: object,
+    worker_spec: WorkerSpec,
+    count: int,
+    adopted: list[Any] | None = None,
+) -> list[_Link]:
+    """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails.
+
+    With ``adopted`` (this process's workers, carried on by helpers forked from it), each
+    helper takes over its workers as they are instead of building new ones.
+    """
     it: Any = owner
     links: list[_Link] = []
     try:
@@ -209,6 +220,7 @@ def _start_links(ctx: Any, owner: object, worker_spec: WorkerSpec, count: int) -
                 max_tasks=it._prefetch_factor * len(ids),
                 collate_into_slots=it._auto_collation and it._collate_fn is default_collate,
                 worker_ids=ids,
+                adopted={i: adopted[i] for i in ids} if adopted is not None else None,
             )
             name = f"threadloader-helper-{id(owner):x}" + (f"-{helper}" if count > 1 else "")
             links.append(_Link(ctx, spec, name=name))
@@ -272,22 +284,46 @@ class IsolatedDataLoaderIter(DispatchingIter):
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or getattr(loader, "helpers", None) or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
-        self._links = Links(_start_links(ctx, self, worker_spec, count))
+        self._attach(Links(_start_links(ctx, self, worker_spec, count)))
+        self._generation = 0
+        self._new_stats()
+        self._reset(loader, first_iter=True)
+
+    @classmethod
+    def take_over(cls, epoch: Any, count: int) -> None:
+        """Carry on ``epoch``, a threaded iterator whose worker threads were joined, with its
+        workers in ``count`` helper processes forked from this one (``mid_epoch``).
+
+        Nothing is in flight: its progress, index stream and stats go on as they are, and the
+        helpers carry on the workers as they are (dataset copies, generators, fetchers).
+
+        Raises:
+            Exception: whatever starting a helper raises; the epoch is then unchanged.
+        """
+        spec = dataclasses.replace(epoch._pool.workers[0].spec, collate_fn=epoch._collate_fn)
+        ctx = multiprocessing.get_context("fork")
+        links = Links(_start_links(ctx, epoch, spec, count, adopted=epoch._pool.workers))
+        epoch.__class__ = cls
+        epoch._attach(links)
+        epoch._stats.workers_active = None  # what the training thread's steps are timed by
+        epoch._stats.controller = epoch._concurrency
+
+    def _attach(self, links: Links) -> None:
+        """Make ``links`` this epoch's helpers."""
+        count = len(links.links)
+        self._links = links
         # The finalizer holds the links, never self: break, del and GC all end the helpers.
         self._finalizer = Finalizer(self, self._links.close, on_interrupt=self._links.kill)
         # torch's iterator lists its worker processes here: each worker's stand-in is its helper.
         self._workers = [
             HelperHandle(self._links.for_worker(i).process, i) for i in range(self._num_workers)
         ]
-        self._generation = 0
         # Each helper adapts how many of its threads fetch at once and reports it with each
         # result; this controller only carries their sum to stats().
         self._limits = [1] * count
         self._dataset_stats: list[Any] = [None] * count
         self._stats_numbers = [0] * count  # of each helper's latest snapshot kept
         self._concurrency = ConcurrencyController(self._num_workers, minimum=count)
-        self._new_stats()
-        self._reset(loader, first_iter=True)
 
     def __repr__(self) -> str:
         return (

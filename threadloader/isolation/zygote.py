@@ -73,13 +73,20 @@ _atexit_registered = False
 _received: list[int] = []
 
 
-def only_the_main_thread() -> bool:
-    """Whether the calling thread is the main one and ``threading`` knows no other."""
-    return threading.current_thread() is threading.main_thread() and threading.active_count() == 1
+def only_the_main_thread(besides: int = 0) -> bool:
+    """Whether the calling thread is the main one and ``threading`` knows no other, apart
+    from ``besides`` threads the caller is about to join."""
+    return (
+        threading.current_thread() is threading.main_thread()
+        and threading.active_count() == 1 + besides
+    )
 
 
-def may_fork() -> bool:
+def may_fork(besides: int = 0) -> bool:
     """Whether this process may fork now: Linux, only the main thread, not switched off (point 1).
+
+    Args:
+        besides: threads the caller joins before it forks (a threaded epoch's workers).
 
     Returns:
         True where a fork copies no lock another Python thread could hold.
@@ -88,7 +95,7 @@ def may_fork() -> bool:
         return False
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return False
-    return only_the_main_thread()
+    return only_the_main_thread(besides)
 
 
 def ensure_running() -> bool:

@@ -1,0 +1,256 @@
+"""isolation="auto" moves its first epoch into helper processes mid-epoch, once it has measured
+enough (``threadloader.isolation.mid_epoch``): the batches, the workers' random draws, what the
+workers did to their dataset copies and ``state_dict()`` carry on as if nothing moved.
+
+Whether items hold the GIL is a measurement a loaded machine can change: these tests decide it
+(``held_the_gil`` patched) and shorten the measuring time, and check what follows.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_epochs_equal, torch_epochs
+from test_isolation import _fast_helper_starts, _no_helper_left_behind  # noqa: F401
+from torch.utils.data import Dataset, get_worker_info
+
+from threadloader import ThreadDataLoader
+from threadloader._engine.threaded import ThreadedDataLoaderIter
+from threadloader._primitives import concurrency
+from threadloader.isolation import auto, mid_epoch
+from threadloader.isolation.parent import IsolatedDataLoaderIter
+
+N = 96  # items: 24 batches of 4
+
+
+class Counting(Dataset[Any]):
+    """Item i: (i, the worker's draws from torch, random and numpy's globals, how many items
+    this copy made before, how many times worker_init_fn ran on it, the pid that made it).
+
+    The counts live in the copy: a worker process's copy counts that worker's items, and so
+    must a copy carried into a helper mid-epoch; a fresh copy would start again at 0.
+    """
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.inits = 0
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        made, self.made = self.made, self.made + 1
+        draws = (float(torch.rand(())), random.random(), float(np.random.rand()))
+        return index, *draws, made, self.inits, os.getpid()
+
+
+def _count_init(worker_id: int) -> None:
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.inits += 1
+
+
+KWARGS: dict[str, Any] = {
+    "batch_size": 4,
+    "shuffle": True,
+    "num_workers": 2,
+    "worker_init_fn": _count_init,
+}
+
+
+@pytest.fixture
+def move_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items hold the GIL, and a move is due as soon as a batch was delivered."""
+    monkeypatch.setattr(auto, "held_the_gil", lambda stats: True)
+    monkeypatch.setattr(mid_epoch, "MEASURE_S", 0.0)
+    monkeypatch.setattr(mid_epoch, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(mid_epoch, "MIN_REMAINING_S", 0.0)
+
+
+def _data(batch: list[Any]) -> list[Any]:
+    return batch[:6]  # everything but the pid
+
+
+def _pids(batches: list[Any]) -> list[set[int]]:
+    return [set(b[6].tolist()) for b in batches]
+
+
+def _torch(epochs: int = 1, **extra: Any) -> list[list[Any]]:
+    theirs = torch_epochs(
+        Counting(), epochs=epochs, generator=torch.Generator().manual_seed(7), **KWARGS, **extra
+    )
+    return [[_data(b) for b in epoch] for epoch in theirs]
+
+
+def _ours(**extra: Any) -> ThreadDataLoader[Any]:
+    return ThreadDataLoader(
+        Counting(), generator=torch.Generator().manual_seed(7), **KWARGS, **extra
+    )
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_first_epoch_that_holds_the_gil_moves_into_helpers_and_gives_torchs_batches() -> None:
+    """The first batches come from this process, the rest from two helpers; every batch,
+    draw and per-copy count is torch's, and worker_init_fn ran once per worker."""
+    loader = _ours()
+    batches = list(loader)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    pids = _pids(batches)
+    assert pids[0] == {os.getpid()}
+    later = set().union(*pids[len(pids) // 2 :])
+    assert os.getpid() not in later and len(later) == 2
+    assert {int(i) for b in batches for i in b[5]} == {1}
+    stats = loader.stats()
+    assert stats.mode == "process"
+    assert "first epoch" in str(stats.mode_reason) and "held the GIL" in str(stats.mode_reason)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_the_epochs_after_a_move_start_in_helpers_with_torchs_batches() -> None:
+    """Epoch 2 runs wholly in helpers (the move decided it), with torch's batches."""
+    loader = _ours()
+    ours = [list(loader), list(loader)]
+    theirs = _torch(epochs=2)
+    for epoch in range(2):
+        assert_epochs_equal([_data(b) for b in ours[epoch]], theirs[epoch])
+    assert os.getpid() not in set().union(*_pids(ours[1]))
+    assert loader.stats().mode == "process"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_move_first_delivers_every_batch_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every worker thread fetching ahead (the concurrency controller held at its
+    maximum), the batches in flight at the move come from the threads, in order, and the
+    rest from the helpers."""
+    monkeypatch.setattr(concurrency.ConcurrencyController, "_decide", lambda *a: None)
+    loader = _ours()
+    batches = list(loader)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    pids = _pids(batches)
+    here = [i for i, p in enumerate(pids) if p == {os.getpid()}]
+    # The first batch's delivery makes the move due; the 2 * 2 batches then in flight (and
+    # the first) were made here.
+    assert here == list(range(len(here))) and len(here) >= 1 + 2 * 2
+    assert len(set().union(*pids[len(here) :]) - {os.getpid()}) == 2
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_state_saved_after_a_move_resumes_the_rest_of_the_epoch_exactly() -> None:
+    """A state_dict taken in helpers, after the move, resumes what an uninterrupted run in
+    threads gives, generator draws included (save_worker_rng)."""
+    whole = [_data(b) for b in _ours(isolation="threads", save_worker_rng=True)]
+    loader = _ours(save_worker_rng=True)
+    it = iter(loader)
+    got = [_data(next(it)) for _ in range(12)]
+    assert loader.stats().mode == "process"
+    state = loader.state_dict()
+    del it
+    resumed = _ours(save_worker_rng=True)
+    resumed.load_state_dict(state)
+    got += [_data(b) for b in resumed]
+    assert_epochs_equal(got[:12], whole[:12])
+    # Per-copy counts start again in a resumed run (the copies are new; torch's are too):
+    # compare the index and the draws.
+    assert_epochs_equal([b[:4] for b in got[12:]], [b[:4] for b in whole[12:]])
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_no_move_while_another_python_thread_runs() -> None:
+    """Forking would copy a lock the other thread may hold: the epoch stays in threads."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        loader = _ours()
+        batches = list(loader)
+    finally:
+        stop.set()
+        other.join()
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_thread_started_while_the_workers_joined_keeps_the_epoch_in_this_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The move checks again once the worker threads are joined; declined then, the training
+    thread makes every later batch itself, and none is lost or repeated."""
+    real = mid_epoch.zygote.may_fork
+    monkeypatch.setattr(
+        mid_epoch.zygote, "may_fork", lambda besides=0: real(besides) if besides else False
+    )
+    loader = _ours()
+    it = iter(loader)
+    assert isinstance(it, ThreadedDataLoaderIter)
+    batches = list(it)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert it.pool.alive_threads == 0
+    assert loader.stats().mode == "threads"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_helper_that_fails_to_start_is_reported_and_the_epoch_goes_on_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(epoch: Any, count: int) -> None:
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(IsolatedDataLoaderIter, "take_over", fail)
+    loader = _ours()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batches = list(loader)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert any("no more processes" in str(w.message) for w in caught)
+    assert loader.stats().mode == "threads"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_leaving_a_moved_epoch_early_ends_its_helpers() -> None:
+    loader = _ours()
+    for i, _ in enumerate(loader):
+        if i == 15:
+            break
+    assert loader.stats().mode == "process"
+
+
+@pytest.mark.usefixtures("move_soon")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"persistent_workers": True},
+        {"in_order": False},
+        {"timeout": 30},
+        {"isolation": "threads"},
+        {"num_workers": 1},
+    ],
+    ids=["persistent", "out of order", "timeout", "threads", "one worker"],
+)
+def test_epochs_the_move_does_not_apply_to_stay_in_threads(extra: dict[str, Any]) -> None:
+    kwargs = {**KWARGS, **extra}
+    loader = ThreadDataLoader(Counting(), **kwargs)
+    batches = list(loader)
+    assert len(batches) == N // 4
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
+def test_a_short_rest_of_the_epoch_does_not_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The epoch's rest must last MIN_REMAINING_S at the pace so far: a 24-batch epoch of
+    microsecond items never does."""
+    monkeypatch.setattr(auto, "held_the_gil", lambda stats: True)
+    monkeypatch.setattr(mid_epoch, "MEASURE_S", 0.0)
+    monkeypatch.setattr(mid_epoch, "CHECK_EVERY_S", 0.0)
+    loader = _ours()
+    assert set().union(*_pids(list(loader))) == {os.getpid()}
+    assert loader.stats().mode == "threads"

@@ -81,8 +81,8 @@ class Mover(Protocol):
         ...
 
     def move(self, epoch: ThreadedDataLoaderIter) -> bool:
-        """Move, with nothing in flight; False when it declined (``run_without_threads``
-        tells whether the threads were joined first)."""
+        """Move, with nothing in flight; False when it declined: the epoch goes on here, in
+        threads unless it called ``join_threads`` first."""
         ...
 
 

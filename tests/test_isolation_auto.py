@@ -313,6 +313,29 @@ def test_a_fork_context_stays_in_threads_while_other_threads_run(
     assert "multiprocessing_context='fork'" in str(loader.stats().mode_reason)
 
 
+def test_helpers_with_a_fork_context_go_back_to_threads_once_other_threads_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An epoch in helpers forked with multiprocessing_context='fork'; by the next iter()
+    another Python thread runs: the next epoch goes back to threads, instead of failing to
+    start its helpers."""
+    _verdict(monkeypatch, True)
+    loader = ThreadDataLoader(
+        WherePid(), batch_size=4, num_workers=2, multiprocessing_context="fork"
+    )
+    _, modes = _epochs(loader, 2)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        _, later = _epochs(loader, 1)
+    finally:
+        stop.set()
+        other.join()
+    assert modes + later == ["threads", "process", "threads"]
+    assert "multiprocessing_context='fork'" in str(loader.stats().mode_reason)
+
+
 @pytest.mark.parametrize(("wait_fraction", "moves"), [(0.1, True), (0.9, False)])
 def test_a_slowed_step_moves_the_workers_only_when_the_loop_does_not_wait_for_data(
     wait_fraction: float, moves: bool

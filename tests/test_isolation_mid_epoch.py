@@ -224,6 +224,22 @@ def test_leaving_a_moved_epoch_early_ends_its_helpers() -> None:
     assert loader.stats().mode == "process"
 
 
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_collate_fn_that_cannot_be_pickled_stays_in_threads_in_every_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The move itself pickles nothing, but the next epochs' helpers may have to receive the
+    collate_fn pickled (from the zygote or a forkserver): as auto's rule 4, nothing moves."""
+    monkeypatch.setattr(auto, "MIN_EPOCH_S", 0.0)  # epoch 2's reason: the pickling, not length
+    loader = ThreadDataLoader(
+        Counting(), batch_size=4, num_workers=2, collate_fn=lambda batch: len(batch)
+    )
+    for _ in range(2):
+        assert list(loader) == [4] * (N // 4)
+        assert loader.stats().mode == "threads"
+    assert "cannot be pickled" in str(loader.stats().mode_reason)
+
+
 @pytest.mark.usefixtures("move_soon")
 @pytest.mark.parametrize(
     "extra",

@@ -313,7 +313,13 @@ class ThreadDataLoader(DataLoader[T_co]):
             return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
         epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
         if first:  # "auto" moves its first epoch into helpers once it has measured enough
-            epoch.mover = mover_for(self, epoch, functools.partial(_moved, weakref.ref(self)))
+            ref = weakref.ref(self)
+            epoch.mover = mover_for(
+                self,
+                epoch,
+                on_move=functools.partial(_moved, ref),
+                pickling_problem=functools.partial(_pickling_problem, ref),
+            )
         return epoch
 
     def _choose_mode(self) -> Choice:
@@ -479,6 +485,12 @@ def _moved(loader_ref: weakref.ref[Any], choice: Choice, before: LoaderStats) ->
     if loader is not None:
         loader._auto.moved(choice, before)
         loader._epoch_choice = choice
+
+
+def _pickling_problem(loader_ref: weakref.ref[Any]) -> str | None:
+    """What a helper could not receive pickled (``AutoIsolation.pickling_problem``)."""
+    loader = loader_ref()
+    return "the loader is gone" if loader is None else loader._auto.pickling_problem(loader)
 
 
 def _check_mixture_sampler(loader: ThreadDataLoader[Any]) -> None:

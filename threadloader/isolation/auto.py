@@ -55,6 +55,11 @@ MOVE_BACK = 0.9
 MIN_EPOCH_S = 0.3
 #: ... or than this, where helpers would not be forked from this process or the zygote.
 MIN_EPOCH_S_SERVER = 3.0
+#: Why a loader that names ``fork`` stays in threads while other Python threads run (point 4).
+FORK_REFUSED = (
+    "multiprocessing_context='fork' and this process runs other Python threads: "
+    "forking it could copy a lock one of them holds"
+)
 #: A slowed step moves the workers only in a loop that waited for data less than this share
 #: of its wall time (point 2).
 MAX_WAIT_FOR_STEP = 0.5
@@ -160,6 +165,8 @@ class AutoIsolation:
             lost = self._helpers_lost()
             if lost is not None:
                 self.choice = Choice(THREADS, f"{lost}: back to threads")
+            elif self._fork_refused(loader):
+                self.choice = Choice(THREADS, f"{FORK_REFUSED}: back to threads")
             return self.choice
         signal = epoch_signal(last)
         if signal is None:
@@ -218,11 +225,18 @@ class AutoIsolation:
                 f"the epoch lasted {last.wall_s:.2f} s, too short to win back starting helper "
                 f"processes (epochs of {least:g} s or more move)"
             )
-        if method == "fork" and not zygote.may_fork():
-            return (
-                "multiprocessing_context='fork' and this process runs other Python threads: "
-                "forking it could copy a lock one of them holds"
-            )
+        if self._fork_refused(loader):
+            return FORK_REFUSED
+        return self.pickling_problem(loader)
+
+    @staticmethod
+    def _fork_refused(loader: Any) -> bool:
+        """The loader names ``fork``, which this process may not use now (point 4)."""
+        method = start_method(loader.multiprocessing_context)
+        return method == "fork" and not zygote.may_fork()
+
+    def pickling_problem(self, loader: Any) -> str | None:
+        """What a helper could not receive pickled, or None (checked once per loader)."""
         if not self._pickling_checked:
             self._pickling_problem = _unpicklable(loader)
             self._pickling_checked = True

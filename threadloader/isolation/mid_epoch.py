@@ -7,8 +7,10 @@ code disagrees with these rules, the code is wrong.
 
 1. Only the first epoch of an ``"auto"`` loader, when ``auto``'s own rules would move the next
    one anyway (point 4 there): not with persistent workers, fewer than 2 workers or 2 usable
-   CPUs, or a ``multiprocessing_context`` other than ``fork``; and only for an epoch whose
-   training thread can make any batch itself (map-style, ``in_order=True``, no ``timeout``:
+   CPUs, a ``multiprocessing_context`` other than ``fork``, or a dataset, ``collate_fn`` or
+   ``worker_init_fn`` that cannot be pickled (checked once the move would be due: the later
+   epochs' helpers may have to receive them pickled); and only for an epoch whose training
+   thread can make any batch itself (map-style, ``in_order=True``, no ``timeout``:
    ``threaded`` point 7).
 2. After each batch, at most every ``CHECK_EVERY_S``, once the epoch has run ``MEASURE_S``: the
    move is due when the epoch so far shows what moves the next epoch (``auto`` point 2: the
@@ -53,13 +55,19 @@ CHECK_EVERY_S = 0.25
 MIN_REMAINING_S = 1.0
 
 
-def mover_for(loader: Any, epoch: ThreadedDataLoaderIter, on_move: Callable[..., None]) -> Any:
+def mover_for(
+    loader: Any,
+    epoch: ThreadedDataLoaderIter,
+    on_move: Callable[[Choice, LoaderStats], None],
+    pickling_problem: Callable[[], str | None],
+) -> MidEpochMove | None:
     """A ``MidEpochMove`` for ``epoch`` when point 1 allows one, else None.
 
     Args:
         loader: the ``ThreadDataLoader``.
         epoch: its first epoch's threaded iterator.
         on_move: called with the ``Choice`` and the stats before the move, once it moved.
+        pickling_problem: what a helper could not receive pickled, or None (point 1).
     """
     if (
         loader.persistent_workers
@@ -71,7 +79,7 @@ def mover_for(loader: Any, epoch: ThreadedDataLoaderIter, on_move: Callable[...,
     ):
         return None
     helpers = loader.helpers or min(loader.num_workers, usable_cpus())
-    return MidEpochMove(helpers, on_move)
+    return MidEpochMove(helpers, on_move, pickling_problem)
 
 
 class MidEpochMove:
@@ -80,6 +88,7 @@ class MidEpochMove:
     Args:
         helpers: how many helper processes.
         on_move: called with the ``Choice`` and the epoch's stats before the move, once moved.
+        pickling_problem: what a helper could not receive pickled, or None.
         clock: a monotonic clock in seconds.
     """
 
@@ -87,10 +96,12 @@ class MidEpochMove:
         self,
         helpers: int,
         on_move: Callable[[Choice, LoaderStats], None],
+        pickling_problem: Callable[[], str | None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._helpers = helpers
         self._on_move = on_move
+        self._pickling_problem = pickling_problem
         self._clock = clock
         self._next_check = 0.0
         self._signal = ""
@@ -117,6 +128,9 @@ class MidEpochMove:
         if remaining * stats.wall_s / stats.batches < MIN_REMAINING_S:
             return False
         if not zygote.may_fork(besides=epoch.pool.alive_threads):
+            return False
+        if self._pickling_problem() is not None:
+            epoch.mover = None  # it never will be picklable: stop asking
             return False
         self._signal, self._stats = signal, stats
         return True

@@ -67,8 +67,14 @@ KWARGS: dict[str, Any] = {
 
 @pytest.fixture
 def move_soon(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Items hold the GIL, and a move is due as soon as a batch was delivered."""
+    """Items hold the GIL, and a move is due as soon as a batch was delivered. This process
+    counts as running only its main thread unless a test starts one: threads other tests left
+    running (a test server's) would keep every epoch from forking."""
     monkeypatch.setattr(auto, "held_the_gil", lambda stats: True)
+    before = threading.active_count()
+    monkeypatch.setattr(
+        mid_epoch.zygote, "may_fork", lambda besides=0: threading.active_count() <= before + besides
+    )
     monkeypatch.setattr(mid_epoch, "MEASURE_S", 0.0)
     monkeypatch.setattr(mid_epoch, "CHECK_EVERY_S", 0.0)
     monkeypatch.setattr(mid_epoch, "MIN_REMAINING_S", 0.0)

@@ -358,3 +358,18 @@ def test_helpers_started_by_a_server_need_a_longer_epoch(monkeypatch: pytest.Mon
     _, modes = _epochs(loader, 2)
     assert modes == ["threads", "threads"]
     assert "epochs of 1e+09 s or more move" in str(loader.stats().mode_reason)
+
+
+def test_an_epoch_that_moved_mid_way_counts_for_helpers_from_the_move_on() -> None:
+    """A first epoch that ran 100 batches/s in threads, then 80 in helpers: 90 over the whole
+    epoch would hide that helpers lost (90 >= 0.9 x 100); the pace after the move shows it."""
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation="threads")
+    list(loader)
+    measured = loader.stats()
+    before = dataclasses.replace(measured, batches=100, wall_s=1.0)
+    whole = dataclasses.replace(measured, batches=180, wall_s=2.0)
+    policy = auto.AutoIsolation()
+    policy.moved(auto.Choice(auto.PROCESS, "moved", helpers=2), before)
+    choice = policy.next_epoch(loader, whole)
+    assert choice.mode == auto.THREADS
+    assert "80.0 batches/s with helper processes against 100.0 with threads" in choice.reason

@@ -71,6 +71,8 @@ def move_soon(monkeypatch: pytest.MonkeyPatch) -> None:
     counts as running only its main thread unless a test starts one: threads other tests left
     running (a test server's) would keep every epoch from forking."""
     monkeypatch.setattr(auto, "held_the_gil", lambda stats: True)
+    # Epochs of milliseconds: a helper's start would weigh as if helpers ran the loop slower.
+    monkeypatch.setattr(auto, "loop_pace", lambda stats, since=None: 100.0)
     before = threading.active_count()
     monkeypatch.setattr(
         mid_epoch.zygote, "may_fork", lambda besides=0: threading.active_count() <= before + besides

@@ -109,11 +109,19 @@ def slowed_the_training(stats: LoaderStats) -> bool:
     return stats.training_slowed and stats.wait_fraction < MAX_WAIT_FOR_STEP
 
 
-def loop_pace(stats: LoaderStats) -> float | None:
-    """Batches per second of the epoch's wall time, training steps included; None if unknown."""
-    if stats.batches < 1 or stats.wall_s <= 0:
+def loop_pace(stats: LoaderStats, since: LoaderStats | None = None) -> float | None:
+    """Batches per second of the epoch's wall time, training steps included; None if unknown.
+
+    Args:
+        stats: the epoch's stats.
+        since: the same epoch's stats at an earlier point: the pace after it (``mid_epoch``).
+    """
+    batches, wall = stats.batches, stats.wall_s
+    if since is not None:
+        batches, wall = batches - since.batches, wall - since.wall_s
+    if batches < 1 or wall <= 0:
         return None
-    return stats.batches / stats.wall_s
+    return batches / wall
 
 
 class _Discard:
@@ -139,6 +147,7 @@ class AutoIsolation:
         self._pace: dict[str, float] = {}  # mode -> the loop's pace in its latest epoch
         self._pickling_problem: str | None = None
         self._pickling_checked = False
+        self._moved_at: LoaderStats | None = None  # the current epoch moved here (``moved``)
 
     def next_epoch(self, loader: Any, last: LoaderStats | None) -> Choice:
         """Decide where the epoch about to start runs.
@@ -158,7 +167,9 @@ class AutoIsolation:
             return self.choice
         if last is None:
             return self.choice
-        pace = loop_pace(last)
+        moved, self._moved_at = self._moved_at, None
+        # An epoch that moved mid-way counts for helpers from the move on.
+        pace = loop_pace(last) if moved is None else loop_pace(last, since=moved)
         if pace is not None:
             self._pace[self.choice.mode] = pace
         if self.choice.mode == PROCESS:
@@ -200,6 +211,7 @@ class AutoIsolation:
             before: the epoch's stats up to the move: the threads' pace.
         """
         self.choice = choice
+        self._moved_at = before
         pace = loop_pace(before)
         if pace is not None:
             self._pace[THREADS] = pace

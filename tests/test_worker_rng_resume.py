@@ -257,3 +257,61 @@ def test_a_resumed_state_saved_again_before_every_worker_delivered_resumes_exact
     assert len(got) == len(reference)
     for mine, want in zip(got, reference, strict=True):
         assert_batches_equal(mine, want)
+
+
+class DrawsThenFails(Dataset[torch.Tensor]):
+    """Item i: ``[i, a draw from the worker's random]``; item 2 draws, then raises."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import random
+
+        drawn = random.random()
+        if index == 2:
+            raise ValueError("bad index 2")
+        return torch.tensor([float(index), drawn], dtype=torch.float64)
+
+
+def _batches_and_errors(it: Iterator[Any], count: int | None = None) -> list[Any]:
+    out: list[Any] = []
+    while count is None or len(out) < count:
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+        except ValueError:
+            out.append("error")
+    return out
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_a_state_saved_after_a_failed_batch_keeps_what_it_drew(isolation: str) -> None:
+    """Item 2 drew from its worker's generator before it raised: a state saved just after that
+    batch resumes the generator past the draw, as an uninterrupted epoch goes on."""
+
+    def loader() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            DrawsThenFails(),
+            batch_size=1,
+            num_workers=2,
+            isolation=isolation,
+            save_worker_rng=True,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    whole = _batches_and_errors(iter(loader()))
+    cut = loader()
+    head = _batches_and_errors(iter(cut), 3)
+    assert head[2] == "error"
+    resumed = loader()
+    resumed.load_state_dict(roundtrip(cut.state_dict()))
+    rest = _batches_and_errors(iter(resumed))
+    got = head + rest
+    assert len(got) == len(whole)
+    for i, (a, b) in enumerate(zip(got, whole, strict=True)):
+        if isinstance(b, str):
+            assert a == b, f"batch {i}"
+        else:
+            assert_batches_equal(a, b, f"batch {i}")

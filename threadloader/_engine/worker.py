@@ -224,15 +224,20 @@ class Worker:
             if cpu is not None:
                 cpu = time.thread_time() - cpu
                 wall = time.perf_counter() - started
-            if data is not NOTHING and not isinstance(data, ExceptionWrapper):
+            failed = isinstance(data, ExceptionWrapper)
+            if data is not NOTHING:
                 try:  # user code (state_dict(), as this worker): its error is the batch's
-                    state = self.snapshot()
+                    # After a failed batch, the dataset's state is not taken, as in
+                    # StatefulDataLoader; the generators' is: what the batch drew before it
+                    # raised is drawn in an uninterrupted run too.
+                    state = None if failed else self.snapshot()
                     if self.spec.capture_rng:
                         rng = rng_state(self.rngs)
                 except BaseException:  # noqa: BLE001  # delivered to the training thread
-                    data = ExceptionWrapper(
-                        where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
-                    )
+                    if not failed:
+                        data = ExceptionWrapper(
+                            where=f"{self._where()}, batch {task.idx}, saving the dataset's state"
+                        )
                     state = rng = None
         finally:
             leave(previous)

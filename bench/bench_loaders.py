@@ -300,7 +300,10 @@ def _memory_case(loader: str, size: str) -> dict[str, Any]:
     elif loader == "thread4":
         from threadloader import ThreadDataLoader
 
-        dl = ThreadDataLoader(spec.dataset, num_workers=4, **kwargs)
+        # Threads throughout. (The default would stay in threads here too: the PSS sampler's
+        # thread keeps a long GIL-bound epoch from forking helpers mid-epoch; the thread2p
+        # rows show what forked helpers cost.)
+        dl = ThreadDataLoader(spec.dataset, num_workers=4, isolation="threads", **kwargs)
     elif loader.startswith("thread2p"):
         # thread2p: helpers forked from this process (one Python thread at iter());
         # thread2pz: from the zygote (another thread runs at iter()); thread2pfs: from the

@@ -25,7 +25,7 @@ LOADER_LABELS: dict[str, str] = {
     "torchdata2": "torchdata.nodes ParallelMapper(2 threads)",
     "spdl2": "spdl DataLoader(2 threads)",
     "dl4": "DataLoader(num_workers=4)",
-    "thread4": "ThreadDataLoader(num_workers=4)",
+    "thread4": "ThreadDataLoader(num_workers=4, isolation='threads')",
 }
 """Loader keys used in test ids, with the names the table prints."""
 

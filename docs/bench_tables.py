@@ -148,7 +148,7 @@ LOADERS = {
     "dl4": "DataLoader(4)",
     "thread2": "**ThreadDataLoader(2)**",
     "thread2p": 'ThreadDataLoader(2, isolation="process", helpers=2)',
-    "thread4": "**ThreadDataLoader(4)**",
+    "thread4": '**ThreadDataLoader(4, isolation="threads")**',
     "torchdata2": "torchdata.nodes ParallelMapper(2 threads)",
     "spdl2": "SPDL DataLoader(2 threads)",
     "thread2pz": 'ThreadDataLoader(2, isolation="process", helpers=2), from the zygote',

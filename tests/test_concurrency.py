@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -16,7 +17,7 @@ from helpers import (
     torch_epochs,
     torch_loader,
 )
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, RandomSampler
 
 from threadloader import ThreadDataLoader
 from threadloader._engine import threaded
@@ -917,3 +918,46 @@ def test_a_probe_down_waits_until_the_run_has_lasted_many_fetch_times() -> None:
     assert first_change is not None and ctl.limit == 0  # the probe came...
     # ...after 40 fetch times: not in the first 80-step epoch (1.2 s), where it came at 0.4 s
     assert first_change >= max(1.2, FIRST_PROBE_FETCHES * fetch_s)
+
+
+class _Drawn(Dataset[torch.Tensor]):
+    """Item i: ``[i, a draw from the worker's torch generator]``."""
+
+    def __len__(self) -> int:
+        return 47
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), float(torch.rand(()))])
+
+
+def _two_epochs_with_a_break(make: Any) -> list[list[torch.Tensor]]:
+    """Epoch 1 left after 6 batches, then a whole epoch 2. The sampler draws lazily (in chunks
+    of 32, as the loop asks) from the loader's own generator, which also seeds epoch 2."""
+    g = torch.Generator().manual_seed(945711)
+    sampler = RandomSampler(range(47), replacement=True, num_samples=54, generator=g)
+    loader = make(_Drawn(), batch_size=3, num_workers=3, generator=g, sampler=sampler)
+    first = []
+    for k, batch in enumerate(loader):
+        if k == 6:
+            break
+        first.append(batch)
+    return [first, list(loader)]
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["training thread alone", "workers"])
+def test_a_break_leaves_a_lazily_drawing_sampler_where_torch_leaves_it(
+    monkeypatch: pytest.MonkeyPatch, lean: bool
+) -> None:
+    """torch had drawn prefetch_factor * num_workers indices ahead at the break; so has the
+    training thread making each batch itself, which dispatches none ahead: epoch 2, seeded from
+    the same generator, is torch's."""
+    if lean:
+        monkeypatch.setattr(
+            ConcurrencyController,
+            "on_batch",
+            lambda self, *a, **k: self._set(0) if self.minimum == 0 else None,
+        )
+    theirs = _two_epochs_with_a_break(torch_loader)
+    ours = _two_epochs_with_a_break(functools.partial(ThreadDataLoader, isolation="threads"))
+    for epoch in range(2):
+        assert_epochs_equal(ours[epoch], theirs[epoch])

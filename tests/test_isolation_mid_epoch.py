@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import assert_epochs_equal, torch_epochs
+from helpers import assert_epochs_equal, torch_epochs, torch_loader
 from test_isolation import _fast_helper_starts, _no_helper_left_behind  # noqa: F401
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, RandomSampler, get_worker_info
 
 from threadloader import ThreadDataLoader
 from threadloader._engine.threaded import ThreadedDataLoaderIter
@@ -278,3 +278,26 @@ def test_a_short_rest_of_the_epoch_does_not_move(monkeypatch: pytest.MonkeyPatch
     loader = _ours()
     assert set().union(*_pids(list(loader))) == {os.getpid()}
     assert loader.stats().mode == "threads"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_break_while_a_move_drains_leaves_the_sampler_where_torch_leaves_it() -> None:
+    """While the batches in flight drain, nothing is dispatched, but the sampler is drawn as
+    torch draws it: a sampler drawing lazily from the loader's generator, which also seeds the
+    next epoch, gives torch's next epoch after a break there."""
+
+    def two_epochs(make: Any) -> list[list[Any]]:
+        g = torch.Generator().manual_seed(5)
+        sampler = RandomSampler(range(N), replacement=True, num_samples=N, generator=g)
+        loader = make(Counting(), batch_size=4, num_workers=3, generator=g, sampler=sampler)
+        first = []
+        for k, batch in enumerate(loader):
+            if k == 3:
+                break
+            first.append(_data(batch))
+        return [first, [_data(b) for b in loader]]
+
+    theirs = two_epochs(torch_loader)
+    ours = two_epochs(ThreadDataLoader)
+    for epoch in range(2):
+        assert_epochs_equal(ours[epoch], theirs[epoch])

@@ -13,6 +13,12 @@ written once, following torch's ``_MultiProcessingDataLoaderIter``:
    out are skipped.
 3. The epoch's index stream starts (and resumes) through ``_state.begin_pass``; an IterableDataset
    resumes round robin at the worker after the one that made the last delivered batch.
+4. The sampler is drawn at torch's pace on every path: a subclass that holds back from
+   dispatching (the training thread making each batch itself, a move about to start) still
+   draws each index, with its round-robin worker, when torch would have dispatched it, into
+   ``_drawn``; those go out first once it dispatches again. A sampler that draws lazily from a
+   generator used elsewhere (``RandomSampler(replacement=True, generator=g)``, ``g`` also the
+   loader's) then leaves it where torch's leaves it, whenever the loop stops.
 
 A subclass provides ``_send(worker_id, idx, index)`` (returns what it needs to find the task
 again, kept in the reorder table), ``_get_result(in_flight)`` (the next ``Result`` of this
@@ -23,6 +29,7 @@ epoch's new generation), and ``close()``; and sets ``_resume``, ``_log_every_s``
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Callable
@@ -204,6 +211,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._send_idx = 0  # number of the next batch to dispatch
         self._rcvd_idx = 0  # number of the next batch to deliver (in order)
         self._sampler_done = False  # the sampler ran out: what is in flight drains
+        self._drawn: collections.deque[tuple[int, Any]] = collections.deque()  # point 4
         # batch number -> (worker_id, in_flight) until its result arrives, then
         # (worker_id, in_flight, result) while parked behind an earlier batch
         self._task_info: dict[int, tuple[Any, ...]] = {}
@@ -262,7 +270,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         so what those batches draw from a worker's generators is drawn whatever the
         concurrency limit was at the break."""
         parked = sum(len(info) == 3 for info in self._task_info.values())
-        while not self._sampler_done and self._tasks_outstanding + parked < self._max_tasks:
+        while (self._drawn or not self._sampler_done) and (
+            self._tasks_outstanding + parked < self._max_tasks
+        ):
             sent = self._send_idx
             DispatchingIter._try_put_index(self)  # also on the lean path, which dispatches none
             if self._send_idx == sent:
@@ -307,6 +317,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
 
     def _forget_in_flight(self) -> None:
         """Drop every batch dispatched and not delivered (their results will be stale)."""
+        self._drawn.clear()
         self._task_info.clear()
         self._send_idx = self._rcvd_idx
         self._tasks_outstanding = 0
@@ -315,19 +326,38 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _try_put_index(self) -> None:
         if self._tasks_outstanding >= self._max_tasks:
             raise AssertionError("more batches in flight than num_workers * prefetch_factor")
-        try:
-            index = self._next_index()
-        except StopIteration:
-            self._sampler_done = True
-            return
-        worker_id = self._next_worker()
-        if worker_id is None:
-            return
+        if self._drawn:  # point 4
+            worker_id, index = self._drawn.popleft()
+        else:
+            drawn = self._draw()
+            if drawn is None:
+                return
+            worker_id, index = drawn
         in_flight = self._send(worker_id, self._send_idx, index)
         self._task_info[self._send_idx] = (worker_id, in_flight)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
+
+    def _draw(self) -> tuple[int, Any] | None:
+        """The next index and its round-robin worker, as torch's ``_try_put_index`` draws them;
+        None when the sampler ran out or no worker can take it (torch drops the index then)."""
+        try:
+            index = self._next_index()
+        except StopIteration:
+            self._sampler_done = True
+            return None
+        worker_id = self._next_worker()
+        return None if worker_id is None else (worker_id, index)
+
+    def _draw_ahead(self) -> None:
+        """Draw the index torch would dispatch now, without dispatching it (point 4)."""
+        parked = sum(len(info) == 3 for info in self._task_info.values())
+        if len(self._drawn) + self._tasks_outstanding + parked >= self._max_tasks:
+            return
+        drawn = self._draw()
+        if drawn is not None:
+            self._drawn.append(drawn)
 
     def _next_worker(self) -> int | None:
         """The next live worker in round-robin order (torch's), or None if none can take more."""
@@ -382,6 +412,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                if self._drawn:  # drawn ahead and not dispatched yet (point 4): send them
+                    sent = self._send_idx
+                    self._fill()
+                    if self._send_idx != sent:
+                        continue
                 if not self._persistent_workers:
                     self.close()
                 raise StopIteration

@@ -256,7 +256,9 @@ class ThreadedDataLoaderIter(DispatchingIter):
         return self._run_here and (self._threadless or self._concurrency.limit == 0)
 
     def _try_put_index(self) -> None:
-        if not self._lean() and not self._draining:
+        if self._lean() or self._draining:
+            self._draw_ahead()  # nothing is dispatched, but the sampler goes at torch's pace
+        else:
             super()._try_put_index()
 
     def _next_batch(self) -> Any:
@@ -280,15 +282,14 @@ class ThreadedDataLoaderIter(DispatchingIter):
         return self._all_ready
 
     def _fetch_here(self) -> Any:
-        """Draw the next index and make its batch here, as its round-robin worker."""
-        try:
-            index = self._next_index()
-        except StopIteration:
+        """Make the next batch here, as its round-robin worker: the one drawn ahead for it
+        (``dispatch`` point 4), or the next index now."""
+        drawn = self._drawn.popleft() if self._drawn else self._draw()
+        if drawn is None:  # the sampler ran out (every live worker has room: none is in flight)
             if not self._persistent_workers:
                 self.close()
-            raise
-        worker_id = self._next_worker()
-        assert worker_id is not None  # nothing is in flight, so every live worker has room
+            raise StopIteration
+        worker_id, index = drawn
         worker = self._pool.workers[worker_id]
         task = Task(self._send_idx, index, self._generation)
         self._send_idx += 1
@@ -299,6 +300,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             # No CPU timing: the controller needs it only to try fewer threads than 0.
             result = worker.run_timed(task, self._stats.caller, cpu_time=False)
         self._ready, self._ran_here = False, True
+        self._draw_ahead()  # torch dispatches one more as it delivers one (even an error)
         return self._deliver(result)
 
     def _unpack(self, result: Result) -> Any:

@@ -23,11 +23,12 @@ where the code disagrees with this, the code is wrong.
    so dropping it is enough for the finalizer to run.
 5. Lean path: while the fetching limit is 0 (the controller found that the training thread alone
    is fastest: a GIL-bound dataset), nothing is dispatched ahead. Once the batches in flight are
-   delivered, each ``next()`` draws one index and makes its batch right here, as the worker the
-   round robin gives it to (point 1's rules), with no task, queue or reorder entry: per batch,
-   the bookkeeping of ``num_workers=0`` plus the worker's ``WorkerInfo``. When the limit rises,
-   dispatching resumes from the next index, so the batches, their order and which worker made
-   each are the same on either path.
+   delivered, each ``next()`` makes the next index's batch right here, as the worker the round
+   robin gave it to (point 1's rules), with no task, queue or reorder entry: per batch, the
+   bookkeeping of ``num_workers=0`` plus the worker's ``WorkerInfo``. Indices are still drawn as
+   torch dispatches them, ``prefetch_factor * num_workers`` ahead (``dispatch`` point 4). When
+   the limit rises, dispatching resumes from the next index, so the batches, their order and
+   which worker made each are the same on either path.
 6. An epoch that starts on the lean path (the last epoch settled at 0) with no
    ``worker_init_fn`` starts no thread: the training thread makes each worker's fetcher (no
    user code runs, so which thread does cannot be told), and the threads start when the limit

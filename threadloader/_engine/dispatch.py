@@ -253,14 +253,14 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._ends: dict[int, int] = {}  # worker -> batch number of its end, not yet behind
         self._fill()
 
-    def _fill(self) -> None:
-        """Dispatch until ``prefetch_factor * num_workers`` batches are in flight (or none left).
+    def _in_flight(self) -> int:
+        """Batches dispatched and not delivered: results parked in the reorder table count
+        (each dispatches its successor when delivered, as in torch)."""
+        return self._tasks_outstanding + sum(len(info) == 3 for info in self._task_info.values())
 
-        In flight: dispatched and not delivered, so results parked in the reorder table count
-        (each dispatches its successor when delivered, as in torch).
-        """
-        parked = sum(len(info) == 3 for info in self._task_info.values())
-        for _ in range(self._max_tasks - self._tasks_outstanding - parked):
+    def _fill(self) -> None:
+        """Dispatch until ``prefetch_factor * num_workers`` batches are in flight (or none left)."""
+        for _ in range(self._max_tasks - self._in_flight()):
             self._try_put_index()
 
     def _dispatch_as_torch_would(self) -> None:
@@ -269,10 +269,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         every batch given to them before the next epoch, as torch's do (``_finish_abandoned``),
         so what those batches draw from a worker's generators is drawn whatever the
         concurrency limit was at the break."""
-        parked = sum(len(info) == 3 for info in self._task_info.values())
-        while (self._drawn or not self._sampler_done) and (
-            self._tasks_outstanding + parked < self._max_tasks
-        ):
+        while (self._drawn or not self._sampler_done) and self._in_flight() < self._max_tasks:
             sent = self._send_idx
             DispatchingIter._try_put_index(self)  # also on the lean path, which dispatches none
             if self._send_idx == sent:
@@ -326,13 +323,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def _try_put_index(self) -> None:
         if self._tasks_outstanding >= self._max_tasks:
             raise AssertionError("more batches in flight than num_workers * prefetch_factor")
-        if self._drawn:  # point 4
-            worker_id, index = self._drawn.popleft()
-        else:
-            drawn = self._draw()
-            if drawn is None:
-                return
-            worker_id, index = drawn
+        drawn = self._next_drawn()
+        if drawn is None:
+            return
+        worker_id, index = drawn
         in_flight = self._send(worker_id, self._send_idx, index)
         self._task_info[self._send_idx] = (worker_id, in_flight)
         self._workers_num_tasks[worker_id] += 1
@@ -350,10 +344,14 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         worker_id = self._next_worker()
         return None if worker_id is None else (worker_id, index)
 
+    def _next_drawn(self) -> tuple[int, Any] | None:
+        """The next index to make and its worker: the oldest drawn ahead (point 4), else
+        ``_draw``'s."""
+        return self._drawn.popleft() if self._drawn else self._draw()
+
     def _draw_ahead(self) -> None:
         """Draw the index torch would dispatch now, without dispatching it (point 4)."""
-        parked = sum(len(info) == 3 for info in self._task_info.values())
-        if len(self._drawn) + self._tasks_outstanding + parked >= self._max_tasks:
+        if len(self._drawn) + self._in_flight() >= self._max_tasks:
             return
         drawn = self._draw()
         if drawn is not None:

@@ -285,7 +285,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
     def _fetch_here(self) -> Any:
         """Make the next batch here, as its round-robin worker: the one drawn ahead for it
         (``dispatch`` point 4), or the next index now."""
-        drawn = self._drawn.popleft() if self._drawn else self._draw()
+        drawn = self._next_drawn()
         if drawn is None:  # the sampler ran out (every live worker has room: none is in flight)
             if not self._persistent_workers:
                 self.close()

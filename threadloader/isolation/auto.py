@@ -103,6 +103,17 @@ def epoch_signal(stats: LoaderStats, epoch: str = "the last epoch's") -> str | N
     return None
 
 
+def helper_count(loader: Any) -> int:
+    """How many helper processes a move starts: ``helpers``, else one per worker up to the
+    usable CPUs (point 2)."""
+    return int(loader.helpers or min(loader.num_workers, usable_cpus()))
+
+
+def too_few_to_help(loader: Any) -> bool:
+    """Fewer than 2 workers or 2 usable CPUs: helpers cannot run more at once (point 4)."""
+    return bool(loader.num_workers < 2 or usable_cpus() < 2)
+
+
 def slowed_the_training(stats: LoaderStats) -> bool:
     """Whether an epoch's training steps were slower while its worker threads ran, in a loop
     that the step paces rather than the wait for data (point 2)."""
@@ -195,7 +206,7 @@ class AutoIsolation:
         if blocker is not None:
             self.choice = Choice(THREADS, f"{signal}, but {blocker}")
             return self.choice
-        count = loader.helpers or min(loader.num_workers, usable_cpus())
+        count = helper_count(loader)
         self.choice = Choice(
             PROCESS,
             f"{signal}: worker threads run in {count} helper process{'es' if count > 1 else ''}",
@@ -227,7 +238,7 @@ class AutoIsolation:
         )
 
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
-        if loader.num_workers < 2 or usable_cpus() < 2:
+        if too_few_to_help(loader):
             return "helper processes need 2 workers and 2 usable CPUs to help"
         method = start_method(loader.multiprocessing_context)
         forked = method in (None, "fork") and (zygote.may_fork() or zygote.running())

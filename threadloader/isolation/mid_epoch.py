@@ -41,9 +41,14 @@ from typing import Any
 
 from threadloader._engine.stats import LoaderStats
 from threadloader._engine.threaded import ThreadedDataLoaderIter
-from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
-from threadloader.isolation.auto import PROCESS, Choice, epoch_signal
+from threadloader.isolation.auto import (
+    PROCESS,
+    Choice,
+    epoch_signal,
+    helper_count,
+    too_few_to_help,
+)
 from threadloader.isolation.parent import IsolatedDataLoaderIter, start_method
 
 #: The epoch runs this long (seconds) before a move is considered: the concurrency controller
@@ -72,14 +77,12 @@ def mover_for(
     if (
         loader.persistent_workers
         or getattr(loader, "device", None) is not None  # its transfer thread: no fork
-        or loader.num_workers < 2
-        or usable_cpus() < 2
+        or too_few_to_help(loader)
         or start_method(loader.multiprocessing_context) not in (None, "fork")
         or not epoch.makes_batches_itself
     ):
         return None
-    helpers = loader.helpers or min(loader.num_workers, usable_cpus())
-    return MidEpochMove(helpers, on_move, pickling_problem)
+    return MidEpochMove(helper_count(loader), on_move, pickling_problem)
 
 
 class MidEpochMove:

@@ -3,7 +3,8 @@
 HTTP(S) is read with the standard library (``http.client``), with keep-alive connections reused
 across threads and epochs: no event loop, no extra dependency, and every failure mode in reach
 of the retry logic (``retry``). One GET, its redirects (up to 5) and the whole body included,
-runs within one deadline. A body cut short raises ``http.client.IncompleteRead``, a status other
+runs within one deadline (a blocking call that it lets run out ends at most 10% of the time then
+left past it: ``TIMEOUT_SLACK``). A body cut short raises ``http.client.IncompleteRead``, a status other
 than 200 ``HTTPStatusError``. A request on a kept-alive connection that the server closed
 meanwhile is sent again at once on a new connection.
 """
@@ -21,6 +22,13 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _MAX_REDIRECTS = 5
 _MAX_IDLE_PER_HOST = 256  # keep-alive connections kept per host; more are closed on release
 _BODY_CHUNK = 1 << 18
+#: A connected socket's timeout is set again only once it exceeds what is left of the deadline
+#: by more than this factor, so one blocking call ends at most 10% of the time then left past
+#: the deadline. ``settimeout`` releases and takes back the GIL (two ``fcntl`` calls); set before
+#: every send and receive, with 32 threads reading 16 KiB objects on 2 cores, it cost 12% of the
+#: reads per second (1,923 against 2,184, medians of 9 interleaved rounds, with 14,900 against
+#: 10,600 voluntary context switches per 1,024 reads).
+TIMEOUT_SLACK = 1.1
 
 
 class HTTPStatusError(OSError):
@@ -129,9 +137,21 @@ class HTTPConnections:
 
 
 def _set_timeout(conn: http.client.HTTPConnection, deadline: float) -> None:
+    """Give the connection's next blocking call what is left of ``deadline`` (``TIMEOUT_SLACK``).
+
+    Raises:
+        TimeoutError: the deadline passed.
+    """
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("the read's deadline passed")
+    current = conn.timeout
+    if (
+        conn.sock is not None
+        and isinstance(current, float)
+        and remaining <= current <= remaining * TIMEOUT_SLACK
+    ):
+        return
     conn.timeout = remaining
     if conn.sock is not None:
         conn.sock.settimeout(remaining)

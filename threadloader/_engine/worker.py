@@ -55,7 +55,7 @@ def _make_rngs(base_seed: int, worker_id: int) -> tuple[Any, WorkerRNGs]:
         torch_generator=torch.Generator().manual_seed(seed),
         numpy_generator=np.random.default_rng(numpy_seed),
     )
-    return rng, WorkerRNGs(rng, np.random.RandomState(numpy_seed))
+    return rng, WorkerRNGs(rng, numpy_seed)
 
 
 class Worker:

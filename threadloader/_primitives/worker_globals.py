@@ -93,16 +93,12 @@ class WorkerRNGs:
     @property
     def numpy_legacy(self) -> np.random.RandomState:
         """The worker's ``numpy.random`` global, seeded with ``numpy_seed`` when first used."""
+        # No lock: one thread at a time acts as a given worker (its tasks run under the
+        # worker's ``busy`` lock), and only a thread acting as the worker gets here.
         legacy = self._numpy_legacy
         if legacy is None:
-            with _legacy_lock:  # made once, even if two threads ask at the same time
-                legacy = self._numpy_legacy
-                if legacy is None:
-                    legacy = self._numpy_legacy = np.random.RandomState(self._numpy_seed)
+            legacy = self._numpy_legacy = np.random.RandomState(self._numpy_seed)
         return legacy
-
-
-_legacy_lock = threading.Lock()
 
 
 class _Local(threading.local):

@@ -1250,3 +1250,47 @@ def test_a_state_after_a_break_holds_what_the_finished_batches_did_to_the_copies
     expected = run(None)
     assert run(0) == expected
     assert run(1) == expected
+
+
+class MadeBy(Dataset[tuple[int, int, int]]):
+    """Item i, the worker that made it, and that worker's seed."""
+
+    def __len__(self) -> int:
+        return 15
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        info = get_worker_info()
+        return i, info.id, int(info.seed % 1000)
+
+
+def _made_by(loader_type: Any, cut: int, **options: Any) -> list[list[int]]:
+    """An epoch of MadeBy saved after ``cut`` batches and resumed by a new loader."""
+    torch.manual_seed(5)
+    loader = loader_type(MadeBy(), batch_size=2, num_workers=3, **options)
+    it = iter(loader)
+    head = [next(it) for _ in range(cut)]
+    state = loader.state_dict()
+    del it, loader
+    resumed = loader_type(MadeBy(), batch_size=2, num_workers=3, **options)
+    resumed.load_state_dict(state)
+    return [torch.stack(b).T.flatten().tolist() for b in head + list(resumed)]
+
+
+@pytest.mark.parametrize("cut", [1, 2, 4])
+def test_a_resumed_map_style_epoch_continues_the_round_robin_as_stateful_dataloader(
+    cut: int,
+) -> None:
+    """StatefulDataLoader's resumed batches come from the worker after the one that made the
+    last delivered batch, with that worker's seed; so do ours, with or without saved
+    generators, and as in the uninterrupted run."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    theirs = _made_by(StatefulDataLoader, cut)
+    torch.manual_seed(5)
+    uninterrupted = [
+        torch.stack(b).T.flatten().tolist()
+        for b in ThreadDataLoader(MadeBy(), batch_size=2, num_workers=3)
+    ]
+    assert [b[1::3] for b in theirs] == [b[1::3] for b in uninterrupted]  # the worker ids
+    for options in ({}, {"save_worker_rng": True}, {"isolation": "process"}):
+        assert _made_by(ThreadDataLoader, cut, **options) == theirs, options

@@ -11,8 +11,8 @@ written once, following torch's ``_MultiProcessingDataLoaderIter``:
 2. Delivery is in sampler order (``in_order=True``) through a reorder table keyed by batch number,
    or as completed (``in_order=False``). Batches dispatched to a worker whose IterableDataset ran
    out are skipped.
-3. The epoch's index stream starts (and resumes) through ``_state.begin_pass``; an IterableDataset
-   resumes round robin at the worker after the one that made the last delivered batch.
+3. The epoch's index stream starts (and resumes) through ``_state.begin_pass``; round robin
+   resumes at the worker after the one that made the last delivered batch (``_state`` point 9).
 4. The sampler is drawn at torch's pace on every path: a subclass that holds back from
    dispatching (the training thread making each batch itself, a move about to start) still
    draws each index, with its round-robin worker, when torch would have dispatched it, into
@@ -239,11 +239,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         elif progress.rng_states is None or not self._persistent_workers:
             # Persistent workers keep their generators across epochs: so do their states.
             progress.rng_states = [None] * self._num_workers
-        if resume is not None and (
-            resume.worker_states is not None or resume.rng_states is not None
-        ):
-            # Per-worker state resumes: so does the round robin, at the worker after the one
-            # that made the last delivered batch (_state points 4 and 6).
+        if resume is not None and not resume.replay_data:
+            # The round robin resumes at the worker after the one that made the last delivered
+            # batch (_state point 9); a replay runs it again from the first worker.
             progress.next_worker = resume.next_worker % self._num_workers
             for _ in range(progress.next_worker):
                 next(self._worker_queue_idx_cycle)

@@ -20,9 +20,8 @@ How state works; where the code disagrees with this, the code is wrong.
    sampler is replayed: its indices for the batches already delivered are drawn and dropped.
 4. A dataset with ``state_dict``/``load_state_dict`` (map-style or iterable), and an
    IterableDataset's stateful iterator, resume each worker's copy from the state it had when
-   its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``); for
-   an IterableDataset, round-robin order continues with the worker after the one that made the
-   last batch. Any other IterableDataset is replayed: its first batches are fetched again and
+   its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``). Any
+   other IterableDataset is replayed: its first batches are fetched again and
    dropped, with a warning; as many of each worker's as the loop had received from it, so a
    replay is exact also after delivery as completed (``in_order=False``). A map-style
    dataset's states resume on the same number of workers; on another number each copy keeps
@@ -30,10 +29,10 @@ How state works; where the code disagrees with this, the code is wrong.
 5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
    number of workers raises ``ValueError`` naming the mismatch.
 6. With ``save_worker_rng=True`` each worker's own generators (``WorkerInfo.rng``) are saved as
-   of its last delivered batch and put back after its ``worker_init_fn`` on resume, and round
-   robin resumes at the worker after the one that made the last delivered batch, so every
-   later batch is made by the same worker from the same generator state as without the
-   interruption. On another number of workers the generators start fresh, with a warning.
+   of its last delivered batch and put back after its ``worker_init_fn`` on resume, so with
+   point 9 every later batch is made by the same worker from the same generator state as
+   without the interruption. On another number of workers the generators start fresh, with a
+   warning.
 7. Map-style positions: a batch is behind the loop once ``__next__`` returned it *or raised its
    error* (the loop may catch the error and go on: its indices were used, as in torch). The state
    holds the first position not behind the loop and, with ``in_order=False``, the positions after
@@ -44,6 +43,11 @@ How state works; where the code disagrees with this, the code is wrong.
    ``save_worker_rng``) generators as of its last delivered batch, and the epoch's base seed,
    which the saving loader's workers would have kept. The resumed next epoch starts its workers
    from them, with fresh iterators, and draws its indices as a new epoch does.
+9. On as many workers as the saved loader had, round robin resumes at the worker after the one
+   that made the last delivered batch, as StatefulDataLoader's does, so each later batch is made
+   by the worker that would have made it (``get_worker_info().id``, its seed). A replayed
+   IterableDataset instead runs the round robin again from the first worker; on another number
+   of workers it starts at the first.
 """
 
 from __future__ import annotations

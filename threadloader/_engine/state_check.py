@@ -303,7 +303,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         replay_data=replay_data,
         worker_states=worker_states,
         worker_state_form=form,
-        next_worker=int(state["next_worker"]),
+        # The round robin resumes only on as many workers as the state's (_state point 9).
+        next_worker=int(state["next_worker"]) if state["num_workers"] == loader.num_workers else 0,
         workers_status=state["workers_status"] if stateful_iterable else None,
         rng_states=list(rng_states) if rng_states is not None else None,
         position=position if kind == "map" else batches,

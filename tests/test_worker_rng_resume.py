@@ -221,6 +221,55 @@ def test_a_replayed_iterable_dataset_draws_as_an_uninterrupted_one(cut: int) -> 
         assert_batches_equal(mine, want)
 
 
+class EveryEpochStream(IterableDataset[torch.Tensor]):
+    """Each epoch the same items, each with a draw from the worker's torch generator, and no
+    state_dict: a resume replays the epoch's first batches."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        assert info is not None
+        for i in range(info.id, 24, info.num_workers):
+            noise = torch.rand((), generator=thread_safe_generator()).item()
+            yield torch.tensor([float(i), noise], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+@pytest.mark.parametrize("cut", [1, 3])
+def test_a_replayed_later_epoch_of_persistent_workers_draws_as_an_uninterrupted_one(
+    cut: int, isolation: str
+) -> None:
+    """Persistent workers carry their generators into the next epoch; a resume that replays
+    that epoch's first batches replays them from the carried generators, not from the seeds."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            EveryEpochStream(),
+            batch_size=4,
+            num_workers=2,
+            persistent_workers=True,
+            save_worker_rng=True,
+            isolation=isolation,
+        )
+
+    torch.manual_seed(11)
+    reference = make()
+    list(reference)
+    second = list(reference)
+    torch.manual_seed(11)
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    seen = [next(it) for _ in range(cut)]
+    state = roundtrip(loader.state_dict())
+    del it, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    with pytest.warns(UserWarning, match="resuming by fetching and dropping"):
+        rest = list(resumed)
+    for mine, want in zip(seen + rest, second, strict=True):
+        assert_batches_equal(mine, want)
+
+
 @pytest.mark.parametrize("cut", [1, 3])
 def test_a_stateful_iterable_dataset_resumes_its_state_and_its_draws(cut: int) -> None:
     reference = list(_stream_loader(StatefulAugmentedStream()))

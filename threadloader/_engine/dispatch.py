@@ -239,6 +239,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         elif progress.rng_states is None or not self._persistent_workers:
             # Persistent workers keep their generators across epochs: so do their states.
             progress.rng_states = [None] * self._num_workers
+        # What a resume that replays this epoch starts the generators from (_state point 10).
+        progress.epoch_rng_states = list(progress.rng_states)
         if resume is not None and not resume.replay_data:
             # The round robin resumes at the worker after the one that made the last delivered
             # batch (_state point 9); a replay runs it again from the first worker.

@@ -48,6 +48,11 @@ How state works; where the code disagrees with this, the code is wrong.
    by the worker that would have made it (``get_worker_info().id``, its seed). A replayed
    IterableDataset instead runs the round robin again from the first worker; on another number
    of workers it starts at the first.
+10. A replayed IterableDataset (point 4) draws again what its batches drew: from freshly seeded
+   generators in a first epoch, and, with persistent workers, from those the workers carried in
+   from the epoch before. With ``save_worker_rng`` the state holds the latter (as of each
+   worker's last batch delivered before the epoch), and a resume restores them before the
+   replay, which brings them to the saved states by itself.
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ class Progress:
     workers_alive: list[bool] = field(default_factory=list)
     # The workers' own generators as of each one's last delivered batch (point 6).
     rng_states: list[Any] | None = None
+    # ... and as the epoch began, where persistent workers carried them in (point 10).
+    epoch_rng_states: list[Any] | None = None
     # Map-style (point 7): every position below ``done`` is behind the loop, and so are those in
     # ``ahead`` (sorted; out-of-order delivery, or a resume's skipped positions).
     done: int = 0
@@ -450,6 +457,9 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]
         "workers_status": list(progress.workers_alive) if live else None,  # type: ignore[union-attr]
         "worker_rng_states": _rng_states(loader, progress) if live or carried else None,
+        "worker_rng_states_at_start": _rng_states_at_start(loader, progress, kind, worker_states)
+        if live
+        else None,
         "global_rng_state": (
             encode_rng(progress.global_rng_state)  # type: ignore[union-attr]
             if live and progress.global_rng_state is not None  # type: ignore[union-attr]
@@ -481,6 +491,19 @@ def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
         return None
     states = progress.rng_states
     if not states or all(s is None for s in states):
+        return None
+    return [as_plain(s) if s is not None else None for s in states]
+
+
+def _rng_states_at_start(
+    loader: Any, progress: Progress | None, kind: str, worker_states: list[Any] | None
+) -> list[Any] | None:
+    """Point 10: the generators the epoch began with, for a resume that replays its batches."""
+    if kind != "iterable" or worker_states is not None or progress is None:
+        return None
+    saved = _rng_states(loader, progress)
+    states = progress.epoch_rng_states
+    if saved is None or not states or all(s is None for s in states):
         return None
     return [as_plain(s) if s is not None else None for s in states]
 

@@ -276,9 +276,14 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         own.set_state(sampler_rng_state)  # the next epoch draws from it, as it would have
     rng_states = state.get("worker_rng_states")  # optional: states saved without it resume
     if replay_data:
-        # The replayed batches draw again from the seeded generators, which brings them to the
-        # saved states by themselves: restoring those first would advance them twice.
-        rng_states = None
+        # The replayed batches draw again from the generators the epoch began with, which
+        # brings them to the saved states by themselves: restoring those first would advance
+        # them twice (_state point 10). Freshly seeded ones, unless the state says otherwise.
+        rng_states = state.get("worker_rng_states_at_start")  # optional, as worker_rng_states
+        if rng_states is not None and (
+            not isinstance(rng_states, list) or len(rng_states) != loader.num_workers
+        ):
+            rng_states = None
     elif rng_states is not None and len(rng_states) != loader.num_workers:
         warnings.warn(
             f"loader state holds the generators of {len(rng_states)} workers, this loader has "

@@ -423,3 +423,33 @@ def test_a_worker_seeds_its_numpy_global_only_when_an_item_uses_it(monkeypatch) 
     ours = collect(ThreadDataLoader(_LegacyDraws(), batch_size=4, num_workers=3))
     assert_batches_equal(ours, theirs)
     assert len(made) == 3
+
+
+class _BitGeneratorDraws(_NoDraws):
+    """numpy's recommended bridge from the legacy global to a ``Generator``; item 5 replaces
+    its worker's bit generator, which later items of that worker draw from."""
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.0005)
+        if i == 5:
+            np.random.set_bit_generator(np.random.PCG64(i))
+        return int(np.random.Generator(np.random.get_bit_generator()).integers(1 << 30))
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_numpy_bit_generator_functions_act_on_the_workers_own_global(isolation: str) -> None:
+    """``np.random.get_bit_generator``/``set_bit_generator`` reach the worker's global in a
+    worker thread, as in a worker process, and leave the training thread's alone."""
+    np.random.seed(9)
+    mine = np.random.get_bit_generator()
+    before = mine.state
+    torch.manual_seed(3)
+    theirs = collect(DataLoader(_BitGeneratorDraws(), batch_size=4, num_workers=2))
+    torch.manual_seed(3)
+    ours = collect(
+        ThreadDataLoader(_BitGeneratorDraws(), batch_size=4, num_workers=2, isolation=isolation)
+    )
+    assert_batches_equal(ours, theirs)
+    after = mine.state["state"]
+    assert np.random.get_bit_generator() is mine and after["pos"] == before["state"]["pos"]
+    assert np.array_equal(after["key"], before["state"]["key"])

@@ -10,7 +10,8 @@ dispatch on the calling thread:
 
 1. While a thread runs as a worker (``swap(rngs)``; a worker thread for its whole life, the
    training thread or an isolation runner for one task at a time), the module-level functions of
-   ``random`` and ``numpy.random``'s legacy ``RandomState``, and torch's ``manual_seed``,
+   ``random`` and ``numpy.random``'s legacy ``RandomState`` (``get_bit_generator`` and
+   ``set_bit_generator`` included), and torch's ``manual_seed``,
    ``seed``, ``initial_seed``, ``get_rng_state`` and ``set_rng_state``, act on that worker's
    ``WorkerRNGs``. On any other thread they are the original functions' behaviour, unchanged.
 2. Random torch ops called without a generator (``torch.rand``, ``Tensor.uniform_``,
@@ -89,6 +90,15 @@ class WorkerRNGs:
         self.torch = rng.torch_generator
         self._numpy_seed = numpy_seed
         self._numpy_legacy: np.random.RandomState | None = None
+
+    def get_bit_generator(self) -> Any:
+        """``numpy.random.get_bit_generator()`` in this worker: its global's bit generator."""
+        return self.numpy_legacy._bit_generator
+
+    def set_bit_generator(self, bitgen: Any) -> None:
+        """``numpy.random.set_bit_generator(bitgen)`` in this worker: its global draws from
+        ``bitgen`` from now on."""
+        self._numpy_legacy = np.random.RandomState(bitgen)
 
     @property
     def numpy_legacy(self) -> np.random.RandomState:
@@ -393,6 +403,8 @@ def _patch_torch_seeding() -> None:
 #: ``numpy.random`` functions that are plain functions calling the legacy global, and the
 #: ``RandomState`` method each stands for.
 _NUMPY_FUNCTIONS = {"seed": "seed", "ranf": "random_sample", "sample": "random_sample"}
+#: ``numpy.random`` functions on the legacy global's bit generator, which ``WorkerRNGs`` provides.
+_BIT_GENERATOR_FUNCTIONS = ("get_bit_generator", "set_bit_generator")
 
 
 def _bound_to(module: Any, instance: object) -> dict[str, Any]:
@@ -402,6 +414,21 @@ def _bound_to(module: Any, instance: object) -> dict[str, Any]:
         for name, value in vars(module).items()
         if not name.startswith("_") and getattr(value, "__self__", None) is instance
     }
+
+
+def _legacy(rngs: WorkerRNGs) -> np.random.RandomState:
+    return rngs.numpy_legacy
+
+
+def _itself(rngs: WorkerRNGs) -> WorkerRNGs:
+    return rngs
+
+
+def _replace(mtrand: Any, name: str, fn: Any, patched: Any) -> None:
+    """Put ``patched`` in ``fn``'s place in ``numpy.random.mtrand``, and in ``numpy.random``."""
+    setattr(mtrand, name, patched)
+    if getattr(numpy.random, name, None) is fn:
+        setattr(numpy.random, name, patched)
 
 
 def install() -> None:
@@ -418,9 +445,10 @@ def install() -> None:
             if hasattr(mtrand, name) and hasattr(np.random.RandomState, method):
                 functions[name] = (getattr(mtrand, name), method)
         for name, (fn, method) in functions.items():
-            patched = _dispatcher(fn, lambda r: r.numpy_legacy, "numpy.random", name, method)
-            setattr(mtrand, name, patched)
-            if getattr(numpy.random, name, None) is fn:
-                setattr(numpy.random, name, patched)
+            _replace(mtrand, name, fn, _dispatcher(fn, _legacy, "numpy.random", name, method))
+        for name in _BIT_GENERATOR_FUNCTIONS:  # the legacy global's bit generator itself
+            fn = getattr(mtrand, name, None)
+            if fn is not None:
+                _replace(mtrand, name, fn, _dispatcher(fn, _itself, "numpy.random", name))
         _patch_torch_seeding()
         _installed = True

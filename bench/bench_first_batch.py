@@ -11,6 +11,14 @@ worker threads; ``iso2`` ThreadDataLoader(isolation="process", helpers=2), whose
 forked from the script's process (it runs one Python thread at ``iter()``); ``iso2z`` the same
 with another Python thread running at ``iter()``: helpers forked by the zygote; ``iso2fs`` the same with the zygote switched off (``THREADLOADER_ZYGOTE=0``): helpers
 from the forkserver, started when the loader is built.
+
+``--collect-first`` runs ``gc.collect()`` in each child before the timer starts. After
+``import torch`` the interpreter owes a full garbage collection (~80 ms on 2 cores here), which
+runs in whatever code next allocates some hundreds of objects: the first loader's start-up when
+it allocates enough before its first batch (``ThreadDataLoader(num_workers=2)`` did, ~850
+objects, in every run seen), or later, in the training loop, when it does not
+(``DataLoader(num_workers=2)`` allocates ~620 in the training process). Without the flag that
+cost counts for whichever loader happens to pay it.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from threadloader.compare.workloads import make_workload
 spec = make_workload(sys.argv[1], size="bench")
 loader = sys.argv[2]
 kwargs = dict(batch_size=spec.batch_size, shuffle=True)
+if sys.argv[3] == "1":
+    import gc
+    gc.collect()
 start = time.perf_counter()
 if loader == "dl2":
     dl = torch.utils.data.DataLoader(spec.dataset, num_workers=2, **kwargs)
@@ -49,12 +60,12 @@ del it
 """
 
 
-def measure(workload: str, loader: str) -> float:
+def measure(workload: str, loader: str, collect_first: bool = False) -> float:
     env = dict(os.environ)
     if loader == "iso2fs":
         env["THREADLOADER_ZYGOTE"] = "0"
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, workload, loader],
+        [sys.executable, "-c", _CHILD, workload, loader, str(int(collect_first))],
         check=True, capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     return float(json.loads(done.stdout.strip().splitlines()[-1])["first_batch_s"])
@@ -65,6 +76,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default="images,tensors,python")
     parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument(
+        "--collect-first",
+        action="store_true",
+        help="gc.collect() before the timer starts (the module docstring says why)",
+    )
     args = parser.parse_args()
     rows: dict[tuple[str, str], list[float]] = {}
     ratios: dict[tuple[str, str], list[float]] = {}
@@ -72,7 +88,7 @@ def main() -> None:
         measure(workload, "thread2")  # builds the workload's files outside the timing
         for r in range(args.rounds):
             order = LOADERS[r % len(LOADERS) :] + LOADERS[: r % len(LOADERS)]
-            got = {loader: measure(workload, loader) for loader in order}
+            got = {loader: measure(workload, loader, args.collect_first) for loader in order}
             for loader, seconds in got.items():
                 rows.setdefault((workload, loader), []).append(seconds)
                 ratios.setdefault((workload, loader), []).append(seconds / got["dl2"])

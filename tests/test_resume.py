@@ -1125,12 +1125,13 @@ def test_an_out_of_order_state_without_batches_ahead_refuses_another_number_of_r
 
 
 class UnevenStartsAtLoaded(StartsAtLoaded):
-    """Worker 0 yields 0, 2; worker 1 (slow) yields 1, 3, 5."""
+    """Worker 0 yields 0, 2; worker 1 (slow: worker 0's end reaches the loop first, even in a
+    helper process on a loaded machine, where 0.2 s was not always enough) yields 1, 3, 5."""
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         wid, _ = _worker()
         if wid == 1:
-            time.sleep(0.2)
+            time.sleep(1.0)
         start, self.start = self.start, 0
         self.consumed = start
         for j, i in enumerate([[0, 2], [1, 3, 5]][wid]):

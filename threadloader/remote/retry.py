@@ -59,7 +59,8 @@ class RetryPolicy:
         attempts: tries per read, the first one included; 1 disables retries.
         backoff_s: ceiling of the first retry's delay, in seconds.
         max_backoff_s: largest delay between two tries, in seconds.
-        timeout_s: deadline of one try, in seconds: connecting, waiting and reading the body.
+        timeout_s: deadline of one try, in seconds: connecting, waiting and reading the body
+            (over HTTP, a blocking receive may end up to a tenth of the time then left past it).
 
     Raises:
         ValueError: if ``attempts < 1``, a delay is negative, or ``timeout_s`` is not positive.

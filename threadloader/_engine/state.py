@@ -489,21 +489,23 @@ def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
     """Point 6: the saved generator states, when the loader saves them and has any yet."""
     if not loader.save_worker_rng or progress is None:
         return None
-    states = progress.rng_states
-    if not states or all(s is None for s in states):
-        return None
-    return [as_plain(s) if s is not None else None for s in states]
+    return _plain_states(progress.rng_states)
 
 
 def _rng_states_at_start(
     loader: Any, progress: Progress | None, kind: str, worker_states: list[Any] | None
 ) -> list[Any] | None:
     """Point 10: the generators the epoch began with, for a resume that replays its batches."""
-    if kind != "iterable" or worker_states is not None or progress is None:
+    if not loader.save_worker_rng or progress is None:
         return None
-    saved = _rng_states(loader, progress)
-    states = progress.epoch_rng_states
-    if saved is None or not states or all(s is None for s in states):
+    if kind != "iterable" or worker_states is not None:
+        return None
+    return _plain_states(progress.epoch_rng_states)
+
+
+def _plain_states(states: list[Any] | None) -> list[Any] | None:
+    """Generator states as a loader state holds them; None when no worker has one."""
+    if not states or all(s is None for s in states):
         return None
     return [as_plain(s) if s is not None else None for s in states]
 

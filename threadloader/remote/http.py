@@ -4,9 +4,9 @@ HTTP(S) is read with the standard library (``http.client``), with keep-alive con
 across threads and epochs: no event loop, no extra dependency, and every failure mode in reach
 of the retry logic (``retry``). One GET, its redirects (up to 5) and the whole body included,
 runs within one deadline (a blocking call that it lets run out ends at most 10% of the time then
-left past it: ``TIMEOUT_SLACK``). A body cut short raises ``http.client.IncompleteRead``, a status other
-than 200 ``HTTPStatusError``. A request on a kept-alive connection that the server closed
-meanwhile is sent again at once on a new connection.
+left past it: ``TIMEOUT_SLACK``). A body cut short raises ``http.client.IncompleteRead``, a
+status other than 200 ``HTTPStatusError``. A request on a kept-alive connection that the server
+closed meanwhile is sent again at once on a new connection.
 """
 
 from __future__ import annotations

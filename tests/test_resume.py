@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_resumes_exactly
+from helpers import assert_resumes_exactly, cut_and_resume
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
@@ -1267,14 +1267,10 @@ class MadeBy(Dataset[tuple[int, int, int]]):
 def _made_by(loader_type: Any, cut: int, **options: Any) -> list[list[int]]:
     """An epoch of MadeBy saved after ``cut`` batches and resumed by a new loader."""
     torch.manual_seed(5)
-    loader = loader_type(MadeBy(), batch_size=2, num_workers=3, **options)
-    it = iter(loader)
-    head = [next(it) for _ in range(cut)]
-    state = loader.state_dict()
-    del it, loader
-    resumed = loader_type(MadeBy(), batch_size=2, num_workers=3, **options)
-    resumed.load_state_dict(state)
-    return [torch.stack(b).T.flatten().tolist() for b in head + list(resumed)]
+    batches, _ = cut_and_resume(
+        lambda: loader_type(MadeBy(), batch_size=2, num_workers=3, **options), cut
+    )
+    return [torch.stack(b).T.flatten().tolist() for b in batches]
 
 
 @pytest.mark.parametrize("cut", [1, 2, 4])

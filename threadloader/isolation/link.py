@@ -4,6 +4,7 @@ it ends, whether the epoch finished, was abandoned, or the helper died.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import signal
@@ -26,6 +27,7 @@ from threadloader.isolation.helper import (
     helper_main,
 )
 from threadloader.isolation.ring_reader import RingReader
+from threadloader.isolation.task_pipe import TaskPipe
 
 #: Seconds ``close()`` waits for the helper to exit before killing it.
 CLOSE_WAIT_S = 5.0
@@ -63,6 +65,13 @@ def run_signal_handlers() -> None:
     """Nothing: entering a Python function runs the handlers of signals flagged meanwhile."""
 
 
+def _poll_ms(deadline: float | None) -> int | None:
+    """``select.poll``'s timeout until ``deadline`` (monotonic): None waits for good."""
+    if deadline is None:
+        return None
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
 class HelperDied(RuntimeError):
     """The helper process ended while the training process was waiting for it."""
 
@@ -91,9 +100,9 @@ class _Link:
         self.control: Connection = control_w
         self.mailbox: Connection = mailbox_w
         os.set_blocking(mailbox_w.fileno(), False)
-        self.tasks: Connection = tasks_w
+        self.tasks = TaskPipe(tasks_w)  # never blocks: ``task_pipe``
         self.results: Connection = result_here
-        TRAINING_ENDS.update(self._ours())
+        TRAINING_ENDS.update([control_w, mailbox_w, tasks_w, result_here])
         self.reader = RingReader(mailbox_w.fileno())
         self.closed = False
         self._cpus = usable_cpus()
@@ -127,8 +136,11 @@ class _Link:
             conn.close()
         self._waiting = select.poll()
         self._waiting.register(self.results.fileno(), select.POLLIN)
+        self._waiting_or_room = select.poll()  # while tasks wait for room in their pipe
+        self._waiting_or_room.register(self.results.fileno(), select.POLLIN)
+        self._waiting_or_room.register(self.tasks.fileno, select.POLLOUT)
 
-    def _ours(self) -> list[Connection]:
+    def _ours(self) -> list[Connection | TaskPipe]:
         return [self.control, self.mailbox, self.tasks, self.results]
 
     def __repr__(self) -> str:
@@ -136,7 +148,8 @@ class _Link:
         return f"<helper pid={self.process.pid} {state} {self.reader!r}>"
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        """Send ``msg`` (``task_board``'s TASK or EPOCH) to the helper.
+        """Send ``msg`` (``task_board``'s TASK or EPOCH) to the helper, without blocking: what
+        the task pipe cannot take now goes out during the next waits for results.
 
         Raises:
             HelperDied: the helper is gone.
@@ -145,6 +158,20 @@ class _Link:
         self._check_open()
         try:
             self.tasks.send(msg)
+        except OSError:
+            raise self._died() from None
+
+    def flush(self) -> bool:
+        """Write the tasks waiting for room in the pipe, as far as it takes them now.
+
+        Returns:
+            True when none is left waiting.
+
+        Raises:
+            HelperDied: the helper is gone.
+        """
+        try:
+            return self.tasks.flush()
         except OSError:
             raise self._died() from None
 
@@ -167,17 +194,23 @@ class _Link:
         """
         self._check_open()
         started = time.perf_counter()
-        if self.spin and (timeout is None or timeout > SPIN_S):
+        flushed = self.flush()
+        if self.spin and flushed and (timeout is None or timeout > SPIN_S):
             self.polled += 1
             self.spun += self._poll_for(SPIN_S)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            try:
-                arrived = deadline is None or self.results.poll(
-                    max(0.0, deadline - time.monotonic())
-                )
-            except (EOFError, OSError):
-                raise self._died() from None
+            if self.flush():
+                try:
+                    arrived = deadline is None or self.results.poll(
+                        max(0.0, deadline - time.monotonic())
+                    )
+                except (EOFError, OSError):
+                    raise self._died() from None
+            else:  # tasks wait for room: write them as the helper reads (``task_pipe``)
+                arrived = self._result_or_room(deadline)
+                if not arrived and (deadline is None or time.monotonic() < deadline):
+                    continue
             if not arrived:
                 raise TimeoutError
             msg = self.take_message()
@@ -215,6 +248,15 @@ class _Link:
             self.close()
             _reraise(msg[1])
         return None
+
+    def _result_or_room(self, deadline: float | None) -> bool:
+        """Wait until a result is ready, the task pipe has room, or ``deadline`` passes.
+
+        Returns:
+            Whether a result (or the helper's end) is ready to read.
+        """
+        results = self.results.fileno()
+        return any(fd == results for fd, _ in self._waiting_or_room.poll(_poll_ms(deadline)))
 
     def _poll_for(self, seconds: float) -> bool:
         """Poll the result socket for up to ``seconds``; whether a message arrived."""
@@ -347,7 +389,15 @@ class Links:
                 if left <= 0:
                     raise TimeoutError
                 wait_ms = max(1, int(left * 1000))
-            self._waiting.poll(wait_ms)  # a helper's end shows as ready: read, it raises
+            waiting = self._waiting
+            writing = [link for link in self.links if not link.flush()]
+            if writing:  # tasks wait for room: write them as the helpers read (``task_pipe``)
+                waiting = select.poll()
+                for link in self.links:
+                    waiting.register(link.results.fileno(), select.POLLIN)
+                for link in writing:
+                    waiting.register(link.tasks.fileno, select.POLLOUT)
+            waiting.poll(wait_ms)  # a helper's end shows as ready: read, it raises
 
     def close(self) -> None:
         """Close every link (``_Link.close``); a Ctrl-C meanwhile kills the rest, then is raised."""

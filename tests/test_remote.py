@@ -6,11 +6,14 @@ inject latency, 503s, connection resets and truncated bodies, and are stopped in
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import http.client
 import logging
+import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -354,6 +357,40 @@ def test_dropping_the_dataset_joins_its_read_threads(server: FaultyHTTPServer) -
     del ds
     gc.collect()
     assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_ctrl_c_while_dropping_the_dataset_joins_its_reads_reaches_the_loop(
+    server: FaultyHTTPServer,
+) -> None:
+    """Ctrl-C during the finalizer's join of a read in flight: raised in the loop, reads stopped.
+
+    The finalizer of a dropped dataset waits for its pool's reads. A Ctrl-C then must not be
+    printed as "Exception ignored" and lost, nor leave the connections open.
+    """
+    server.faults = Faults(latency_s=1.5)
+    ds = RemoteFiles([server.url(k) for k in OBJECTS], max_concurrency=2, retry=FAST)
+    runtime = ds._state.runtime()
+    reader = copy.copy(ds)  # a worker's copy: shares the pool, keeps the dataset itself droppable
+    read: list[list[bytes]] = []
+    thread = threading.Thread(target=lambda: read.append(reader.__getitems__([0, 1, 2])))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while server.in_flight < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        del ds  # the finalizer joins the pool, for ~1.5 s
+        time.sleep(3)  # the Ctrl-C lands in the finalizer or here: the loop must see it
+    assert time.monotonic() - started < 1.2  # raised when pressed, not after the join
+    assert runtime.stop.is_set()
+    assert runtime.http._closed
+    thread.join(timeout=10)
+    timer.join()
+    assert not thread.is_alive()
+    assert read == [[OBJECTS[f"obj/{i}"] for i in range(3)]]  # reads that had started finish
 
 
 def test_exit_during_a_retry_backoff_does_not_wait_for_it(server: FaultyHTTPServer) -> None:

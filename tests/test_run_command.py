@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,3 +278,31 @@ def test_device_without_cuda_is_a_usage_error(
     err = capfd.readouterr()
     assert err.out == "" and err.err.startswith("python -m threadloader run: error:")
     assert "CUDA" in err.err and err.err.count("\n") == 1
+
+
+def test_a_ctrl_c_while_a_dropped_loaders_stats_are_kept_reaches_the_script() -> None:
+    """The report's finalizer runs when a loader dies: a Ctrl-C landing in it is not lost."""
+    code = textwrap.dedent("""
+        import time
+        from threadloader import ThreadDataLoader
+        from threadloader.integrations import run
+
+        def pressed(state, kept):
+            raise KeyboardInterrupt  # a Ctrl-C landing while the finalizer runs
+
+        run._keep_stats_parts = pressed
+        report = run._Report()
+        loader = ThreadDataLoader(list(range(4)))
+        report(loader, "here")
+        try:
+            del loader
+            time.sleep(5)
+            print("lost")
+        except KeyboardInterrupt:
+            print("reached the script")
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "reached the script", out.stderr
+    assert "Exception ignored" not in out.stderr

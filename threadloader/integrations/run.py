@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from threadloader._engine.stats import LoaderStats
+from threadloader._primitives.finalizers import Finalizer
 from threadloader.integrations import _divert
 from threadloader.integrations import patch as _patch
 from threadloader.loader import ThreadDataLoader
@@ -153,8 +154,8 @@ class _Report:
         self.loaders: list[tuple[str, weakref.ref[Any], dict[str, Any]]] = []
 
     def __call__(self, loader: ThreadDataLoader[Any], where: str) -> None:
-        kept: dict[str, Any] = {}  # filled when the loader dies
-        weakref.finalize(loader, _keep_stats_parts, loader.__dict__, kept)
+        kept: dict[str, Any] = {}  # filled when the loader dies; a Ctrl-C meanwhile is kept
+        Finalizer(loader, _keep_stats_parts, loader.__dict__, kept)
         with self.lock:
             self.loaders.append((where, weakref.ref(loader), kept))
 

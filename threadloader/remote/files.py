@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from types import TracebackType
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
+from threadloader._primitives.finalizers import Finalizer
 from threadloader.remote.cache import ByteCache
 from threadloader.remote.errors import (
     RemoteDecodeError,
@@ -178,9 +178,10 @@ class RemoteFiles(Dataset[Any]):
 
     def _start(self) -> None:
         self._state = State(self._config)
-        # The finalizer holds the state, never self: dropping the dataset joins its threads.
-        self._finalizer = weakref.finalize(self, self._state.close)
-        self._finalizer.atexit = False  # the exit hook closes runtimes earlier than atexit would
+        # The finalizer holds the state, never self: dropping the dataset joins its threads. A
+        # Ctrl-C during that join stops the reads without waiting and reaches the loop; nothing
+        # runs at interpreter exit (the exit hook closes runtimes earlier than atexit would).
+        self._finalizer = Finalizer(self, self._state.close, on_interrupt=self._state.abandon)
 
     def __copy__(self) -> RemoteFiles:
         """A copy sharing this one's read pool, caches and counters (a worker thread's copy).

@@ -126,19 +126,43 @@ class Runtime:
         return fs, fs._strip_protocol(url)
 
     def close(self) -> None:
-        """Stop retries, cancel queued reads, join the pool, close connections. Idempotent."""
+        """Stop retries, cancel queued reads, join the pool, close connections.
+
+        Idempotent, and complete even when interrupted: a Ctrl-C while joining the pool still
+        closes the connections, and a later call (the exit hook's) joins the pool again.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while joining the pool.
+        """
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            pool, self._pool = self._pool, None
+            pool = self._pool
+        self.stop.set()
+        try:
+            if pool is not None:
+                # GC can run this on one of the pool's own threads, which cannot join itself.
+                own = threading.current_thread().name.startswith(f"{self.name}_")
+                pool.shutdown(wait=not own, cancel_futures=True)
+                with self._lock:
+                    if self._pool is pool:
+                        self._pool = None
+        finally:
+            self.http.close()
+        exit_hook.untrack(self)
+
+    def abandon(self) -> None:
+        """``close`` without waiting: stop retries, cancel queued reads, close connections.
+
+        What a Ctrl-C that stopped ``close`` run from a finalizer leaves to do
+        (``_primitives.finalizers`` point 2); the exit hook still joins the pool.
+        """
+        with self._lock:
+            self._closed = True
+            pool = self._pool
         self.stop.set()
         if pool is not None:
-            # GC can run this on one of the pool's own threads, which cannot join itself.
-            own = threading.current_thread().name.startswith(f"{self.name}_")
-            pool.shutdown(wait=not own, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
         self.http.close()
-        exit_hook.untrack(self)
 
 
 # States by id, held weakly: plain references with no callback, so a dataset dropped on the
@@ -199,6 +223,7 @@ class State:
         self.lock = threading.Lock()
         self.counters = Counters()
         self._runtime: Runtime | None = None
+        self._closing: Runtime | None = None  # the runtime ``close`` is closing
         self._caches: list[ByteCache] | None = None
         self.warned_cache_write = False
 
@@ -223,7 +248,20 @@ class State:
             return self._caches
 
     def close(self) -> None:
+        """Close the runtime (``Runtime.close``); the next read makes a new one.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C while joining the read pool.
+        """
         with self.lock:
             runtime, self._runtime = self._runtime, None
+            self._closing = runtime
         if runtime is not None:
             runtime.close()
+        self._closing = None
+
+    def abandon(self) -> None:
+        """Stop the runtime that ``close`` was closing, or was about to, waiting for nothing."""
+        runtime = self._closing or self._runtime  # no lock: this runs when close was stopped
+        if runtime is not None:
+            runtime.abandon()

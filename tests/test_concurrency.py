@@ -491,6 +491,33 @@ def test_isolation_helper_pacer_sees_each_batch_cpu_time(cores: float, fewer: bo
     assert (min(limits) == 1) == fewer
 
 
+def test_isolation_helper_pacer_applies_limits_in_the_order_it_decides_them() -> None:
+    """Two runners' batches change the limit one after the other: the board ends on the last.
+
+    Runner A's new limit must reach the task board before runner B's batch is counted; else B's
+    later limit could be overwritten by A's stale one until the next change.
+    """
+    from threadloader.isolation.helper import _Pacer
+
+    pacer = _Pacer(4, cpus=2)
+    decided = iter([1, 3])
+    pacer._controller.on_batch = lambda *args: next(decided)  # type: ignore[method-assign]
+    applied: list[int] = []
+    a_applying = threading.Event()
+
+    def slow_apply(limit: int) -> None:  # runner A is descheduled while applying its limit
+        a_applying.set()
+        time.sleep(0.2)
+        applied.append(limit)
+
+    runner_a = threading.Thread(target=pacer.on_batch, args=(0.0, None, None, slow_apply))
+    runner_a.start()
+    assert a_applying.wait(5)
+    pacer.on_batch(0.0, None, None, applied.append)  # runner B
+    runner_a.join()
+    assert applied == [1, 3]
+
+
 def test_first_probe_comes_after_a_short_first_window() -> None:
     """The starting limit is judged on ~5 ms, later windows on 20 ms: contention costs at start."""
     clock = FakeClock()

@@ -251,20 +251,31 @@ class _Pacer:
     def limit(self) -> int:
         return self._controller.limit
 
-    def on_batch(self, started: float, cpu: float | None, wall: float | None = None) -> int | None:
+    def on_batch(
+        self,
+        started: float,
+        cpu: float | None,
+        wall: float | None = None,
+        apply: Callable[[int], object] | None = None,
+    ) -> int | None:
         """Count one batch made; the new limit when it changes, else None.
 
         Args:
             started: when the batch's fetch began (``time.perf_counter``).
             cpu: the thread CPU time the fetch took.
             wall: the wall-clock time the fetch took.
+            apply: called with a new limit before any other runner's batch is counted, so that
+                limits reach the task board in the order they were decided.
 
         They matter as in-process: ``started`` keeps batches made under the previous limit out
         of the new limit's window, ``cpu`` and ``wall`` keep the controller from trying fewer
         threads while they mostly wait (I/O) or already run in parallel (``_primitives.concurrency``).
         """
         with self._lock:
-            return self._controller.on_batch(started, cpu, wall)
+            limit = self._controller.on_batch(started, cpu, wall)
+            if limit is not None and apply is not None:
+                apply(limit)
+            return limit
 
 
 def _runner_loop(first: Worker, helper: _Helper) -> None:
@@ -311,9 +322,8 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
             dataset_stats = helper.dataset_stats()
             _send_result(sender, result, timings.events, pacer.limit, dataset_stats)
             started = result.started  # set by run_timed
-            limit = None if started is None else pacer.on_batch(started, result.cpu, result.wall)
-            if limit is not None:
-                board.set_limit(limit)
+            if started is not None:
+                pacer.on_batch(started, result.cpu, result.wall, apply=board.set_limit)
         del result, msg  # a blocked take() must not pin the last batch
 
 

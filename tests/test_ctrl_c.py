@@ -256,6 +256,41 @@ def test_a_close_stopped_halfway_by_ctrl_c_still_ends_the_threads(monkeypatch) -
     assert not any(t.is_alive() for t in threads)
 
 
+class BusyItems(Dataset[int]):
+    """Items that take 0.6 s of user code, which a close cannot interrupt."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        self.inside.set()
+        time.sleep(0.6)
+        self.inside.clear()
+        return i
+
+
+def test_a_close_after_one_a_ctrl_c_stopped_still_waits_for_the_workers() -> None:
+    """A Ctrl-C stops close() while it joins a worker busy in an item; the next close (the
+    exit hook's) waits for that worker to end, though CPython 3.11 then calls it stopped."""
+    dataset = BusyItems()
+    it = iter(ThreadDataLoader(dataset, num_workers=1, prefetch_factor=1))
+    assert dataset.inside.wait(10)
+    pool = it._pool
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+        time.sleep(5)
+    timer.join()
+    pool.close()
+    assert not dataset.inside.is_set()
+    assert all(finished.is_set() for finished in pool._finished)
+    del it
+
+
 def test_an_isolated_close_stopped_halfway_by_ctrl_c_still_ends_the_helper(monkeypatch) -> None:
     """A Ctrl-C landing inside ``break``'s close of the helper link before its pipes were
     closed: the helper still ends, and the loop gets the Ctrl-C."""

@@ -8,6 +8,8 @@ Each shutdown test names its trigger: exhaustion, close(), break, del, garbage c
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from threadloader._primitives import exit_hook
 from threadloader.device.transfer import JOIN_TIMEOUT_S
 from threadloader.transfer import DevicePrefetcher, Tagged, device_from_arg
 
@@ -191,6 +194,32 @@ def test_close_while_the_source_blocks_wakes_it_with_on_close() -> None:
     it.close()  # join would wait JOIN_TIMEOUT_S
     assert time.monotonic() - start < JOIN_TIMEOUT_S / 2
     assert not it.thread.is_alive()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_close_after_one_a_ctrl_c_stopped_still_waits_for_the_thread() -> None:
+    """Ctrl-C during close()'s join; the next close (the exit hook's) waits for the thread."""
+    in_source = threading.Event()
+
+    def stuck() -> Iterator[int]:
+        while True:
+            in_source.set()
+            time.sleep(0.6)  # user code the close cannot wake
+            in_source.clear()
+            yield 1
+
+    prefetcher = DevicePrefetcher(stuck(), "cpu", depth=1)
+    assert in_source.wait(5)
+    transfer = prefetcher._transfer
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        prefetcher.close()
+        time.sleep(5)
+    timer.join()
+    transfer.close()
+    assert transfer.finished.is_set() and not in_source.is_set()
+    assert transfer not in exit_hook.tracked()
 
 
 def test_source_is_released_after_close() -> None:

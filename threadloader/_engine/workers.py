@@ -35,23 +35,29 @@ from threadloader._primitives.timing import StageRecorder
 JOIN_TIMEOUT_S = 10.0
 
 
-def _worker_loop(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
+def _worker_loop(
+    worker: Worker, gate: Gate, results: BoundedQueue[Result], finished: threading.Event
+) -> None:
     """What one worker thread runs: wait for a task and a gate slot, run it, hand it back.
 
     The task stays at the head of the worker's queue until the worker holds a gate slot and its
     ``busy`` lock, so that meanwhile the training thread may take it and run it itself.
+    ``finished`` is set as the thread ends.
     """
-    single_intra_op_thread()
-    previous = current_context()
     try:
-        worker.enter()  # for the thread's whole life
-        _serve(worker, gate, results)
+        single_intra_op_thread()
+        previous = current_context()
+        try:
+            worker.enter()  # for the thread's whole life
+            _serve(worker, gate, results)
+        finally:
+            # Nothing left on this thread's torch mode stack when it ends (ours, or one user
+            # code left): an object there is released by a C++ thread-local destructor, which
+            # aborts the process if Python is finalizing.
+            leave(previous)
+            worker_globals.clear_modes()
     finally:
-        # Nothing left on this thread's torch mode stack when it ends (ours, or one user code
-        # left): an object there is released by a C++ thread-local destructor, which aborts the
-        # process if Python is finalizing.
-        leave(previous)
-        worker_globals.clear_modes()
+        finished.set()
 
 
 def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
@@ -127,6 +133,9 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._closed = False
         self._threads: list[threading.Thread] = []
+        # Set as each thread ends: what close() waits for. CPython 3.11 marks a thread whose
+        # join a Ctrl-C interrupted as stopped, and a later join of it returns at once.
+        self._finished: list[threading.Event] = []
         self._name = name
         exit_hook.track(self)
         if start:
@@ -150,14 +159,16 @@ class WorkerPool:
                 return
             try:
                 for w in self.workers:
+                    finished = threading.Event()
                     t = threading.Thread(
                         target=_worker_loop,
-                        args=(w, self.gate, self.results),
+                        args=(w, self.gate, self.results, finished),
                         name=f"{self._name}-worker{w.id}",
                         daemon=True,  # never block exit; the exit hook joins them first
                     )
                     t.start()
                     self._threads.append(t)
+                    self._finished.append(finished)
             except BaseException as e:  # noqa: BLE001  # re-raised below, once closed
                 error = e
         if error is not None:
@@ -223,8 +234,9 @@ class WorkerPool:
         me = threading.current_thread()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         try:
-            for t in self._threads:
+            for t, finished in zip(self._threads, self._finished, strict=True):
                 if t is not me:
+                    finished.wait(max(0.0, deadline - time.monotonic()))
                     t.join(max(0.0, deadline - time.monotonic()))
         except KeyboardInterrupt:
             # Ctrl-C while joining: stop waiting (the rest exit on their own, and the exit

@@ -165,6 +165,7 @@ class _Transfer:
         self.wait_s = 0.0
         self._lock = threading.Lock()
         self._closing = False
+        self.finished = threading.Event()  # set as the thread's function returns
         self.thread = threading.Thread(
             target=_transfer_loop,
             args=(self, source),
@@ -213,22 +214,27 @@ class _Transfer:
         self.handoff.close()  # wakes the thread; a second close does nothing more
 
     def close(self) -> None:
-        """Stop the thread and join it. Idempotent; safe from a finalizer and from that thread."""
+        """Stop the thread and join it. Safe from a finalizer and from that thread.
+
+        Idempotent, and complete when called again after a Ctrl-C stopped it: every call wakes
+        the thread and waits for it (the exit hook's too); ``on_close`` runs once.
+        """
         with self._lock:
-            if self._closing:
-                return
-            self._closing = True
+            first, self._closing = not self._closing, True
         if self.state is HandoffState.RUNNING:
             self.state = HandoffState.CLOSED
         dropped = self.handoff.close()
         del dropped  # device batches never delivered: freed here, only the side stream used them
         error: BaseException | None = None
-        if self.on_close is not None:
+        if first and self.on_close is not None:
             try:
                 self.on_close()  # e.g. close the loader's epoch, so a pending next() returns
             except BaseException as exc:  # noqa: BLE001  # re-raised once the thread is joined
                 error = exc
         if self.thread.ident is not None and self.thread is not threading.current_thread():
+            # Waiting for ``finished`` first: CPython 3.11 marks a thread whose join a Ctrl-C
+            # interrupted as stopped, and a later join of it returns at once.
+            self.finished.wait(JOIN_TIMEOUT_S)
             self.thread.join(JOIN_TIMEOUT_S)
         self.source = None  # the source (an epoch and its workers) may now be collected
         exit_hook.untrack(self)
@@ -240,7 +246,15 @@ class _Transfer:
 
 
 def _transfer_loop(transfer: _Transfer, source: Iterator[Any]) -> None:
-    """What the transfer thread runs: take a slot, pull a batch, copy it, hand it over."""
+    """What the transfer thread runs (``_transfer_batches``), then says it has finished."""
+    try:
+        _transfer_batches(transfer, source)
+    finally:
+        transfer.finished.set()
+
+
+def _transfer_batches(transfer: _Transfer, source: Iterator[Any]) -> None:
+    """Take a slot, pull a batch, copy it, hand it over; until the end or the close."""
     handoff, copier = transfer.handoff, transfer.copier
     try:
         single_intra_op_thread()  # as torch's pin-memory thread: staging copies stay on this one

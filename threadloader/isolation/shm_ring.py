@@ -219,7 +219,8 @@ class RingWriter:
                 segment = self._create(seg_id, slot_bytes, count)
             finally:
                 with self._lock:
-                    self._creating = 0
+                    if self._creating == slot_bytes:  # else another thread grew the slots and
+                        self._creating = 0  # is making the new size's segment: its mark stays
                     if segment is not None:
                         self._segments[seg_id] = segment
                         if slot_bytes == self._slot_bytes:

@@ -686,6 +686,28 @@ def test_leaves_sharing_memory_still_share_it_and_arrays_keep_their_shape(
         assert batch["targets"].tolist() == [10 * (first + k) for k in range(1, 4)]
 
 
+class PrefixAndWhole(Dataset[Any]):
+    """Tensors over two storages starting at one address: ``torch.from_numpy`` of a prefix of
+    an array (first, and only 1 byte long) and of the whole array."""
+
+    def __init__(self) -> None:
+        self.array = np.arange(64, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"head": torch.from_numpy(self.array[:1]), "all": torch.from_numpy(self.array)}
+
+
+@pytest.mark.parametrize("isolation", [None, "process"])
+def test_storages_starting_at_one_address_arrive_whole(isolation: str | None) -> None:
+    loader = ThreadDataLoader(PrefixAndWhole(), batch_size=None, num_workers=2, isolation=isolation)
+    for item in loader:
+        assert item["all"].tolist() == list(range(64))
+        assert item["head"].tolist() == [0]
+
+
 def expanded_and_empty(items: list[Any]) -> dict[str, Any]:
     """A collate_fn returning, every other batch from the first on, only empty tensors, and an
     expanded (stride-0) tensor in the others."""

@@ -199,8 +199,14 @@ def _plan(leaves: list[Any], slot: Slot | None, used: int, copy_all: bool) -> _P
         start = round_up(used, ALIGN)
         used = start + _nbytes(leaf)
         plan.append((leaf, start, True))
-    sources = {key: groups[key][0] for key in spans}
+    # Distinct storages may start at one address (``torch.from_numpy`` of ``a[:4]`` and of
+    # ``a``): the largest holds every byte the group's tensors span.
+    sources = {key: max(groups[key], key=_storage_nbytes) for key in spans}
     return plan, spans, sources, used
+
+
+def _storage_nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().nbytes())
 
 
 def _place(

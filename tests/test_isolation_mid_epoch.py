@@ -301,3 +301,40 @@ def test_a_break_while_a_move_drains_leaves_the_sampler_where_torch_leaves_it() 
     ours = two_epochs(ThreadDataLoader)
     for epoch in range(2):
         assert_epochs_equal(ours[epoch], theirs[epoch])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_move_after_a_live_weight_change_on_the_lean_path_finishes_the_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers the new weights' restart has not reached yet (the training thread made every
+    batch, limit 0) start it before the move: in helpers they would drop its every task."""
+    from threadloader._engine import threaded
+    from threadloader.streams import Mixture, MixtureSampler
+
+    def lean(loader: Any, num_workers: int, minimum: int) -> concurrency.ConcurrencyController:
+        controller = concurrency.ConcurrencyController(num_workers, minimum=0, initial=0)
+        monkeypatch.setattr(controller, "on_batch", lambda *args, **kwargs: None)
+        return controller
+
+    def run(isolation: str) -> tuple[list[Any], str]:
+        monkeypatch.setattr(threaded, "_controller", lean)
+        held = [False]
+        monkeypatch.setattr(auto, "held_the_gil", lambda stats: held[0])
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        loader = ThreadDataLoader(
+            mixture, batch_size=8, num_workers=2, isolation=isolation,
+            sampler=MixtureSampler(mixture, samples_per_epoch=400),
+        )  # fmt: skip
+        it = iter(loader)
+        batches = [next(it) for _ in range(3)]
+        loader.set_mixture_weights({"a": 0.1, "b": 0.9})
+        held[0] = True  # a move is due from the next batch on
+        batches += list(it)
+        return batches, loader.stats().mode
+
+    moved, mode = run("auto")
+    assert mode == "process"
+    stayed, _ = run("threads")
+    assert_epochs_equal(moved, stayed)

@@ -329,9 +329,15 @@ class ThreadedDataLoaderIter(DispatchingIter):
         Raises:
             KeyboardInterrupt: Ctrl-C while joining (the threads left exit on their own).
         """
-        self._finalizer.detach()
+        # A live change of the index stream restarted every worker, and on the lean path only
+        # those the training thread made a batch for have started the new epoch: closing the
+        # pool drops the others' restarts, and a helper runs only a worker's current epoch.
+        for worker in self._pool.workers:
+            with worker.busy:
+                _start_pending_epoch(worker)
         self._threadless = True
         self._pool.close()
+        self._finalizer.detach()  # after the join: a Ctrl-C in it leaves the pool to the finalizer
 
     @property
     def workers_ready(self) -> bool:

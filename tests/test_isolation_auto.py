@@ -16,6 +16,7 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import assert_epochs_equal, collect_epochs, torch_epochs
@@ -133,6 +134,53 @@ def test_a_dataset_that_cannot_be_pickled_stays_in_threads(
     _, modes = _epochs(loader, 2)
     assert modes == ["threads", "threads"]
     assert "dataset cannot be pickled" in str(loader.stats().mode_reason)
+
+
+class HoldsTokens(WherePid):
+    """A dataset holding 80 KB of numpy tokens: pickled out of band by protocol 5."""
+
+    def __init__(self) -> None:
+        self.tokens = np.arange(10_000, dtype=np.int64)
+
+
+def test_a_dataset_holding_a_large_numpy_array_moves_to_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pickling check accepts buffers the pickler hands over whole (a large array)."""
+    _verdict(monkeypatch, True)
+    loader = ThreadDataLoader(HoldsTokens(), batch_size=4, num_workers=2, isolation="auto")
+    _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "process"], loader.stats().mode_reason
+
+
+def test_helpers_that_cannot_start_leave_the_epochs_in_threads_with_torchs_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Starting helpers fails (after the epoch drew its base seed): the epoch runs in threads,
+    with the worker seeds it would have had, and later epochs do not try again."""
+    from threadloader.isolation import parent
+
+    _verdict(monkeypatch, True)
+    starts = []
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        starts.append(1)
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(parent, "_start_links", fail)
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    theirs = torch_epochs(
+        WherePid(), epochs=3, generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    loader = ThreadDataLoader(
+        WherePid(), isolation="auto", generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    with pytest.warns(RuntimeWarning, match="no more processes"):
+        ours, modes = _epochs(loader, 3)
+    for epoch in range(3):
+        assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
+    assert modes == ["threads"] * 3 and starts == [1]
+    assert "could not start" in str(loader.stats().mode_reason)
 
 
 def test_a_state_saved_in_a_helper_epoch_resumes_in_a_new_loader(

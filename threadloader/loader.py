@@ -309,8 +309,21 @@ class ThreadDataLoader(DataLoader[T_co]):
         self.check_worker_number_rationality()
         first = self.isolation == "auto" and self._stats is None
         self._epoch_choice = choice = self._choose_mode()
-        if choice.mode == PROCESS:
+        if choice.mode == PROCESS and self.isolation != "auto":
             return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
+        if choice.mode == PROCESS:
+            undo_draw = self._seed_draw_undoer()
+            try:
+                return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
+            except Exception as exc:  # noqa: BLE001  # "auto" runs the epoch in threads instead
+                undo_draw()  # the threads' iterator makes the failed one's base-seed draw
+                self._epoch_choice = self._auto.helpers_failed(exc)
+                warnings.warn(
+                    f"threadloader: isolation='auto' could not start helper processes "
+                    f"({type(exc).__name__}: {exc}); this loader's epochs run in worker threads",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
         if first:  # "auto" moves its first epoch into helpers once it has measured enough
             ref = weakref.ref(self)
@@ -321,6 +334,20 @@ class ThreadDataLoader(DataLoader[T_co]):
                 pickling_problem=functools.partial(_pickling_problem, ref),
             )
         return epoch
+
+    def _seed_draw_undoer(self) -> Callable[[], None]:
+        """What puts the RNGs a new iterator draws its base seed from back as they are now."""
+        generator, undo = self.generator, self._undo_seed_draw
+        rng = torch.get_rng_state()
+        state = generator.get_state() if generator is not None else None
+
+        def undo_draw() -> None:
+            torch.set_rng_state(rng)
+            if generator is not None and state is not None:
+                generator.set_state(state)
+            self._undo_seed_draw = undo
+
+        return undo_draw
 
     def _choose_mode(self) -> Choice:
         """Where this epoch's workers run: the ``isolation`` option, or ``"auto"``'s choice."""

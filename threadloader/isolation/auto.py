@@ -136,8 +136,10 @@ def loop_pace(stats: LoaderStats, since: LoaderStats | None = None) -> float | N
 
 
 class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)
+    def write(self, data: bytes | pickle.PickleBuffer) -> int:
+        # Protocol 5 hands a large contiguous buffer (a numpy array) over as a PickleBuffer,
+        # which has no len().
+        return memoryview(data).nbytes
 
 
 def _unpicklable(loader: Any) -> str | None:
@@ -159,6 +161,7 @@ class AutoIsolation:
         self._pickling_problem: str | None = None
         self._pickling_checked = False
         self._moved_at: LoaderStats | None = None  # the current epoch moved here (``moved``)
+        self._start_problem: str | None = None  # helpers failed to start (``helpers_failed``)
 
     def next_epoch(self, loader: Any, last: LoaderStats | None) -> Choice:
         """Decide where the epoch about to start runs.
@@ -227,6 +230,20 @@ class AutoIsolation:
         if pace is not None:
             self._pace[THREADS] = pace
 
+    def helpers_failed(self, exc: Exception) -> Choice:
+        """Helper processes chosen for the epoch about to start could not start: it runs in
+        threads, and so does every later epoch of this loader.
+
+        Args:
+            exc: what starting them raised.
+
+        Returns:
+            The new choice, also kept in ``choice``.
+        """
+        self._start_problem = f"helper processes could not start ({type(exc).__name__}: {exc})"
+        self.choice = Choice(THREADS, f"{self._start_problem}: the epoch runs in worker threads")
+        return self.choice
+
     def _helpers_lost(self) -> str | None:
         """Why helpers lose to threads on the latest measurements, or None (point 3)."""
         threads, helpers = self._pace.get(THREADS), self._pace.get(PROCESS)
@@ -238,6 +255,8 @@ class AutoIsolation:
         )
 
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
+        if self._start_problem is not None:
+            return self._start_problem
         if too_few_to_help(loader):
             return "helper processes need 2 workers and 2 usable CPUs to help"
         method = start_method(loader.multiprocessing_context)

@@ -185,6 +185,64 @@ def test_a_dead_zygote_leaves_helpers_to_the_forkserver(tmp_path: Any) -> None:
     assert out == ["first", "True", "running", "False", "same", "True", "forkserver", "True"]
 
 
+def test_a_helper_start_cut_short_by_ctrl_c_leaves_later_helpers_to_the_forkserver(
+    tmp_path: Any,
+) -> None:
+    """A Ctrl-C while a start streams to the zygote leaves half a request there: the zygote is
+    given up (it would read the next request out of step), and the next epoch's helpers come
+    from the forkserver with the same batches."""
+    out = _run(
+        tmp_path,
+        """
+        class CutShort:  # the zygote's socket, interrupted while a request's payload streams
+            def __init__(self, sock):
+                self.sock = sock
+            def __getattr__(self, name):
+                return getattr(self.sock, name)
+            def sendall(self, data):
+                if len(data) > 1000:
+                    self.sock.sendall(bytes(data)[:100])
+                    raise KeyboardInterrupt
+                self.sock.sendall(data)
+
+        iso = loader(isolation="process")
+        with another_thread():
+            zygote._server.sock = CutShort(zygote._server.sock)
+            try:
+                iter(iso)
+                print("started")
+            except KeyboardInterrupt:
+                print("interrupted")
+            print("running", zygote.running())
+            # the interrupted iter() drew its base seed: the reference starts where it left off
+            generator = torch.Generator()
+            generator.set_state(iso.generator.get_state())
+            print("same", same(list(iso), list(loader(generator=generator))))
+        print("forkserver", forkserver._forkserver._forkserver_pid is not None)
+        """,
+    )
+    assert out == ["interrupted", "running", "False", "same", "True", "forkserver", "True"]
+
+
+def test_helpers_start_while_the_training_process_has_over_1024_files_open(
+    tmp_path: Any,
+) -> None:
+    """Descriptors past 1,023 (a process with many files open) work: the waits use poll."""
+    out = _run(
+        tmp_path,
+        """
+        iso, threads = loader(isolation="process"), loader()
+        held = [open(os.devnull) for _ in range(1100)]
+        with another_thread():
+            it = iter(iso)
+            print("fd", it._links.links[0].process.sentinel > 1024)
+            print("same", same(list(it), list(threads)))
+        print("zygote", zygote.running())
+        """,
+    )
+    assert out == ["fd", "True", "same", "True", "zygote", "True"]
+
+
 def test_a_killed_helper_reports_its_signal(tmp_path: Any) -> None:
     """The exit code the zygote reaps reaches the training process's error."""
     out = _run(

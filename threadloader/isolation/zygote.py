@@ -40,6 +40,7 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -155,6 +156,7 @@ class _Server:
         self.sock = sock
         self.send_lock = threading.Lock()
         self._gone = False
+        self._broken = False  # a request was cut short: the zygote's stream is out of step
 
     @classmethod
     def fork(cls) -> _Server:
@@ -172,7 +174,7 @@ class _Server:
         return cls(pid, ours)
 
     def alive(self) -> bool:
-        if self._gone:
+        if self._gone or self._broken:
             return False
         try:
             done, _ = os.waitpid(self.pid, os.WNOHANG)
@@ -210,9 +212,19 @@ class _Server:
             )
         raw = name.encode()
         with self.send_lock:
-            socket.send_fds(self.sock, [_HEADER.pack(len(raw), len(payload))], fds)
-            self.sock.sendall(raw)
-            self.sock.sendall(payload)
+            if self._broken:
+                raise OSError("threadloader's zygote process is not running")
+            try:
+                socket.send_fds(self.sock, [_HEADER.pack(len(raw), len(payload))], fds)
+                self.sock.sendall(raw)
+                self.sock.sendall(payload)
+            except BaseException:
+                # Cut short (a Ctrl-C between two chunks): the zygote would read the next
+                # request from the middle of this one. Give it up: it exits on the socket's
+                # EOF, and later helpers start another way (``parent.helper_context``).
+                self._broken = True
+                self.sock.close()
+                raise
 
 
 class _DupFd:
@@ -287,8 +299,7 @@ class ZygoteProcess:
             os.close(status_w)
             self._fds = []
         self.sentinel = status_r
-        ready, _, _ = select.select([status_r], [], [], START_WAIT_S)
-        pid = _read_code(status_r) if ready else None
+        pid = _read_code(status_r) if _readable([status_r], START_WAIT_S) else None
         if pid is None:
             os.close(status_r)
             self.sentinel = None
@@ -304,8 +315,7 @@ class ZygoteProcess:
     def _poll(self, timeout: float | None) -> None:
         if self._code is not None or self.sentinel is None:
             return
-        ready, _, _ = select.select([self.sentinel], [], [], timeout)
-        if ready:
+        if _readable([self.sentinel], timeout):
             code = _read_code(self.sentinel)
             # No code: the zygote died before reaping the helper, which has ended too (it held
             # the pipe's other write end).
@@ -393,8 +403,7 @@ def _serve(sock: socket.socket) -> None:
     fork = multiprocessing.get_context("fork")
     children: dict[int, tuple[Any, int]] = {}  # sentinel -> (process, status fd)
     while True:
-        ready, _, _ = select.select([sock.fileno(), *children], [], [])
-        for fd in ready:
+        for fd in _readable([sock.fileno(), *children], None):
             if fd in children:
                 proc, status = children.pop(fd)
                 proc.join()
@@ -420,6 +429,19 @@ def _serve(sock: socket.socket) -> None:
             for received in fds[1:]:
                 os.close(received)
             children[proc.sentinel] = (proc, fds[0])
+
+
+def _readable(fds: list[int], timeout: float | None) -> list[int]:
+    """Those of ``fds`` with data or at their end within ``timeout`` seconds (None: no limit).
+
+    ``poll``, not ``select``: a process with more than 1,024 open files has descriptors
+    ``select`` refuses.
+    """
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    wait_ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+    return [fd for fd, _ in poller.poll(wait_ms)]
 
 
 def _receive(sock: socket.socket) -> tuple[str, bytes, list[int]] | None:

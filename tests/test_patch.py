@@ -209,3 +209,22 @@ def test_patching_from_many_threads_leaves_nothing_behind() -> None:
     assert not errors
     assert not threadloader.is_patched() and _divert.layers == []
     assert type(DataLoader([1])) is DataLoader
+
+
+def test_a_patch_ending_in_another_thread_mid_build_builds_torchs_loader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last patch ends (another thread's ``with patched()`` exits) while a build looks at
+    the layers: the build sees the patch or not, never an IndexError."""
+
+    class EndsWhenLookedAt(list[Any]):
+        def __bool__(self) -> bool:
+            present = len(self) > 0
+            self.clear()  # the other thread's exit, right after this look
+            return present
+
+    monkeypatch.setattr(_divert, "layers", EndsWhenLookedAt([(object(), {})]))
+    assert _divert._current_options() in (None, ({}, True))
+    loader = DataLoader(range(4))
+    assert type(loader) in (DataLoader, ThreadDataLoader)
+    assert list(loader) == [torch.tensor([i]) for i in range(4)]

@@ -53,8 +53,10 @@ def _current_options() -> tuple[dict[str, Any], bool] | None:
     templates = getattr(_local, "templates", None)
     if templates:
         return templates[-1], False
-    active = layers  # read without the lock: a list's last item is read atomically
-    return (active[-1][1], True) if active else None
+    try:  # without the lock: one read of the last item, which another thread may remove
+        return layers[-1][1], True
+    except IndexError:
+        return None
 
 
 def _is_stateful_dataloader(cls: type) -> bool:

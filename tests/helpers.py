@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import re
 import signal
 import threading
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -265,5 +267,26 @@ def interrupted_next(iterator: Iterator[Any], after_s: float = 0.1) -> None:
     try:
         with pytest.raises(KeyboardInterrupt):
             next(iterator)
+    finally:
+        timer.join()
+
+
+def press_ctrl_c_during(action: Callable[[], object], after_s: float) -> float:
+    """Run ``action`` and press Ctrl-C (SIGINT to this process) ``after_s`` seconds into it.
+
+    Asserts the ``KeyboardInterrupt`` reaches the caller, in ``action`` or within 5 s after
+    it (one a finalizer dropped is sent again a little later).
+
+    Returns:
+        Seconds from the start of ``action`` to the ``KeyboardInterrupt``.
+    """
+    timer = threading.Timer(after_s, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            action()
+            time.sleep(5)
+        return time.monotonic() - started
     finally:
         timer.join()

@@ -30,6 +30,7 @@ import psutil
 import pytest
 import torch
 from ctrl_c_trials import CONFIGS, LIMIT_S
+from helpers import press_ctrl_c_during
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader
@@ -279,12 +280,7 @@ def test_a_close_after_one_a_ctrl_c_stopped_still_waits_for_the_workers() -> Non
     it = iter(ThreadDataLoader(dataset, num_workers=1, prefetch_factor=1))
     assert dataset.inside.wait(10)
     pool = it._pool
-    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        pool.close()
-        time.sleep(5)
-    timer.join()
+    press_ctrl_c_during(pool.close, after_s=0.1)
     pool.close()
     assert not dataset.inside.is_set()
     assert all(finished.is_set() for finished in pool._finished)

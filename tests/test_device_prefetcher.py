@@ -8,8 +8,6 @@ Each shutdown test names its trigger: exhaustion, close(), break, del, garbage c
 from __future__ import annotations
 
 import gc
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import press_ctrl_c_during
 
 from threadloader._primitives import exit_hook
 from threadloader.device.transfer import JOIN_TIMEOUT_S
@@ -211,12 +210,7 @@ def test_a_close_after_one_a_ctrl_c_stopped_still_waits_for_the_thread() -> None
     prefetcher = DevicePrefetcher(stuck(), "cpu", depth=1)
     assert in_source.wait(5)
     transfer = prefetcher._transfer
-    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        prefetcher.close()
-        time.sleep(5)
-    timer.join()
+    press_ctrl_c_during(prefetcher.close, after_s=0.1)
     transfer.close()
     assert transfer.finished.is_set() and not in_source.is_set()
     assert transfer not in exit_hook.tracked()

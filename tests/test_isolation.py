@@ -56,7 +56,7 @@ from test_worker_info import (
     keep_list,
     label_this_workers_copy,
 )
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import ThreadDataLoader
 from threadloader.isolation import helper as _isolated_worker
@@ -841,6 +841,28 @@ def _child_tree(tail: str) -> tuple[subprocess.Popen[str], int, list[int]]:
     except psutil.NoSuchProcess:
         tree = []
     return proc, helper, tree
+
+
+class ShardsInIter(IterableDataset[Any]):
+    """``__iter__`` a plain method (not a generator): it shards, and draws from torch's global
+    RNG, when ``iter()`` is called on the dataset, at each epoch's start."""
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        ids = range(6) if info is None else range(info.id, 6, info.num_workers)
+        offset = int(torch.randint(0, 1000, ()))
+        return iter([(i, offset) for i in ids])
+
+
+def test_persistent_workers_run_each_epochs_iter_as_their_worker() -> None:
+    """Every epoch's ``__iter__`` runs as its worker in the helper: sharded, the worker's draws."""
+    kwargs: dict[str, Any] = {"batch_size": 3, "num_workers": 2, "persistent_workers": True}
+    torch.manual_seed(5)
+    theirs = torch_epochs(ShardsInIter(), epochs=3, **kwargs)
+    torch.manual_seed(5)
+    ours = collect_epochs(ThreadDataLoader(ShardsInIter(), isolation="process", **kwargs), 3)
+    for epoch in range(3):
+        assert_epochs_equal(ours[epoch], theirs[epoch])
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")

@@ -121,7 +121,9 @@ class Worker:
         return self
 
     def start_epoch(self, generation: int, seed: int | None = None) -> None:
-        """(Re)create the dataset fetcher; errors surface with this worker's next task.
+        """(Re)create the dataset fetcher, as this worker whichever thread calls it (an
+        IterableDataset's ``__iter__`` runs here and may shard by ``get_worker_info()``, or draw
+        from the global RNGs); holding ``busy``. Errors surface with this worker's next task.
 
         Args:
             generation: the epoch's generation.
@@ -129,7 +131,9 @@ class Worker:
         """
         self.generation = generation
         self._ended = False
+        previous = current_context()
         try:
+            self.enter()
             reseed(self.info.dataset, seed)
             self._fetcher = Fetcher(
                 self.spec.dataset_kind,
@@ -140,6 +144,8 @@ class Worker:
             )
         except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
             self._pending_error = ExceptionWrapper(where=self._where())
+        finally:
+            leave(previous)
 
     def initialize(self) -> None:
         """Run ``worker_init_fn`` and create the fetcher, as torch's worker does at start."""

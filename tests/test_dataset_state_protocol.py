@@ -9,6 +9,7 @@ resumed loaders deliver with an uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -240,3 +241,75 @@ def test_a_dataset_state_is_taken_as_its_worker() -> None:
     loader = ThreadDataLoader(RecordsWhoSaves(), batch_size=2, num_workers=2)
     assert len(list(loader)) == 12
     assert len(RecordsWhoSaves.seen) == 12 and all(i is not None for i in RecordsWhoSaves.seen)
+
+
+class EndsAndRestarts(IterableDataset[int]):
+    """A generator over its worker's shard from a saved position; at its end the position goes
+    back to 0 (the next epoch starts at the beginning) and the epoch count goes up."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos, self.epochs = n, 0, 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        info = get_worker_info()
+        ids = list(range(self.n))[info.id :: info.num_workers] if info else list(range(self.n))
+        start, self.pos = self.pos, 0
+        for k in range(start, len(ids)):
+            self.pos = k + 1
+            yield ids[k], self.epochs
+        self.pos = 0
+        self.epochs += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos, "epochs": self.epochs}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos, self.epochs = state["pos"], state["epochs"]
+
+
+def _plain(batch: list[torch.Tensor]) -> list[list[int]]:
+    return [t.tolist() for t in batch]
+
+
+def _epochs_after_a_cut(loader_cls: Any, cut: int | None, epochs: int, **kwargs: Any) -> Any:
+    """The batches of ``epochs`` epochs: the first cut after ``cut`` batches (None: after its
+    ``StopIteration``) and resumed by a new loader, which gives the rest."""
+    make = functools.partial(loader_cls, EndsAndRestarts(5), batch_size=2, **kwargs)
+    loader = make()
+    it = iter(loader)
+    head = [_plain(b) for b in itertools.islice(it, cut)]
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [[_plain(b) for b in resumed] for _ in range(epochs)]
+    return [head + rest[0], *rest[1:]] if cut is not None else [head, *rest[: epochs - 1]]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_state_taken_after_a_persistent_epoch_ended_resumes_every_item(
+    num_workers: int, drop_last: bool
+) -> None:
+    """The last batch was partial (or dropped): the worker's iterator had already run to its
+    end when its state was taken, and a resume must not take the next epoch's first item."""
+    kwargs: dict[str, Any] = {
+        "num_workers": num_workers, "persistent_workers": True, "drop_last": drop_last
+    }  # fmt: skip
+    uninterrupted = ThreadDataLoader(EndsAndRestarts(5), batch_size=2, **kwargs)
+    expected = [[_plain(b) for b in uninterrupted] for _ in range(3)]
+    assert _epochs_after_a_cut(ThreadDataLoader, None, 3, **kwargs) == expected
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_a_state_taken_after_an_iterable_epochs_last_batch_resumes_its_empty_rest(
+    num_workers: int, persistent_workers: bool
+) -> None:
+    """Cut after the last (partial) batch, before ``StopIteration``: the resumed epoch ends at
+    once, as the uninterrupted one did, and the next is the uninterrupted next epoch."""
+    kwargs: dict[str, Any] = {"num_workers": num_workers}
+    if num_workers:
+        kwargs["persistent_workers"] = persistent_workers
+    uninterrupted = ThreadDataLoader(EndsAndRestarts(5), batch_size=2, **kwargs)
+    expected = [[_plain(b) for b in uninterrupted] for _ in range(3)]
+    assert _epochs_after_a_cut(ThreadDataLoader, len(expected[0]), 3, **kwargs) == expected

@@ -458,7 +458,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             iterable = self._dataset_kind == _DatasetKind.Iterable
             settle_dataset(
-                self.dataset, resume.worker_states[0], resume.worker_state_form, iterable, False
+                self.dataset, resume.worker_states[0], resume.worker_state_form, iterable, 0
             )
         self._pending_state = copy.deepcopy(dict(state))
         for key in ("rng_state", "global_rng_state", "sampler_rng_state"):

@@ -12,7 +12,9 @@ where the code disagrees with these points, the code is wrong:
    resets its position inside ``__iter__`` gets it back afterwards.
 3. A state is ``{"dataset": ..., "iterator": ...}`` per worker (either may be None), with
    ``"finished": True`` when it is where a finished epoch left a persistent worker's copy (the
-   worker has delivered nothing in the current epoch yet). A loader state saved before this
+   worker has delivered nothing in the current epoch yet), and ``"ended": True`` when the
+   iterator raised ``StopIteration`` while its batch was filled (a last, partial batch): it
+   already ran to its end, as StatefulDataLoader's ``fetcher_ended``. A loader state saved before this
    form held the dataset's raw state per worker, loaded before ``iter()``; ``restore_dataset``
    still takes it (``form`` 1).
 4. A state taken between epochs without workers holds the loader's own dataset as the
@@ -47,12 +49,13 @@ def tracked(dataset: Any, iterable: bool) -> bool:
     return iterable or is_stateful(dataset)
 
 
-def snapshot(dataset: Any, iterator: Any) -> dict[str, Any] | None:
+def snapshot(dataset: Any, iterator: Any, ended: bool = False) -> dict[str, Any] | None:
     """A worker's state now (point 1): None when neither part is stateful.
 
     Args:
         dataset: the worker's dataset (its copy).
         iterator: the epoch's ``iter(dataset)`` for an IterableDataset, else None.
+        ended: the iterator raised ``StopIteration`` (point 3).
     """
     dataset_state = iterator_state = None
     if iterator is not None and iterator is dataset:
@@ -65,6 +68,8 @@ def snapshot(dataset: Any, iterator: Any) -> dict[str, Any] | None:
             iterator_state = copy.deepcopy(iterator.state_dict())
     if dataset_state is None and iterator_state is None:
         return None
+    if ended:
+        return {"dataset": dataset_state, "iterator": iterator_state, "ended": True}
     return {"dataset": dataset_state, "iterator": iterator_state}
 
 
@@ -78,21 +83,21 @@ def restore_dataset(dataset: Any, state: Any, form: int) -> None:
         dataset.load_state_dict(state["dataset"])
 
 
-def settle_dataset(dataset: Any, state: Any, form: int, iterable: bool, run_out: bool) -> None:
+def settle_dataset(dataset: Any, state: Any, form: int, iterable: bool, run_out: int) -> None:
     """Put a dataset where a finished epoch left it (point 4).
 
-    With ``run_out`` (persistent workers' copies, as StatefulDataLoader's persistent workers
-    do), an IterableDataset's restored iterator is asked for one more item (``run_to_end``).
-    Without it (the loader's own dataset, ``num_workers=0``) the iterator is only restored, as
-    StatefulDataLoader does there.
+    With ``run_out`` > 0 (persistent workers' copies, as StatefulDataLoader's persistent
+    workers do), an IterableDataset's restored iterator is run to its end (``run_to_end``,
+    asking ``run_out`` items at most). With 0 (the loader's own dataset, ``num_workers=0``)
+    the iterator is only restored, as StatefulDataLoader does there.
     """
     restore_dataset(dataset, state, form)
     if not iterable or state is None:
         return
     iterator = iter(dataset)
     restore_iterator(iterator, state, form)
-    if run_out:
-        run_to_end(iterator)
+    if run_out and not ran_out(state):
+        run_to_end(iterator, run_out)
 
 
 def finished(state: Any) -> Any:
@@ -108,15 +113,27 @@ def is_finished(state: Any) -> bool:
     return isinstance(state, dict) and state.get("finished") is True
 
 
-def run_to_end(iterator: Any) -> None:
-    """Ask a restored iterator at its epoch's end for one more item, which it does not have.
+def ran_out(state: Any) -> bool:
+    """Whether ``state`` was taken once its iterator had raised ``StopIteration`` (point 3):
+    no ``run_to_end`` then, which would take the next epoch's first item."""
+    return isinstance(state, dict) and state.get("ended") is True
+
+
+def run_to_end(iterator: Any, most: int = 1) -> None:
+    """Ask a restored iterator at its epoch's end for items until it raises ``StopIteration``,
+    ``most`` at the most: what its worker did after its last delivered batch.
 
     A ``__iter__`` written as a generator takes a loaded state in only once it runs (Hugging
     Face's streams: "start at this example at the next ``iter()``"); without the run, its next
-    epoch would start at the end of this one, and be empty. An item it does yield (a state
-    that did not describe the end) is dropped.
+    epoch would start at the end of this one, and be empty. The items it yields are dropped:
+    with ``drop_last``, the worker's partial last batch (``most`` is then the batch size).
     """
-    next(iterator, None)
+    for _ in range(max(1, most)):
+        if next(iterator, _END) is _END:
+            return
+
+
+_END = object()
 
 
 def restore_iterator(iterator: Any, state: Any, form: int) -> None:

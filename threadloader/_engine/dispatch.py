@@ -160,6 +160,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             )
             if resume is not None
             else frozenset(),
+            tail_items=loader.batch_size if self._drop_last and loader.batch_size else 1,
             capture_rng=bool(loader.save_worker_rng),
             resume_rng=resume.rng_states if resume is not None else None,
         )

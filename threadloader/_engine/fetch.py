@@ -66,6 +66,15 @@ class Fetcher:
         """The epoch's ``iter(dataset)`` of an IterableDataset; None for a map-style one."""
         return self._iter
 
+    @property
+    def ended(self) -> bool:
+        """Whether the epoch's iterator raised ``StopIteration`` (while filling a last batch)."""
+        return self._ended
+
+    def end(self) -> None:
+        """Treat the epoch's iterator as run out: its next fetch raises ``StopIteration``."""
+        self._ended = True
+
     def fetch(self, index: Any, recorder: StageRecorder) -> Any:
         """The collated batch for ``index``; its fetch and collate durations go to ``recorder``.
 

@@ -72,6 +72,8 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             self._stats.caller,
         )
         dataset_state.restore_iterator(self._dataset_fetcher.fetcher.iterator, state, form)
+        if dataset_state.ran_out(state):
+            self._dataset_fetcher.fetcher.end()  # its last batch emptied it: nothing more
         self._pin_memory = False  # pinned by the collate above, not again after it
         self._sampler_iter = begin_pass(self, loader, resume)
         self._map_style = self._dataset_kind == _DatasetKind.Map
@@ -125,6 +127,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
 
     def _snapshot_dataset(self) -> None:
         if self._track_dataset:
-            state = dataset_state.snapshot(self._dataset, self._dataset_fetcher.fetcher.iterator)
+            fetcher = self._dataset_fetcher.fetcher
+            state = dataset_state.snapshot(self._dataset, fetcher.iterator, fetcher.ended)
             if state is not None:
                 self._progress.dataset_states = [state]

@@ -48,7 +48,8 @@ def _check_worker_fields(state: Mapping[str, Any]) -> None:
     if states is not None and state.get("worker_state_form", 1) >= dataset_state.FORM:
         for entry in states:
             if entry is not None and not (
-                isinstance(entry, Mapping) and set(entry) <= {"dataset", "iterator", "finished"}
+                isinstance(entry, Mapping)
+                and set(entry) <= {"dataset", "iterator", "finished", "ended"}
             ):
                 raise ValueError(
                     "loader state worker_states entries must be None or "

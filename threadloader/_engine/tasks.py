@@ -105,5 +105,8 @@ class WorkerSpec:
     resume_finished_epoch: bool = False
     # Workers whose IterableDataset had ended when the state was taken: settled the same way.
     resume_ended: frozenset[int] = frozenset()
+    # Items a worker may take from its IterableDataset after its last delivered batch: the
+    # batch size with ``drop_last`` (the partial batch it dropped), else 1 (the end).
+    tail_items: int = 1
     capture_rng: bool = False  # snapshot the worker's generators after each batch
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from

@@ -157,7 +157,9 @@ class Worker:
             form = self.spec.resume_state_form
             if self.spec.resume_finished_epoch or dataset_state.is_finished(state):
                 iterable = self.spec.dataset_kind == _DatasetKind.Iterable
-                dataset_state.settle_dataset(self.info.dataset, state, form, iterable, True)
+                dataset_state.settle_dataset(
+                    self.info.dataset, state, form, iterable, self.spec.tail_items
+                )
                 state = None  # the epoch's own iterator starts afresh
             else:
                 dataset_state.restore_dataset(self.info.dataset, state, form)
@@ -172,8 +174,10 @@ class Worker:
             if self._fetcher is not None and state is not None:
                 try:  # after iter(dataset), as StatefulDataLoader (_dataset_state point 2)
                     dataset_state.restore_iterator(self._fetcher.iterator, state, form)
-                    if self.id in self.spec.resume_ended:  # never asked again this epoch
-                        dataset_state.run_to_end(self._fetcher.iterator)
+                    if dataset_state.ran_out(state):
+                        self._fetcher.end()  # its last batch emptied it: nothing more this epoch
+                    elif self.id in self.spec.resume_ended:  # never asked again this epoch
+                        dataset_state.run_to_end(self._fetcher.iterator, self.spec.tail_items)
                 except BaseException:  # noqa: BLE001  # delivered to the training thread
                     self._pending_error = ExceptionWrapper(where=self._where())
         self.ready = True
@@ -208,8 +212,10 @@ class Worker:
         """This worker's dataset state now (``dataset_state``), if the loader tracks it."""
         if not self.spec.capture_state:
             return None
-        iterator = self._fetcher.iterator if self._fetcher is not None else None
-        return dataset_state.snapshot(self.info.dataset, iterator)
+        fetcher = self._fetcher
+        iterator = fetcher.iterator if fetcher is not None else None
+        ended = fetcher is not None and fetcher.ended
+        return dataset_state.snapshot(self.info.dataset, iterator, ended)
 
     def run_timed(self, task: Task, recorder: StageRecorder, cpu_time: bool = True) -> Result:
         """``run`` on the calling thread as this worker (its WorkerInfo installed), timed.

@@ -130,15 +130,18 @@ def _run(
     loader_class: Any, make: Callable[[], Any], cut: int | str | None, **kwargs: Any
 ) -> list[Any]:
     """Two epochs; with ``cut``, the loader is saved after ``cut`` batches (counted over both
-    epochs), or ``"between"`` the epochs (after the first one's ``StopIteration``), and a new
+    epochs), ``"between"`` the epochs (after the first one's ``StopIteration``), or once the
+    ``"second iter"`` began, before its first batch; and a new
     loader on a new dataset finishes the two epochs from that state."""
     loader = loader_class(make(), batch_size=2, **kwargs)
     if cut is None:
         return [b.tolist() for epoch in range(2) for b in loader]
-    if cut == "between":
+    if cut in ("between", "second iter"):
         first = [b.tolist() for b in loader]
+        second = iter(loader) if cut == "second iter" else None  # started, nothing taken
         resumed = loader_class(make(), batch_size=2, **kwargs)
         resumed.load_state_dict(loader.state_dict())
+        del second
         return first + [b.tolist() for b in resumed]
     got: list[Any] = []
     epochs_left = 2
@@ -160,14 +163,14 @@ def _run(
     return got
 
 
-@pytest.mark.parametrize("cut", [0, 1, 4, 9, "between"])
+@pytest.mark.parametrize("cut", [0, 1, 4, 9, "between", "second iter"])
 @pytest.mark.parametrize("num_workers", [0, 1, 3])
 @pytest.mark.parametrize("name", DATASETS)
 def test_a_stateful_dataset_resumes_to_the_uninterrupted_batches_as_with_statefuldataloader(
     name: str, num_workers: int, cut: int | str
 ) -> None:
     """Saved before the first batch, mid-epoch, at the last batch of an iterable's epoch (9),
-    and between epochs."""
+    between epochs, and at the start of the second epoch, before its first batch."""
     make = DATASETS[name]
     ours_full = _run(ThreadDataLoader, make, None, num_workers=num_workers)
     theirs_full = _run(StatefulDataLoader, make, None, num_workers=num_workers)

@@ -78,6 +78,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         self._sampler_iter = begin_pass(self, loader, resume)
         self._map_style = self._dataset_kind == _DatasetKind.Map
         self._drawn = self._behind = 0  # map-style: batches drawn, and behind the loop
+        self._snapshot_dataset()  # a state taken before the first batch: the epoch's start
         if self._progress.dataset_states is None:
             self._progress.dataset_states = [None]
         self._progress.workers_alive = [True]

@@ -8,6 +8,7 @@ and (with shuffle=False) indices. Resume: any cut, any new world size, no sample
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import pickle
 import re
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
+from threadloader import ThreadDataLoader
 from threadloader.samplers.distributed import DistributedShuffleSampler
 from threadloader.samplers.shuffle import BLOCK_SIZE, ShuffleSampler
 
@@ -543,3 +545,71 @@ def test_distributed_bad_state_raises_value_error() -> None:
         _ranks(10, 2, False)[0].load_state_dict({**state, "num_replicas": 0})
     with pytest.raises(ValueError, match="format version"):
         _ranks(10, 2, False)[0].load_state_dict({**state, "version": 0})
+
+
+def _last_step_checkpoint_then_resume(
+    make: Any, epochs: int = 2
+) -> tuple[list[int], list[list[int]]]:
+    """A loop that saves ``{"epoch": epoch, "loader": ...}`` at the first epoch's last step
+    (the torchrun guide's checkpoint), then resumes with ``set_epoch(epoch)`` from the saved
+    epoch on: what the first run read, and each resumed epoch."""
+    sampler, loader = make()
+    sampler.set_epoch(0)
+    read: list[int] = []
+    for step, batch in enumerate(loader):
+        read += batch.tolist()
+        if step == len(loader) - 1:
+            checkpoint = json.loads(json.dumps({"epoch": 0, "loader": loader.state_dict()}))
+            break
+    sampler, loader = make()
+    loader.load_state_dict(checkpoint["loader"])
+    resumed = []
+    for epoch in range(checkpoint["epoch"], epochs):
+        sampler.set_epoch(epoch)
+        resumed.append([i for batch in loader for i in batch.tolist()])
+    return read, resumed
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["shuffle", "distributed", "block", "mixture"])
+def test_a_checkpoint_at_an_epochs_last_step_resumes_nothing_more_of_that_epoch(
+    kind: str, num_workers: int
+) -> None:
+    """set_epoch(saved epoch) keeps the resume at the epoch's end: the epoch's rest is empty,
+    and the next epoch is read in full, as an uninterrupted run reads it."""
+    from threadloader import BlockShuffleSampler, Mixture, MixtureSampler
+
+    def make() -> Any:
+        if kind == "mixture":
+            data: Any = Mixture({"a": range(12)}, {"a": 1.0})
+            sampler: Any = MixtureSampler(data, samples_per_epoch=12)
+        else:
+            data = list(range(12))
+            sampler = {
+                "shuffle": lambda: ShuffleSampler(data, seed=3),
+                "distributed": lambda: DistributedShuffleSampler(data, num_replicas=1, rank=0),
+                "block": lambda: BlockShuffleSampler(data, block_size=4, num_replicas=1, rank=0),
+            }[kind]()
+        loader = ThreadDataLoader(data, batch_size=4, sampler=sampler, num_workers=num_workers)
+        return sampler, loader
+
+    read, resumed = _last_step_checkpoint_then_resume(make)
+    sampler, loader = make()
+    uninterrupted = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        uninterrupted.append([i for batch in loader for i in batch.tolist()])
+    assert read == uninterrupted[0]
+    assert resumed == [[], uninterrupted[1]]
+
+
+def test_a_finished_epochs_state_without_set_epoch_starts_the_epoch_over() -> None:
+    """No set_epoch after the load: as torch's samplers, the next iter() repeats the order."""
+    sampler = ShuffleSampler(12, seed=3)
+    loader = ThreadDataLoader(list(range(12)), batch_size=4, sampler=sampler)
+    first = [i for batch in loader for i in batch.tolist()]
+    state = loader.state_dict()
+    resumed_sampler = ShuffleSampler(12, seed=3)
+    resumed = ThreadDataLoader(list(range(12)), batch_size=4, sampler=resumed_sampler)
+    resumed.load_state_dict(state)
+    assert [i for batch in resumed for i in batch.tolist()] == first

@@ -415,10 +415,12 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
     sampler_state = None
     if positional is not None:
         sampler, per_batch = positional
-        this_pass = position - (progress.resumed_batches if progress is not None else 0)
+        # A finished epoch's state holds its end: the sampler starts the epoch over at the next
+        # iter(), as torch's do, unless set_epoch names that epoch again (shuffle point 3).
+        ended = progress is not None and (progress.exhausted or complete)
+        done = progress.done if ended and progress is not None else position
+        this_pass = done - (progress.resumed_batches if progress is not None else 0)
         sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
-        if fresh and progress is not None:
-            sampler_state["cursor"] = 0  # the next iter() starts this epoch over, as torch does
     live = not fresh and progress is not None
     # Between epochs, what carries state into the next one: without workers, the loader's own
     # dataset; with persistent workers, their dataset copies and generators (point 8). Other

@@ -102,6 +102,7 @@ class DistributedShuffleSampler(Sampler[int]):
         self.num_samples = self._pass_length(0)
         self.total_size = self.num_samples * self.num_replicas
         self._pending: tuple[int, int] | None = None  # (epoch, global start) from load_state_dict
+        self._kept = False  # set_epoch named the pending resume's epoch (shuffle point 3)
         self._pass: _Pass | None = None
 
     def __len__(self) -> int:
@@ -127,6 +128,8 @@ class DistributedShuffleSampler(Sampler[int]):
         """Start this rank's pass over the current epoch: from the loaded position once, else 0."""
         pending, self._pending = self._pending, None
         start = pending[1] if pending is not None and pending[0] == self.epoch else 0
+        if start and self._pass_length(start) == 0 and not self._kept:
+            start = 0  # a finished epoch's state without set_epoch: start over (point 3)
         pass_ = _Pass(self.epoch, start, 0, self._pass_length(start))
         self._pass = pass_
         stream = self._stream(self.epoch)
@@ -150,6 +153,7 @@ class DistributedShuffleSampler(Sampler[int]):
         self.epoch = epoch
         if self._pending is not None and self._pending[0] != epoch:
             self._pending = None
+        self._kept = self._pending is not None
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Map global stream positions to dataset indices, vectorised.
@@ -240,6 +244,7 @@ class DistributedShuffleSampler(Sampler[int]):
         self.seed = _state_int(state, "seed", owner)
         self.epoch = _state_int(state, "epoch", owner)
         self._pending = (self.epoch, cursor)
+        self._kept = False
         self._pass = None
 
     def _pass_length(self, start: int) -> int:

@@ -23,7 +23,10 @@ How state works here; where the code disagrees with this, the code is wrong.
    tracks the most recent ``iter()``.
 3. ``load_state_dict(state)`` makes the *next* ``iter()`` resume at the saved cursor, once. Calling
    ``set_epoch`` with the saved epoch in between keeps the resume (training loops do that at the
-   top of every epoch); any other epoch drops it.
+   top of every epoch); any other epoch drops it. A state saved at its epoch's end resumes an
+   empty rest of that epoch only once ``set_epoch`` named that epoch again (a loop that saved
+   the epoch it was in at its last step); without a ``set_epoch`` the next ``iter()`` starts
+   the epoch over, as point 4.
 4. Without a pending resume, ``iter()`` starts the current epoch from position 0, also after a
    completed epoch: as with torch's ``DistributedSampler``, only ``set_epoch`` changes the epoch.
 5. A state for another dataset length, format version or ``shuffle`` setting, or a corrupted one,
@@ -167,6 +170,7 @@ class ShuffleSampler(Sampler[int]):
         self.seed = seed
         self.epoch = 0
         self._pending: tuple[int, int] | None = None  # (epoch, cursor) from load_state_dict
+        self._kept = False  # set_epoch named the pending resume's epoch (point 3)
         self._pass: _Pass | None = None
 
     def __len__(self) -> int:
@@ -177,6 +181,8 @@ class ShuffleSampler(Sampler[int]):
         """Start a pass over the current epoch: from the loaded cursor once, else from 0."""
         pending, self._pending = self._pending, None
         start = pending[1] if pending is not None and pending[0] == self.epoch else 0
+        if start >= self.length and not self._kept:
+            start = 0  # a finished epoch's state without set_epoch: start over (point 3)
         permutation = self._permutation(self.epoch)
         pass_ = _Pass(self.epoch, start, start, self.length)
         self._pass = pass_
@@ -192,6 +198,7 @@ class ShuffleSampler(Sampler[int]):
         self.epoch = epoch
         if self._pending is not None and self._pending[0] != epoch:
             self._pending = None
+        self._kept = self._pending is not None
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Map positions of an epoch's order to dataset indices, vectorised, in O(len(positions)).
@@ -265,6 +272,7 @@ class ShuffleSampler(Sampler[int]):
         self.seed = _state_int(state, "seed", owner)
         self.epoch = _state_int(state, "epoch", owner)
         self._pending = (self.epoch, cursor)
+        self._kept = False
         self._pass = None
 
     def _cursor(self) -> int:

@@ -63,6 +63,9 @@ class MixtureSampler(Sampler[int]):
        epoch's ``end`` becomes the position after them, so the next epoch starts right there:
        across any number of resumes, each position of the stream is read exactly once, so each
        sample of every source's epoch is. ``set_epoch`` with the saved epoch keeps the resume.
+       A state saved at its epoch's end resumes that epoch's empty rest only once ``set_epoch``
+       named that epoch again; without it the next ``iter()`` reads the epoch from its start,
+       as without a resume.
     4. A state for another format version, or naming a source this mixture lacks or with another
        length, raises ``ValueError`` naming it. Sources the state lacks join with weight 0.
 
@@ -94,6 +97,7 @@ class MixtureSampler(Sampler[int]):
         self.epoch = 0
         self._start, self._end = 0, self._epoch_span()  # the epoch's global [start, end)
         self._pending: int | None = None  # global position to resume at, from load_state_dict
+        self._kept = False
         self._pass: _StreamPass | None = None
         mixture._sampler = weakref.ref(self)
 
@@ -111,6 +115,8 @@ class MixtureSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         """Read the epoch from its start, or once from the loaded position (point 3)."""
         first = self._start if self._pending is None else self._pending
+        if self._pending is not None and first >= self._end and not self._kept:
+            first = self._start  # a finished epoch's state without set_epoch: read it again
         self._pending = None
         count = max(self._end - first, 0) // self.num_replicas
         self._end = first + count * self.num_replicas  # the next epoch starts right after
@@ -145,6 +151,7 @@ class MixtureSampler(Sampler[int]):
             ValueError: if ``epoch`` is before the current one: the stream only moves forward.
         """
         if epoch == self.epoch:
+            self._kept = self._pending is not None
             return
         if epoch < self.epoch:
             raise ValueError(
@@ -269,6 +276,7 @@ class MixtureSampler(Sampler[int]):
         self.epoch = values["epoch"]
         self._start, self._end = start, end
         self._pending = start + cursor
+        self._kept = False  # set_epoch named the loaded epoch (a finished one's rest is empty)
         self._pass = None
 
     def _check_sources(self, sources: Any, owner: str) -> None:

@@ -64,6 +64,16 @@ def _check_worker_fields(state: Mapping[str, Any]) -> None:
         )
 
 
+def _sampler_with_own_state(loader: Any) -> Any:
+    """The loader's sampler or batch sampler following torchdata's ``Stateful`` protocol, or
+    None; torchdata's own samplers draw from torch generators, which the state restores."""
+    for sampler in (loader.batch_sampler, loader.sampler):
+        module = type(sampler).__module__
+        if dataset_state.is_stateful(sampler) and not module.startswith(("torchdata.", "torch.")):
+            return sampler
+    return None
+
+
 def _sampler_checks_sources(loader: Any) -> bool:
     """A MixtureSampler checks each source's length by name; sources may be added at restart."""
     from threadloader.streams import MixtureSampler
@@ -200,6 +210,16 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     positional = positional_sampler(loader)
     world_size, _ = _get_distributed_settings()
     replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
+    own_state = _sampler_with_own_state(loader) if positional is None else None
+    if own_state is not None:
+        warnings.warn(
+            f"this loader's {type(own_state).__name__} has state_dict()/load_state_dict(), "
+            "which ThreadDataLoader does not save or load: the resumed order is the sampler's "
+            "replayed from the saved torch RNG states, which differs from an uninterrupted "
+            "run's where the sampler draws from another source (Python's random, numpy). "
+            "threadloader.ShuffleSampler and DistributedShuffleSampler resume exactly",
+            stacklevel=3,
+        )
     if state["in_progress"] and kind == "map":
         _check_same_batches(loader, state, positional is not None)
         if positional is None and position > _batches_per_epoch(loader):

@@ -1291,3 +1291,47 @@ def test_a_resumed_map_style_epoch_continues_the_round_robin_as_stateful_dataloa
     assert [b[1::3] for b in theirs] == [b[1::3] for b in uninterrupted]  # the worker ids
     for options in ({}, {"save_worker_rng": True}, {"isolation": "process"}):
         assert _made_by(ThreadDataLoader, cut, **options) == theirs, options
+
+
+class GrowingBatches(torch.utils.data.BatchSampler):
+    """Batches of 1, 2, 3, 1, 2, 3, ... indices: more batches than ``len()`` (BatchSampler's)
+    counts, as a bucketing batch sampler whose length is an estimate."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        size = 1
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == size:
+                yield batch
+                batch, size = [], size % self.batch_size + 1
+        if batch:
+            yield batch
+
+
+class ShortLength(torch.utils.data.Sampler[int]):
+    """Yields 10 indices and says 2."""
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+    def __len__(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("sampler", ["batch sampler", "sampler"])
+def test_a_sampler_yielding_more_than_its_len_resumes_the_rest_of_the_epoch(
+    sampler: str, num_workers: int
+) -> None:
+    """Batches past ``len()`` are not the end: a state taken there resumes the rest."""
+    data = list(range(10))
+
+    def make() -> ThreadDataLoader[Any]:
+        if sampler == "batch sampler":
+            batches = GrowingBatches(torch.utils.data.SequentialSampler(data), 3, False)
+            return ThreadDataLoader(data, batch_sampler=batches, num_workers=num_workers)
+        return ThreadDataLoader(data, sampler=ShortLength(), batch_size=2, num_workers=num_workers)
+
+    cut = len(make())  # the state is taken once len() batches were delivered
+    assert_resumes_exactly(make, cut)

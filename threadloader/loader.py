@@ -430,8 +430,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             epoch = self._host_epoch() if self._host_epoch is not None else None
             if epoch is not None and epoch._progress is progress:
                 # Counted complete: let the sampler's iterator end now, as the next next() would
-                # (torch's RandomSampler draws once more from the loader's generator then).
-                complete = stream_ended(epoch)
+                # (torch's RandomSampler draws once more from the loader's generator then). A
+                # batch drawn and not delivered yet says the sampler's len() fell short.
+                complete = not getattr(epoch, "_task_info", None) and stream_ended(epoch)
         return build_state(self, progress, complete=complete)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -64,6 +64,14 @@ def _check_worker_fields(state: Mapping[str, Any]) -> None:
         )
 
 
+def _exact_len(loader: Any) -> bool:
+    """Whether the loader's index sampler counts its batches exactly: torch's own samplers.
+    Others' ``len()`` may be an estimate (bucketing batch samplers), so a position past it may
+    still name a batch."""
+    samplers = [loader._index_sampler, loader.sampler]
+    return all(type(s).__module__ == "torch.utils.data.sampler" for s in samplers)
+
+
 def _sampler_with_own_state(loader: Any) -> Any:
     """The loader's sampler or batch sampler following torchdata's ``Stateful`` protocol, or
     None; torchdata's own samplers draw from torch generators, which the state restores."""
@@ -222,7 +230,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         )
     if state["in_progress"] and kind == "map":
         _check_same_batches(loader, state, positional is not None)
-        if positional is None and position > _batches_per_epoch(loader):
+        if positional is None and _exact_len(loader) and position > _batches_per_epoch(loader):
             raise ValueError(
                 f"loader state position {position} is past the end of this loader's epoch "
                 f"({_batches_per_epoch(loader)} batches)"

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import _DatasetKind
 
+from threadloader._engine import dataset_state
 from threadloader._primitives.timing import StageRecorder
 from threadloader._primitives.worker_globals import library_code
 from threadloader.device.gathered import Gathered, fetch_stacked, parts_getter
@@ -71,9 +72,12 @@ class Fetcher:
         """Whether the epoch's iterator raised ``StopIteration`` (while filling a last batch)."""
         return self._ended
 
-    def end(self) -> None:
-        """Treat the epoch's iterator as run out: its next fetch raises ``StopIteration``."""
-        self._ended = True
+    def restore(self, state: Any, form: int) -> None:
+        """Load a worker state's iterator part into the epoch's iterator (``dataset_state``
+        point 2); one that had run out filling its last batch stays run out (point 3)."""
+        dataset_state.restore_iterator(self._iter, state, form)
+        if dataset_state.ran_out(state):
+            self._ended = True  # its next fetch raises StopIteration
 
     def fetch(self, index: Any, recorder: StageRecorder) -> Any:
         """The collated batch for ``index``; its fetch and collate durations go to ``recorder``.

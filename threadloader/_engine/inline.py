@@ -71,9 +71,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             ),
             self._stats.caller,
         )
-        dataset_state.restore_iterator(self._dataset_fetcher.fetcher.iterator, state, form)
-        if dataset_state.ran_out(state):
-            self._dataset_fetcher.fetcher.end()  # its last batch emptied it: nothing more
+        self._dataset_fetcher.fetcher.restore(state, form)
         self._pin_memory = False  # pinned by the collate above, not again after it
         self._sampler_iter = begin_pass(self, loader, resume)
         self._map_style = self._dataset_kind == _DatasetKind.Map

@@ -173,10 +173,9 @@ class Worker:
             self.start_epoch(self.generation)
             if self._fetcher is not None and state is not None:
                 try:  # after iter(dataset), as StatefulDataLoader (_dataset_state point 2)
-                    dataset_state.restore_iterator(self._fetcher.iterator, state, form)
-                    if dataset_state.ran_out(state):
-                        self._fetcher.end()  # its last batch emptied it: nothing more this epoch
-                    elif self.id in self.spec.resume_ended:  # never asked again this epoch
+                    self._fetcher.restore(state, form)
+                    if self.id in self.spec.resume_ended and not self._fetcher.ended:
+                        # never asked again this epoch
                         dataset_state.run_to_end(self._fetcher.iterator, self.spec.tail_items)
                 except BaseException:  # noqa: BLE001  # delivered to the training thread
                     self._pending_error = ExceptionWrapper(where=self._where())

@@ -194,8 +194,7 @@ class _Link:
         """
         self._check_open()
         started = time.perf_counter()
-        flushed = self.flush()
-        if self.spin and flushed and (timeout is None or timeout > SPIN_S):
+        if self.spin and not self.tasks.pending and (timeout is None or timeout > SPIN_S):
             self.polled += 1
             self.spun += self._poll_for(SPIN_S)
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -60,17 +60,14 @@ class TaskPipe:
         Raises:
             OSError: the reader is gone (``BrokenPipeError``) or the pipe was closed.
         """
-        data = frame(msg)
+        data = memoryview(frame(msg))
         if self._pending:
-            self._pending.append(memoryview(data))
+            self._pending.append(data)
             self.flush()
             return
-        try:
-            written = os.write(self.fileno, data)
-        except BlockingIOError:
-            written = 0
-        if written < len(data):
-            self._pending.append(memoryview(data)[written:])
+        rest = data[self._write(data) :]
+        if rest:
+            self._pending.append(rest)
 
     def flush(self) -> bool:
         """Write what is waiting, as far as the pipe takes it now.
@@ -84,15 +81,19 @@ class TaskPipe:
         pending = self._pending
         while pending:
             head = pending[0]
-            try:
-                written = os.write(self.fileno, head)
-            except BlockingIOError:
-                return False
+            written = self._write(head)
             if written < len(head):
                 pending[0] = head[written:]
                 return False
             pending.popleft()
         return True
+
+    def _write(self, data: memoryview) -> int:
+        """Bytes of ``data`` the pipe took now (0 when it is full)."""
+        try:
+            return os.write(self.fileno, data)
+        except BlockingIOError:
+            return 0
 
     def close(self) -> None:
         """Close the pipe (the helper sees its end); what was waiting is dropped."""

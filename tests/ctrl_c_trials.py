@@ -131,9 +131,10 @@ def main() -> None:
     config, trials, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
     if config == "process":
-        # Start the forkserver first: one that a Ctrl-C interrupts while it imports torch (it
-        # ignores SIGINT only afterwards) is left broken for the trials after it, which a
-        # script that ends at its Ctrl-C never meets. Helpers still start in every trial.
+        # One epoch first, while this process runs one thread (its helpers fork from it), so
+        # that first-use costs stay out of the trials. A trial's timer thread runs as its
+        # loader is built, so trials' helpers come from the forkserver; a press that kills
+        # the forkserver while it imports torch leaves it dying for the next trial's iter().
         list(ThreadDataLoader(Images(), batch_size=16, num_workers=2, **CONFIGS[config]))
     for i in range(trials):
         print(trial(config, rng, last=i == trials - 1), flush=True)

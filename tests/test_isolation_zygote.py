@@ -224,6 +224,41 @@ def test_a_helper_start_cut_short_by_ctrl_c_leaves_later_helpers_to_the_forkserv
     assert out == ["interrupted", "running", "False", "same", "True", "forkserver", "True"]
 
 
+def test_a_forkserver_a_ctrl_c_killed_while_it_imported_is_started_again(tmp_path: Any) -> None:
+    """A terminal's Ctrl-C kills a forkserver still importing its preload; an iter() after the
+    loop that Ctrl-C stopped finds it dying (alive when checked, gone under the start): a new
+    forkserver starts the helpers, with the same batches, instead of an ``EOFError``."""
+    (tmp_path / "slow_preload.py").write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            if not os.path.exists("importing"):  # the first forkserver only
+                open("importing", "w").close()
+                try:
+                    time.sleep(60)
+                except KeyboardInterrupt:
+                    time.sleep(1.0)  # dies slowly, as one unwinding half-imported torch does
+                    raise
+            """
+        )
+    )
+    out = _run(
+        tmp_path,
+        """
+        import multiprocessing
+        multiprocessing.set_forkserver_preload(["slow_preload"])
+        iso = loader(isolation="process", multiprocessing_context="forkserver")  # starts it
+        first = forkserver._forkserver._forkserver_pid
+        while not os.path.exists("importing"):
+            time.sleep(0.01)
+        os.kill(first, signal.SIGINT)  # the Ctrl-C, which the training loop took too
+        print("same", same(list(iso), list(loader())))
+        print("new", forkserver._forkserver._forkserver_pid not in (None, first))
+        """,
+    )
+    assert out == ["same", "True", "new", "True"]
+
+
 def test_helpers_start_while_the_training_process_has_over_1024_files_open(
     tmp_path: Any,
 ) -> None:

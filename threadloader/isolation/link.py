@@ -72,6 +72,38 @@ def _poll_ms(deadline: float | None) -> int | None:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
+def _start_process(ctx: Any, **kwargs: Any) -> Any:
+    """Start a helper process, with a new forkserver if the one there was died under the start.
+
+    A terminal's Ctrl-C reaches the whole process group and kills a forkserver still importing
+    torch (it ignores SIGINT only once it runs); the loop that Ctrl-C stopped has ended, and a
+    later ``iter()`` finds the forkserver dying. multiprocessing starts a new one only once it
+    sees the old one dead, so the start is tried once more after the grace.
+
+    Args:
+        ctx: a multiprocessing context or ``zygote.ZygoteContext``.
+        **kwargs: ``ctx.Process``'s arguments.
+
+    Returns:
+        The started process.
+
+    Raises:
+        KeyboardInterrupt: a Ctrl-C killed the forkserver under this start: it is the loop's.
+        EOFError, OSError: starting failed, twice for a forkserver.
+    """
+    retries = 1 if ctx.get_start_method() == "forkserver" else 0
+    while True:
+        process = ctx.Process(**kwargs)
+        try:
+            process.start()
+            return process
+        except (EOFError, OSError):
+            let_a_ctrl_c_arrive()
+            if not retries:
+                raise
+            retries -= 1
+
+
 class HelperDied(RuntimeError):
     """The helper process ended while the training process was waiting for it."""
 
@@ -109,28 +141,18 @@ class _Link:
         self.spin = False  # poll before sleeping on the next wait (point 6)
         self.polled = self.spun = 0  # waits that polled; of them, ended without sleeping
         theirs = [control_r, mailbox_r, tasks_r, result_there]
-        self.process = ctx.Process(
-            target=helper_main,
-            args=(
-                PickledOnce(spec),
-                control_r,
-                mailbox_r,
-                tasks_r,
-                result_there,
-            ),
-            name=name,
-            daemon=True,  # multiprocessing ends it at interpreter exit too
-        )
         try:
-            self.process.start()
-        except BaseException as exc:
+            self.process = _start_process(
+                ctx,
+                target=helper_main,
+                args=(PickledOnce(spec), control_r, mailbox_r, tasks_r, result_there),
+                name=name,
+                daemon=True,  # multiprocessing ends it at interpreter exit too
+            )
+        except BaseException:
             for conn in [*theirs, *self._ours()]:
                 conn.close()
             self.closed = True
-            if isinstance(exc, (EOFError, OSError)):
-                # The forkserver died: a terminal's Ctrl-C kills one still starting (it ignores
-                # SIGINT only once it runs). The Ctrl-C, not this error, is the loop's.
-                let_a_ctrl_c_arrive()
             raise
         for conn in theirs:
             conn.close()

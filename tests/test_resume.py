@@ -7,7 +7,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -516,12 +516,47 @@ def _items(batches: list[Any]) -> list[int]:
     return [int(x) for b in batches for x in (b if isinstance(b, torch.Tensor) else [b])]
 
 
+class ResumableOrder(torch.utils.data.Sampler[int]):
+    """A user's sampler as StatefulDataLoader's contract has it: its order comes from Python's
+    random, a new one each pass, and ``state_dict`` says where in the pass it is, which
+    ``load_state_dict`` and the next ``__iter__`` resume."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.rng = n, __import__("random").Random(seed)
+        self.yielded, self.pass_rng = 0, self.rng.getstate()
+        self.resume_at: int | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.resume_at = self.resume_at or 0, None
+        if start:
+            self.rng.setstate(self.pass_rng)
+        self.pass_rng = self.rng.getstate()
+        order = list(range(self.n))
+        self.rng.shuffle(order)
+        self.yielded = start
+        for i in order[start:]:
+            self.yielded += 1
+            yield i
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"yielded": self.yielded, "pass_rng": self.pass_rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resume_at, self.pass_rng = state["yielded"], state["pass_rng"]
+
+
 def _sampler(kind: str, dataset: Any, seed: int) -> Any:
-    """None (sequential), our positional ShuffleSampler, or torch's replayed RandomSampler."""
+    """None (sequential), our positional ShuffleSampler, torch's replayed RandomSampler, or a
+    user's sampler that keeps its own state."""
     if kind == "sequential":
         return None
     if kind == "shuffle":
         return ShuffleSampler(dataset, seed=seed)
+    if kind == "own":
+        return ResumableOrder(len(dataset), seed=seed)
     return torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
 
 
@@ -539,7 +574,7 @@ def _out_of_order_loader(sampler_kind: str, num_workers: int, **kwargs: Any) -> 
 
 @pytest.mark.parametrize("isolation", [None, "process"])
 @pytest.mark.parametrize("resume_workers", [0, 2, 3])
-@pytest.mark.parametrize("sampler_kind", ["sequential", "shuffle", "torch"])
+@pytest.mark.parametrize("sampler_kind", ["sequential", "shuffle", "torch", "own"])
 def test_resume_after_out_of_order_delivery_loses_and_repeats_nothing(
     sampler_kind: str, resume_workers: int, isolation: str | None
 ) -> None:
@@ -561,12 +596,17 @@ def test_resume_after_out_of_order_delivery_loses_and_repeats_nothing(
     assert sorted(seen) == list(range(24))
 
 
-@pytest.mark.parametrize("sampler_kind", ["sequential", "shuffle", "torch"])
+@pytest.mark.parametrize(
+    ("sampler_kind", "second_batches"),
+    [("sequential", 4), ("shuffle", 4), ("torch", 4), ("own", 4), ("own", 1)],
+)
 def test_an_out_of_order_state_resumed_then_saved_again_resumes_exactly(
-    sampler_kind: str,
+    sampler_kind: str, second_batches: int
 ) -> None:
     """A resumed pass skips the positions delivered before the save; a state taken in it
-    counts past them, so a second resume neither repeats nor loses a batch."""
+    counts past them, so a second resume neither repeats nor loses a batch. One batch into
+    the second pass, a sampler with its own state was last saved before the skipped
+    positions: the state says so (``_state`` point 11)."""
     loader = _out_of_order_loader(sampler_kind, 2, in_order=False, timeout=30, slow_first=True)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
@@ -576,7 +616,7 @@ def test_an_out_of_order_state_resumed_then_saved_again_resumes_exactly(
     second_loader = _out_of_order_loader(sampler_kind, 0)
     second_loader.load_state_dict(state)
     it = iter(second_loader)
-    second = [next(it) for _ in range(4)]
+    second = [next(it) for _ in range(second_batches)]
     state = second_loader.state_dict()
     del it
     third_loader = _out_of_order_loader(sampler_kind, 2)
@@ -1335,3 +1375,84 @@ def test_a_sampler_yielding_more_than_its_len_resumes_the_rest_of_the_epoch(
 
     cut = len(make())  # the state is taken once len() batches were delivered
     assert_resumes_exactly(make, cut)
+
+
+class ResumableBatches(torch.utils.data.Sampler[list[int]]):
+    """A user's batch sampler keeping its own state: pairs of a ``ResumableOrder``."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.order = ResumableOrder(n, seed)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(torch.utils.data.BatchSampler(self.order, 2, drop_last=False))
+
+    def __len__(self) -> int:
+        return (len(self.order) + 1) // 2
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order.load_state_dict(state)
+
+
+def _second_pass_cut(
+    cls: Any, cut: int, sampling: Callable[[], dict[str, Any]], **kwargs: Any
+) -> tuple[list[Any], list[Any]]:
+    """Two epochs uninterrupted, and the same with a save ``cut`` batches into the second and
+    a resume; each loader with new samplers from ``sampling`` (a resume: a new process)."""
+
+    def make() -> Any:
+        return cls(list(range(12)), **sampling(), **kwargs)
+
+    loader = make()
+    uninterrupted = [b.tolist() for _ in range(2) for b in loader]
+    loader = make()
+    seen = [b.tolist() for b in loader]
+    it = iter(loader)
+    seen += [next(it).tolist() for _ in range(cut)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    return uninterrupted, seen + [b.tolist() for b in resumed]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", [1, 3, 5])
+@pytest.mark.parametrize("which", ["sampler", "batch_sampler"])
+def test_a_sampler_keeping_its_own_state_resumes_as_with_stateful_dataloader(
+    which: str, cut: int, num_workers: int
+) -> None:
+    """A user's sampler (or batch sampler) with state_dict()/load_state_dict(), its order drawn
+    from Python's random anew each pass, cut in its second pass while workers prefetch ahead:
+    the resume gives the uninterrupted run's batches, as StatefulDataLoader's does, since the
+    state holds the sampler's own state as of the last delivered batch (``_state`` point 11)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def sampling() -> dict[str, Any]:
+        if which == "sampler":
+            return {"sampler": ResumableOrder(12, seed=5), "batch_size": 2}
+        return {"batch_sampler": ResumableBatches(12, seed=5)}
+
+    ours_full, ours = _second_pass_cut(ThreadDataLoader, cut, sampling, num_workers=num_workers)
+    theirs_full, theirs = _second_pass_cut(
+        StatefulDataLoader, cut, sampling, num_workers=num_workers
+    )
+    assert ours_full == theirs_full
+    assert ours == ours_full
+    assert theirs == theirs_full
+
+
+def test_a_state_without_the_samplers_own_state_replays_it_and_says_so() -> None:
+    """A mid-epoch state holding no state of a sampler that keeps one (saved by a loader whose
+    sampler had none) replays the sampler from the saved RNG states, with a warning."""
+    loader = ThreadDataLoader(list(range(12)), batch_size=2, sampler=ResumableOrder(12))
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(2)]
+    state = {**loader.state_dict(), "sampler": None}
+    resumed = ThreadDataLoader(list(range(12)), batch_size=2, sampler=ResumableOrder(12))
+    with pytest.warns(UserWarning, match="no state of this loader's ResumableOrder"):
+        resumed.load_state_dict(state)
+    rest = [b.tolist() for b in resumed]
+    assert sorted(i for b in seen + rest for i in b) == list(range(12))  # a first pass: exact

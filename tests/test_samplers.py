@@ -616,36 +616,8 @@ def test_a_finished_epochs_state_without_set_epoch_starts_the_epoch_over() -> No
     assert [i for batch in resumed for i in batch.tolist()] == first
 
 
-class OwnRandomOrder(torch.utils.data.Sampler[int]):
-    """A sampler drawing its order from Python's random, keeping that state itself."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.rng = n, __import__("random").Random(0)
-
-    def __iter__(self) -> Any:
-        order = list(range(self.n))
-        self.rng.shuffle(order)
-        return iter(order)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.getstate()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.setstate(state["rng"])
-
-
-def test_a_sampler_with_its_own_state_is_named_when_a_state_is_loaded() -> None:
-    """Its state is not saved: the resume says its order is replayed from torch's RNGs."""
-    loader = ThreadDataLoader(list(range(8)), batch_size=2, sampler=OwnRandomOrder(8))
-    it = iter(loader)
-    next(it)
-    state = loader.state_dict()
-    resumed = ThreadDataLoader(list(range(8)), batch_size=2, sampler=OwnRandomOrder(8))
-    with pytest.warns(UserWarning, match="OwnRandomOrder has state_dict.*does not save or load"):
-        resumed.load_state_dict(state)
+def test_a_mid_epoch_state_of_our_samplers_loads_without_a_warning() -> None:
+    """Positional samplers resume at their own cursor: nothing is replayed, nothing to say."""
     ours = ThreadDataLoader(list(range(8)), batch_size=2, sampler=ShuffleSampler(8))
     next(iter(ours))
     with warnings.catch_warnings():

@@ -373,9 +373,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         start = time.perf_counter()
         self._progress.indices_drawn = True
         try:
-            return next(self._sampler_iter)
+            index = next(self._sampler_iter)
         finally:
             self._stats.caller.add("sampler", time.perf_counter() - start)
+        self._progress.note_draw()
+        return index
 
     def _next_data(self) -> Any:
         self._stats.on_call()

@@ -100,6 +100,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
             self._stats.caller.add("sampler", time.perf_counter() - start)
         self._drawn += 1
         self._progress.indices_drawn = True
+        self._progress.note_draw()
         return index
 
     def _next_data(self) -> Any:

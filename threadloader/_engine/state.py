@@ -53,6 +53,13 @@ How state works; where the code disagrees with this, the code is wrong.
    from the epoch before. With ``save_worker_rng`` the state holds the latter (as of each
    worker's last batch delivered before the epoch), and a resume restores them before the
    replay, which brings them to the saved states by itself.
+11. A sampler (or batch sampler) of the user's with its own ``state_dict``/``load_state_dict``
+   is trusted to resume itself mid-pass, as StatefulDataLoader trusts it: its state is taken
+   after each batch's indices are drawn, and a mid-epoch state holds the one taken after the
+   last position behind the loop (``Progress.sampler_cursor``); a resume loads it and draws
+   on, skipping the later positions already delivered, instead of replaying. Between epochs
+   nothing of it is saved: the next pass starts over, as an unsaved sampler's does.
+   torch's and torchdata's samplers draw from torch generators and are replayed (point 3).
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class Resume:
     # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
     # start from the saved dataset and generator states; nothing else is resumed.
     next_epoch: bool = False
+    own_sampler_state: Any = None  # point 11: loaded into the sampler, which resumes itself
 
 
 @dataclass
@@ -140,28 +148,60 @@ class Progress:
     pass_skips: tuple[int, ...] = ()
     # Batches a positional sampler's resumed pass yields (its remaining() as the pass began).
     pass_total: int | None = None
+    # Point 11: a sampler with its own state, the batches this pass drew, its state after each
+    # drawn batch not yet behind the loop (by the position after it), and the latest state
+    # at or before ``done`` with the position it resumes at.
+    own_sampler: Any = None
+    draws: int = 0
+    sampler_snapshots: dict[int, Any] = field(default_factory=dict)
+    sampler_state: Any = None
+    sampler_cursor: int = 0
 
     def pass_positions(self) -> int:
         """Positions drawn from the sampler's current pass and behind the loop, in order."""
         return self.done - self.resumed_batches
 
-    def behind(self, pass_index: int) -> None:
-        """Record that the loop is past the ``pass_index``-th batch of this iterator's stream."""
+    def position_of(self, pass_index: int) -> int:
+        """The epoch position of the ``pass_index``-th batch of this iterator's stream."""
         position = self.pass_start + pass_index
-        if position == self.done and not self.ahead and not self.pass_skips:
-            self.done = position + 1  # in order, nothing skipped: every batch but a few
-            return
         for skipped in self.pass_skips:  # the stream left these out: count past them
             if skipped > position:
                 break
             position += 1
+        return position
+
+    def behind(self, pass_index: int) -> None:
+        """Record that the loop is past the ``pass_index``-th batch of this iterator's stream."""
+        position = self.position_of(pass_index)
         if position != self.done:
             self.ahead = tuple(sorted((*self.ahead, position)))
             return
-        done, ahead = position + 1, self.ahead
+        self.done = position + 1
+        self.absorb_ahead()
+        if self.sampler_snapshots:
+            self._keep_sampler_state()
+
+    def absorb_ahead(self) -> None:
+        """Move ``done`` past the positions ahead that now follow it."""
+        done, ahead = self.done, self.ahead
         while ahead and ahead[0] == done:
             ahead, done = ahead[1:], done + 1
         self.done, self.ahead = done, ahead
+
+    def note_draw(self) -> None:
+        """Record that the stream yielded its next batch (point 11: the sampler's state after)."""
+        pass_index, self.draws = self.draws, self.draws + 1
+        if self.own_sampler is not None:
+            position = self.position_of(pass_index)
+            self.sampler_snapshots[position + 1] = self.own_sampler.state_dict()
+
+    def _keep_sampler_state(self) -> None:
+        kept = [cursor for cursor in self.sampler_snapshots if cursor <= self.done]
+        if kept:
+            cursor = max(kept)
+            self.sampler_state, self.sampler_cursor = self.sampler_snapshots[cursor], cursor
+            for behind in kept:
+                del self.sampler_snapshots[behind]
 
 
 class ProgressMixin:
@@ -190,6 +230,19 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
         return index_sampler, 1
     if type(index_sampler) is BatchSampler and hasattr(loader.sampler, "state_dict_at"):
         return loader.sampler, int(index_sampler.batch_size)
+    return None
+
+
+def own_state_sampler(loader: Any) -> Any:
+    """The loader's batch sampler or sampler with its own ``state_dict``/``load_state_dict``
+    (point 11), or None; torch's and torchdata's draw from torch generators and are replayed,
+    ours are positional."""
+    if positional_sampler(loader) is not None:
+        return None
+    for sampler in (loader.batch_sampler, loader.sampler):
+        module = type(sampler).__module__
+        if dataset_state.is_stateful(sampler) and not module.startswith(("torchdata.", "torch.")):
+            return sampler
     return None
 
 
@@ -233,6 +286,12 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
     progress.indices_drawn = False
+    progress.own_sampler = (
+        own_state_sampler(loader) if it._dataset_kind == _DatasetKind.Map else None
+    )
+    progress.draws = 0
+    progress.sampler_snapshots = {}
+    progress.sampler_state, progress.sampler_cursor = None, 0
     own = sampler_generator(loader)
     if resume is None or resume.next_epoch:
         progress.base_seed = int(it._base_seed)
@@ -270,6 +329,8 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.batches = resume.batches
     progress.done = progress.pass_start = resume.position
     progress.ahead = progress.pass_skips = resume.skips
+    progress.absorb_ahead()  # an own-state sampler's cursor may be a position delivered ahead
+    progress.sampler_state, progress.sampler_cursor = resume.own_sampler_state, resume.position
     if positional_sampler(loader) is not None:
         progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
         progress.pass_total = _resumed_pass_batches(loader)
@@ -422,6 +483,11 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         this_pass = done - (progress.resumed_batches if progress is not None else 0)
         sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
     live = not fresh and progress is not None
+    if live and progress.own_sampler is not None:  # type: ignore[union-attr]
+        # Point 11: the sampler resumes at the cursor of its state, skipping what is behind.
+        sampler_state = progress.sampler_state  # type: ignore[union-attr]
+        position = progress.sampler_cursor  # type: ignore[union-attr]
+        ahead = [*range(position, progress.done), *ahead]  # type: ignore[union-attr]
     # Between epochs, what carries state into the next one: without workers, the loader's own
     # dataset; with persistent workers, their dataset copies and generators (point 8). Other
     # workers' copies start each epoch from the loader's dataset.

@@ -20,6 +20,7 @@ from threadloader._engine.state import (
     STATE_VERSION,
     Resume,
     dataset_length,
+    own_state_sampler,
     positional_sampler,
     rng_source,
     sampler_generator,
@@ -70,16 +71,6 @@ def _exact_len(loader: Any) -> bool:
     still name a batch."""
     samplers = [loader._index_sampler, loader.sampler]
     return all(type(s).__module__ == "torch.utils.data.sampler" for s in samplers)
-
-
-def _sampler_with_own_state(loader: Any) -> Any:
-    """The loader's sampler or batch sampler following torchdata's ``Stateful`` protocol, or
-    None; torchdata's own samplers draw from torch generators, which the state restores."""
-    for sampler in (loader.batch_sampler, loader.sampler):
-        module = type(sampler).__module__
-        if dataset_state.is_stateful(sampler) and not module.startswith(("torchdata.", "torch.")):
-            return sampler
-    return None
 
 
 def _sampler_checks_sources(loader: Any) -> bool:
@@ -209,23 +200,28 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         not isinstance(skips, list)
         or not all(type(p) is int for p in skips)
         or skips != sorted(set(skips))
-        or (skips and skips[0] <= position)
+        or (skips and skips[0] < position)
     ):
         raise ValueError(
             f"loader state position {position!r} / delivered_ahead {skips!r} are not a position "
-            "and the sorted positions after it"
+            "and the sorted positions from it on"
         )
     positional = positional_sampler(loader)
     world_size, _ = _get_distributed_settings()
-    replay_indices = kind == "map" and positional is None and (position > 0 or bool(skips))
-    own_state = _sampler_with_own_state(loader) if positional is None else None
-    if own_state is not None:
+    stateful_sampler = own_state_sampler(loader) if kind == "map" else None
+    # _state point 11: a sampler with its own state resumes itself at the saved position.
+    own_state = (
+        state.get("sampler") if stateful_sampler is not None and state["in_progress"] else None
+    )
+    replay_indices = (
+        kind == "map" and positional is None and own_state is None and (position > 0 or bool(skips))
+    )
+    if stateful_sampler is not None and replay_indices and position > 0:
         warnings.warn(
-            f"this loader's {type(own_state).__name__} has state_dict()/load_state_dict(), "
-            "which ThreadDataLoader does not save or load: the resumed order is the sampler's "
+            f"loader state holds no state of this loader's {type(stateful_sampler).__name__}, "
+            "which has state_dict()/load_state_dict(): the resumed order is the sampler's "
             "replayed from the saved torch RNG states, which differs from an uninterrupted "
-            "run's where the sampler draws from another source (Python's random, numpy). "
-            "threadloader.ShuffleSampler and DistributedShuffleSampler resume exactly",
+            "run's where the sampler draws from another source (Python's random, numpy)",
             stacklevel=3,
         )
     if state["in_progress"] and kind == "map":
@@ -328,6 +324,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         loader.sampler.set_epoch(epoch)
     if positional is not None:
         positional[0].load_state_dict(state["sampler"])
+    if stateful_sampler is not None and own_state is not None:
+        stateful_sampler.load_state_dict(own_state)
     return Resume(
         batches=batches,
         base_seed=int(state["base_seed"]),
@@ -347,6 +345,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
         worker_batches=_worker_batches(state, batches) if replay_data else None,
+        own_sampler_state=own_state,
     )
 
 

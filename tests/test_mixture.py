@@ -439,6 +439,29 @@ def test_a_change_right_after_a_resume_applies_from_the_next_batch(
     assert torch.cat(got).tolist() == _mixture_reference(cut * 8)
 
 
+def test_a_change_right_after_resuming_a_rest_shorter_than_a_batch_applies() -> None:
+    """An epoch of 12 samples in batches of 8, resumed after its first batch without workers:
+    the change before any next() applies to the last 4 (iter() did not run the sampler's pass
+    out early; workers' prefetch does, and a change then is refused, as without a resume)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=12)
+        return ThreadDataLoader(mixture, batch_size=8, sampler=sampler)
+
+    loader = make()
+    it = iter(loader)
+    got = [next(it)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert resumed.set_mixture_weights({"a": 0.1, "b": 0.9}) == 8
+    got += list(it)
+    assert torch.cat(got).tolist() == _mixture_reference(8)[:12]
+
+
 def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
     """Without a MixtureSampler the loader says what is missing."""
     with pytest.raises(TypeError, match="MixtureSampler"):

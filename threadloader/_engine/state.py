@@ -312,16 +312,20 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
         own.set_state(resume.sampler_rng_state)
     if global_state is not None:
         # Draw the first indices under the saved global RNG (a sampler seeds its epoch from it
-        # at its first draw), then give the user theirs back.
+        # at its first draw), then give the user theirs back. Positional samplers draw from
+        # their own seeds: drawing early would only run their pass out before the loop asks
+        # (a short rest, which a live mixture-weight change then could not rewind).
+        draws = positional_sampler(loader) is None
         mine = torch.get_rng_state()
         torch.set_rng_state(global_state)
         try:
-            first = list(itertools.islice(sampler_iter, 1))
+            first = list(itertools.islice(sampler_iter, 1)) if draws else []
         finally:
             if resume.indices_drawn:  # else the user's RNG, saved with the state, never saw it
                 torch.set_rng_state(mine)
-        sampler_iter = Predrawn(first, sampler_iter)
-        progress.indices_drawn = True
+        if draws:
+            sampler_iter = Predrawn(first, sampler_iter)
+            progress.indices_drawn = True
     if resume.replay_indices:
         for _ in itertools.islice(sampler_iter, resume.position):
             pass

@@ -1436,11 +1436,14 @@ def test_a_sampler_keeping_its_own_state_resumes_as_with_stateful_dataloader(
         return {"batch_sampler": ResumableBatches(12, seed=5)}
 
     ours_full, ours = _second_pass_cut(ThreadDataLoader, cut, sampling, num_workers=num_workers)
+    copied_full, copied = _second_pass_cut(  # the transfer thread draws: tagged progress
+        ThreadDataLoader, cut, sampling, num_workers=num_workers, device="cpu"
+    )
     theirs_full, theirs = _second_pass_cut(
         StatefulDataLoader, cut, sampling, num_workers=num_workers
     )
-    assert ours_full == theirs_full
-    assert ours == ours_full
+    assert ours_full == copied_full == theirs_full
+    assert ours == copied == ours_full
     assert theirs == theirs_full
 
 

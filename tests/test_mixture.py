@@ -462,6 +462,41 @@ def test_a_change_right_after_resuming_a_rest_shorter_than_a_batch_applies() -> 
     assert torch.cat(got).tolist() == _mixture_reference(8)[:12]
 
 
+@pytest.mark.parametrize(
+    ("num_workers", "isolation"), [(2, "threads"), (3, "threads"), (2, "process")]
+)
+def test_a_change_after_prefetch_drew_the_epochs_last_index_applies(
+    num_workers: int, isolation: str
+) -> None:
+    """An epoch of 5 batches, all drawn by the workers' prefetch after the second: the change
+    there still applies from the third batch (a new pass of the sampler reads the rest), the
+    epoch keeps its length, a state taken after the change resumes it, and the next epoch
+    starts where this one ended."""
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=40)
+        return ThreadDataLoader(
+            mixture, batch_size=8, sampler=sampler, num_workers=num_workers,
+            isolation=isolation, prefetch_factor=2,
+        )  # fmt: skip
+
+    loader = make()
+    it = iter(loader)
+    got = [next(it), next(it)]
+    assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == 16
+    got.append(next(it))
+    state = loader.state_dict()
+    got += list(it)
+    reference = _mixture_reference(16)
+    assert torch.cat(got).tolist() == reference[:40]
+    loader.sampler.set_epoch(1)
+    assert torch.cat(list(loader)).tolist() == reference[40:80]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert torch.cat(got[:3] + list(resumed)).tolist() == reference[:40]
+
+
 def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
     """Without a MixtureSampler the loader says what is missing."""
     with pytest.raises(TypeError, match="MixtureSampler"):

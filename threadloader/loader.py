@@ -405,7 +405,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
         redispatch = getattr(epoch, "redispatch", None)
         if redispatch is not None:
-            redispatch()
+            # A pass that had handed out its last index restarts at the position: a new one.
+            redispatch(new_pass=sampler.rewound_pass)
         return position
 
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from threadloader._engine.state import (
     ProgressMixin,
     Resume,
     begin_pass,
+    start_new_pass,
     warn_replay,
     without_predrawn,
 )
@@ -117,12 +118,16 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         persistent epoch's (with the iterator's new shared seed), or a redispatch's."""
         raise NotImplementedError
 
-    def redispatch(self) -> None:
+    def redispatch(self, new_pass: bool = False) -> None:
         """Drop every batch dispatched and not delivered, and dispatch again from the sampler.
 
         For a sampler that was just rewound to the delivered position (a live mixture-weight
         change): in-flight results become stale (new generation) and are discarded on arrival;
         tasks not started are dropped, since they were drawn from the rewound stream.
+
+        Args:
+            new_pass: the sampler's pass had ended, and its next ``iter()`` reads from the
+                delivered position: draw from a new pass (``state.start_new_pass``).
         """
         if not self._in_order:
             raise ValueError("a live change of the index stream needs in_order=True")
@@ -130,6 +135,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._forget_in_flight()
         self._sampler_done = False  # rewound
         self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
+        if new_pass:
+            start_new_pass(self)
         self._fill()
 
     def _worker_spec(

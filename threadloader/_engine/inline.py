@@ -18,6 +18,7 @@ from threadloader._engine.state import (
     ProgressMixin,
     Resume,
     begin_pass,
+    start_new_pass,
     undo_seed_draw,
     warn_replay,
     without_predrawn,
@@ -87,10 +88,13 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
     def close(self) -> None:
         """Nothing to stop: batches are made in the calling thread."""
 
-    def redispatch(self) -> None:
+    def redispatch(self, new_pass: bool = False) -> None:
         """The sampler was rewound to the delivered position (a live mixture-weight change):
-        drop what was drawn from it and not delivered, the resume's early draw (``Predrawn``)."""
+        drop what was drawn from it and not delivered, the resume's early draw (``Predrawn``);
+        with ``new_pass``, draw from a new pass of the sampler (``DispatchingIter.redispatch``)."""
         self._sampler_iter = without_predrawn(self._sampler_iter)
+        if new_pass:
+            start_new_pass(self)
 
     def _next_index(self) -> Any:
         start = time.perf_counter()

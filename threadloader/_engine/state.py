@@ -343,6 +343,16 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     return sampler_iter
 
 
+def start_new_pass(it: Any) -> None:
+    """Draw on from a new pass of the positional sampler, which starts at the first position
+    not behind the loop: its last pass had ended and was rewound there (a live mixture-weight
+    change after the last index was drawn). Counted as a resumed pass (``resumed_batches``)."""
+    progress: Progress = it._progress
+    it._sampler_iter = iter(it._index_sampler)
+    progress.resumed_batches = progress.done
+    progress.pass_total = len(it._index_sampler)  # the new pass's, as a MixtureSampler counts
+
+
 def without_predrawn(stream: Iterator[Any]) -> Iterator[Any]:
     """``stream`` without a ``Predrawn`` head: what a sampler rewound to the delivered position
     (a live mixture-weight change) yields; the head was drawn before the rewind."""

@@ -192,17 +192,29 @@ class MixtureSampler(Sampler[int]):
         return self._pass.start + min(consumed, self._pass.count) * self.num_replicas
 
     def _prepare_change(self, position: int) -> None:
-        """Check a weight change at ``position``; rewind the current pass if it handed that out."""
+        """Check a weight change at ``position``; rewind the current pass if it handed that out.
+
+        A pass that already handed out its last index cannot be rewound: the next ``iter()``
+        then reads the epoch's rest from ``position`` (``rewound_pass``), which a loader starts.
+        """
         if position >= self.next_position:
             return
         current = self._pass
-        if self._pending is not None or current is None or current.done or position < current.start:
+        if self._pending is not None or current is None or position < current.start:
             raise ValueError(
                 f"cannot change the weights at position {position}: this sampler has already "
                 f"handed out positions up to {self.next_position} outside a pass it can rewind"
             )
+        if current.done:
+            self._pending = position
+            return
         local = max(0, -(-(position - current.start - self.rank) // self.num_replicas))
         current.progress = (local, iter(()))
+
+    @property
+    def rewound_pass(self) -> bool:
+        """Whether the next ``iter()`` reads from a loaded or rewound position, not the start."""
+        return self._pending is not None
 
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's state (point 1); the same on every rank in lockstep training."""

@@ -1459,3 +1459,91 @@ def test_a_state_without_the_samplers_own_state_replays_it_and_says_so() -> None
         resumed.load_state_dict(state)
     rest = [b.tolist() for b in resumed]
     assert sorted(i for b in seen + rest for i in b) == list(range(12))  # a first pass: exact
+
+
+class EpochCountingOrder(torch.utils.data.Sampler[int]):
+    """A user's sampler whose pass, once over, counts the epoch up and starts its count over:
+    its order is keyed by ``(seed, epoch)``, and its state is ``{epoch, yielded}``."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.seed, self.epoch, self.yielded = n, seed, 0, 0
+        self.resume_at: int | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        start, self.resume_at = self.resume_at or 0, None
+        order = list(range(self.n))
+        __import__("random").Random(self.seed * 1000 + self.epoch).shuffle(order)
+        self.yielded = start
+        for i in order[start:]:
+            self.yielded += 1
+            yield i
+        self.epoch, self.yielded = self.epoch + 1, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.resume_at = state["epoch"], state["yielded"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", ["after iter()", "at the last batch", "after StopIteration"])
+@pytest.mark.parametrize("sampler_type", [ResumableOrder, EpochCountingOrder])
+def test_a_sampler_keeping_its_own_state_resumes_from_an_epochs_edges(
+    sampler_type: type, cut: str, num_workers: int
+) -> None:
+    """A state taken in a second pass before its first batch, or at its end (before and after
+    StopIteration), resumes the same passes as the uninterrupted run: the state holds the
+    sampler's state after its last draw, which the resume runs out before the next pass
+    (``_state`` point 11)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            list(range(8)), batch_size=2, sampler=sampler_type(8, seed=3), num_workers=num_workers
+        )
+
+    loader = make()
+    uninterrupted = [b.tolist() for _ in range(3) for b in loader]
+    loader = make()
+    seen = [b.tolist() for b in loader]
+    it = iter(loader)
+    if cut == "at the last batch":
+        seen += [next(it).tolist() for _ in range(4)]
+    elif cut == "after StopIteration":
+        seen += [b.tolist() for b in it]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    passes = 2 if cut == "after iter()" else 1
+    assert seen + [b.tolist() for _ in range(passes) for b in resumed] == uninterrupted
+
+
+def test_an_out_of_order_state_before_a_second_passs_first_batch_resumes_that_pass() -> None:
+    """in_order=False in a sampler's second pass: later batches arrive before the slow first,
+    and a state then has no position of the pass behind the loop. It holds the sampler's state
+    after its first pass, which the resume runs out: the second pass's rest comes, each sample
+    once (the first pass's order would lose and repeat samples)."""
+    probe = ResumableOrder(12)
+    list(probe)
+    slow = frozenset(list(probe)[:2])  # the second pass's first batch
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            SlowItems(slow, n=12), batch_size=2, sampler=ResumableOrder(12), num_workers=2,
+            in_order=False, timeout=30,
+        )  # fmt: skip
+
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    got = [next(it), next(it)]
+    state = loader.state_dict()
+    del it
+    assert state["position"] == 0 and state["delivered_ahead"], "the scenario is wrong"
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert sorted(_items(got + list(resumed))) == list(range(12))

@@ -219,6 +219,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         # (generator state, base seed) a new persistent iterator continues from (load_state_dict)
         self._undo_seed_draw: tuple[Any, int] | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
+        # A sampler with its own state: its state after its last pass's last draw (_state 11).
+        self._sampler_pass_end: Any = None
         self._host_epoch: weakref.ref[Any] | None = None
         # device= with persistent workers: the last epoch's facade and its transfer thread
         self._device_epoch: weakref.ref[DeviceEpochIterator] | None = None
@@ -456,6 +458,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         resume = parse_state(self, state)
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
+        self._progress = None  # what ran before the load does not carry into the resumed run
+        self._sampler_pass_end = None if state["in_progress"] else resume.own_sampler_state
         if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             iterable = self._dataset_kind == _DatasetKind.Iterable

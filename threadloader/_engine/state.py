@@ -57,9 +57,14 @@ How state works; where the code disagrees with this, the code is wrong.
    is trusted to resume itself mid-pass, as StatefulDataLoader trusts it: its state is taken
    after each batch's indices are drawn, and a mid-epoch state holds the one taken after the
    last position behind the loop (``Progress.sampler_cursor``); a resume loads it and draws
-   on, skipping the later positions already delivered, instead of replaying. Between epochs
-   nothing of it is saved: the next pass starts over, as an unsaved sampler's does.
-   torch's and torchdata's samplers draw from torch generators and are replayed (point 3).
+   on, skipping the later positions already delivered, instead of replaying. Before the first
+   position of a pass is behind the loop, and between epochs, the state holds the sampler's
+   state after the last draw of its previous pass, marked ``sampler_ended``: a resume loads it
+   and runs that pass out (``run_out``: what the pass does after its last index, an epoch
+   counter, a reseed), so the next ``iter()`` starts the same pass as without the interruption.
+   A sampler's first pass in a process has no previous one: nothing is saved, and the resumed
+   process's sampler starts as it was built. torch's and torchdata's samplers draw from torch
+   generators and are replayed (point 3).
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class Resume:
     # start from the saved dataset and generator states; nothing else is resumed.
     next_epoch: bool = False
     own_sampler_state: Any = None  # point 11: loaded into the sampler, which resumes itself
+    own_sampler_ended: bool = False  # ... after running out the pass it is the state of
 
 
 @dataclass
@@ -156,6 +162,8 @@ class Progress:
     sampler_snapshots: dict[int, Any] = field(default_factory=dict)
     sampler_state: Any = None
     sampler_cursor: int = 0
+    sampler_ended: bool = False  # ``sampler_state`` is of the previous pass (point 11)
+    last_drawn_state: Any = None  # the state after the latest draw, of any pass
 
     def pass_positions(self) -> int:
         """Positions drawn from the sampler's current pass and behind the loop, in order."""
@@ -193,13 +201,15 @@ class Progress:
         pass_index, self.draws = self.draws, self.draws + 1
         if self.own_sampler is not None:
             position = self.position_of(pass_index)
-            self.sampler_snapshots[position + 1] = self.own_sampler.state_dict()
+            state = self.last_drawn_state = self.own_sampler.state_dict()
+            self.sampler_snapshots[position + 1] = state
 
     def _keep_sampler_state(self) -> None:
         kept = [cursor for cursor in self.sampler_snapshots if cursor <= self.done]
         if kept:
             cursor = max(kept)
             self.sampler_state, self.sampler_cursor = self.sampler_snapshots[cursor], cursor
+            self.sampler_ended = False
             for behind in kept:
                 del self.sampler_snapshots[behind]
 
@@ -291,7 +301,14 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     )
     progress.draws = 0
     progress.sampler_snapshots = {}
-    progress.sampler_state, progress.sampler_cursor = None, 0
+    # Point 11: until a position of this pass is behind the loop, the state after the last draw
+    # of the sampler's previous pass (this loader's latest epoch, or a loaded state's).
+    previous: Progress | None = getattr(loader, "_progress", None)
+    if previous is not None and previous.last_drawn_state is not None:
+        loader._sampler_pass_end = previous.last_drawn_state
+    pass_end = getattr(loader, "_sampler_pass_end", None)
+    progress.sampler_state, progress.sampler_cursor = pass_end, 0
+    progress.sampler_ended, progress.last_drawn_state = pass_end is not None, pass_end
     own = sampler_generator(loader)
     if resume is None or resume.next_epoch:
         progress.base_seed = int(it._base_seed)
@@ -335,12 +352,27 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.ahead = progress.pass_skips = resume.skips
     progress.absorb_ahead()  # an own-state sampler's cursor may be a position delivered ahead
     progress.sampler_state, progress.sampler_cursor = resume.own_sampler_state, resume.position
+    progress.sampler_ended = resume.own_sampler_ended
+    if resume.own_sampler_state is not None:
+        progress.last_drawn_state = resume.own_sampler_state  # the latest state there is
     if positional_sampler(loader) is not None:
         progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
         progress.pass_total = _resumed_pass_batches(loader)
     if resume.skips:
         sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
     return sampler_iter
+
+
+def run_out(sampler: Any) -> None:
+    """Run a sampler, just loaded with the state after its pass's last draw, to that pass's end
+    (point 11), as the uninterrupted run's loop did: at most ``len(sampler)`` items; a sampler
+    without a length is left as loaded (its pass may never end)."""
+    try:
+        most = len(sampler)
+    except TypeError:
+        return
+    for _ in itertools.islice(iter(sampler), most + 1):
+        pass
 
 
 def start_new_pass(it: Any) -> None:
@@ -497,11 +529,17 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         this_pass = done - (progress.resumed_batches if progress is not None else 0)
         sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
     live = not fresh and progress is not None
+    sampler_ended = False
     if live and progress.own_sampler is not None:  # type: ignore[union-attr]
         # Point 11: the sampler resumes at the cursor of its state, skipping what is behind.
         sampler_state = progress.sampler_state  # type: ignore[union-attr]
+        sampler_ended = progress.sampler_ended  # type: ignore[union-attr]
         position = progress.sampler_cursor  # type: ignore[union-attr]
         ahead = [*range(position, progress.done), *ahead]  # type: ignore[union-attr]
+    elif fresh and progress is not None and progress.own_sampler is not None:
+        # Between epochs: the state after the finished (or left) pass's last draw.
+        sampler_state = progress.last_drawn_state
+        sampler_ended = sampler_state is not None
     # Between epochs, what carries state into the next one: without workers, the loader's own
     # dataset; with persistent workers, their dataset copies and generators (point 8). Other
     # workers' copies start each epoch from the loader's dataset.
@@ -528,6 +566,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "batch_size": loader.batch_size,
         "sampler_type": type_name(loader.sampler),
         "sampler": sampler_state,
+        "sampler_ended": sampler_ended,
         "sampler_epoch": sampler_epoch(loader),
         "dataset_kind": kind,
         "dataset_length": dataset_length(loader.dataset) if kind == "map" else None,

@@ -23,6 +23,7 @@ from threadloader._engine.state import (
     own_state_sampler,
     positional_sampler,
     rng_source,
+    run_out,
     sampler_generator,
     snapshot_rng,
     type_name,
@@ -209,10 +210,12 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     positional = positional_sampler(loader)
     world_size, _ = _get_distributed_settings()
     stateful_sampler = own_state_sampler(loader) if kind == "map" else None
-    # _state point 11: a sampler with its own state resumes itself at the saved position.
-    own_state = (
-        state.get("sampler") if stateful_sampler is not None and state["in_progress"] else None
-    )
+    # _state point 11: a sampler with its own state resumes itself at the saved position, or
+    # after running out the pass its state is of (before a pass's first batch, between epochs).
+    own_state = state.get("sampler") if stateful_sampler is not None else None
+    own_ended = own_state is not None and state.get("sampler_ended") is True
+    if not state["in_progress"] and not own_ended:
+        own_state = None
     replay_indices = (
         kind == "map" and positional is None and own_state is None and (position > 0 or bool(skips))
     )
@@ -326,6 +329,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         positional[0].load_state_dict(state["sampler"])
     if stateful_sampler is not None and own_state is not None:
         stateful_sampler.load_state_dict(own_state)
+        if own_ended:
+            run_out(stateful_sampler)
     return Resume(
         batches=batches,
         base_seed=int(state["base_seed"]),
@@ -346,6 +351,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
         worker_batches=_worker_batches(state, batches) if replay_data else None,
         own_sampler_state=own_state,
+        own_sampler_ended=own_ended,
     )
 
 

@@ -497,6 +497,28 @@ def test_a_change_after_prefetch_drew_the_epochs_last_index_applies(
     assert torch.cat(got[:3] + list(resumed)).tolist() == reference[:40]
 
 
+def test_a_change_refused_for_in_order_false_leaves_the_stream_as_it_was() -> None:
+    """With workers and in_order=False a live change is refused before anything changes: the
+    epoch, and the next, keep the old weights and their lengths, also once the prefetch drew
+    the epoch's last index."""
+    mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+    sampler = MixtureSampler(mixture, samples_per_epoch=40)
+    loader = ThreadDataLoader(
+        mixture, batch_size=8, sampler=sampler, num_workers=2, in_order=False, prefetch_factor=2
+    )
+    it = iter(loader)
+    got = [next(it), next(it)]
+    with pytest.raises(ValueError, match="needs in_order=True"):
+        loader.set_mixture_weights({"a": 0.1, "b": 0.9})
+    got += list(it)
+    sampler.set_epoch(1)
+    got += list(loader)
+    unchanged = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+    reference = [unchanged[i] for i in unchanged.indices_at(np.arange(80)).tolist()]
+    assert sorted(torch.cat(got).tolist()) == sorted(reference)
+    assert mixture.schedule == [(0, {"a": 0.7, "b": 0.3})]
+
+
 def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
     """Without a MixtureSampler the loader says what is missing."""
     with pytest.raises(TypeError, match="MixtureSampler"):

@@ -1547,3 +1547,48 @@ def test_an_out_of_order_state_before_a_second_passs_first_batch_resumes_that_pa
     resumed = make()
     resumed.load_state_dict(state)
     assert sorted(_items(got + list(resumed))) == list(range(12))
+
+
+class LiveStateOrder(EpochCountingOrder):
+    """The same sampler, handing out its live state dict, which it changes as it draws."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        super().__init__(n, seed)
+        self.live: dict[str, Any] = {}
+
+    def __iter__(self) -> Iterator[int]:
+        for i in super().__iter__():
+            self.live.update(epoch=self.epoch, yielded=self.yielded)
+            yield i
+        self.live.update(epoch=self.epoch, yielded=self.yielded)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.live
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", [3, 8])
+def test_a_sampler_handing_out_its_live_state_resumes_from_the_last_batch_received(
+    cut: int, num_workers: int
+) -> None:
+    """A state_dict() that returns the sampler's own dict, changed in place as it draws on
+    (workers draw ahead): the saved state is as of the last batch the loop received, mid-epoch
+    and at an epoch's end."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            list(range(16)), batch_size=2, sampler=LiveStateOrder(16, seed=4),
+            num_workers=num_workers,
+        )  # fmt: skip
+
+    loader = make()
+    uninterrupted = [b.tolist() for _ in range(2) for b in loader]
+    loader = make()
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(cut)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for _ in range(1 if cut < 8 else 0) for b in resumed]
+    assert seen + rest + [b.tolist() for b in resumed] == uninterrupted

@@ -376,7 +376,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         Raises:
             TypeError: the loader's sampler is not a ``MixtureSampler``.
             ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
-                ``device=`` is running.
+                ``device=`` or with workers and ``in_order=False`` is running (nothing changed).
         """
         from threadloader.streams import MixtureSampler
 
@@ -397,6 +397,8 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "set_mixture_weights during an epoch with device= is not supported: call it "
                 "between epochs, or use device=None and move batches to the device yourself"
             )
+        if not self.in_order and self.num_workers > 0:
+            raise ValueError("a live change of the index stream needs in_order=True")
         if epoch._progress.ahead:
             raise ValueError(
                 "set_mixture_weights cannot rewind this epoch: batches after the current one "
@@ -404,11 +406,12 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "resumed from)"
             )
         consumed = epoch._progress.pass_positions() * (self.batch_size or 1)
+        ended = sampler.pass_ended
         position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
         redispatch = getattr(epoch, "redispatch", None)
         if redispatch is not None:
             # A pass that had handed out its last index restarts at the position: a new one.
-            redispatch(new_pass=sampler.rewound_pass)
+            redispatch(new_pass=ended and not sampler.pass_ended)
         return position
 
     def state_dict(self) -> dict[str, Any]:

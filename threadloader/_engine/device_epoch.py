@@ -92,6 +92,7 @@ class _HostBatches:
             rng_states=list(progress.rng_states or []) or None,
             workers_alive=list(progress.workers_alive),
             worker_batches=list(progress.worker_batches),
+            sampler_snapshots={},  # the transfer thread's own: nothing reads them from here
         )
         return Tagged(batch, snapshot)
 

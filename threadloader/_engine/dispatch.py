@@ -324,7 +324,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         """Drop every batch dispatched and not delivered (their results will be stale)."""
         self._drawn.clear()
         self._task_info.clear()
-        self._send_idx = self._rcvd_idx
+        self._send_idx = self._progress.draws = self._rcvd_idx  # the next draw is sent next
         self._tasks_outstanding = 0
         self._workers_num_tasks = [0] * self._num_workers
 

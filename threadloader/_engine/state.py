@@ -62,6 +62,8 @@ How state works; where the code disagrees with this, the code is wrong.
    state after the last draw of its previous pass, marked ``sampler_ended``: a resume loads it
    and runs that pass out (``run_out``: what the pass does after its last index, an epoch
    counter, a reseed), so the next ``iter()`` starts the same pass as without the interruption.
+   A pass the loop left early (``break``) is run out too, though the uninterrupted run dropped
+   it: what the sampler does after its last index then runs once more than it did.
    A sampler's first pass in a process has no previous one: nothing is saved, and the resumed
    process's sampler starts as it was built. torch's and torchdata's samplers draw from torch
    generators and are replayed (point 3).
@@ -69,6 +71,7 @@ How state works; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import warnings
 from collections.abc import Iterator
@@ -197,11 +200,12 @@ class Progress:
         self.done, self.ahead = done, ahead
 
     def note_draw(self) -> None:
-        """Record that the stream yielded its next batch (point 11: the sampler's state after)."""
+        """Record that the stream yielded its next batch (point 11: the sampler's state after, a
+        copy: a sampler may hand out its live dict and change it as it draws on)."""
         pass_index, self.draws = self.draws, self.draws + 1
         if self.own_sampler is not None:
             position = self.position_of(pass_index)
-            state = self.last_drawn_state = self.own_sampler.state_dict()
+            state = self.last_drawn_state = copy.deepcopy(self.own_sampler.state_dict())
             self.sampler_snapshots[position + 1] = state
 
     def _keep_sampler_state(self) -> None:
@@ -382,7 +386,7 @@ def start_new_pass(it: Any) -> None:
     progress: Progress = it._progress
     it._sampler_iter = iter(it._index_sampler)
     progress.resumed_batches = progress.done
-    progress.pass_total = len(it._index_sampler)  # the new pass's, as a MixtureSampler counts
+    progress.pass_total = len(it._index_sampler)  # a positional sampler counts its pending pass
 
 
 def without_predrawn(stream: Iterator[Any]) -> Iterator[Any]:

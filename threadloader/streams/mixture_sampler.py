@@ -195,7 +195,8 @@ class MixtureSampler(Sampler[int]):
         """Check a weight change at ``position``; rewind the current pass if it handed that out.
 
         A pass that already handed out its last index cannot be rewound: the next ``iter()``
-        then reads the epoch's rest from ``position`` (``rewound_pass``), which a loader starts.
+        then reads the epoch's rest from ``position`` (no longer ``pass_ended``), and a loader
+        starts that new pass.
         """
         if position >= self.next_position:
             return
@@ -212,9 +213,9 @@ class MixtureSampler(Sampler[int]):
         current.progress = (local, iter(()))
 
     @property
-    def rewound_pass(self) -> bool:
-        """Whether the next ``iter()`` reads from a loaded or rewound position, not the start."""
-        return self._pending is not None
+    def pass_ended(self) -> bool:
+        """Whether the current pass handed out its last index (and no position is pending)."""
+        return self._pending is None and self._pass is not None and self._pass.done
 
     def state_dict(self) -> dict[str, Any]:
         """Return this rank's state (point 1); the same on every rank in lockstep training."""

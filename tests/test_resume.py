@@ -1550,11 +1550,12 @@ def test_an_out_of_order_state_before_a_second_passs_first_batch_resumes_that_pa
 
 
 class LiveStateOrder(EpochCountingOrder):
-    """The same sampler, handing out its live state dict, which it changes as it draws."""
+    """The same sampler, handing out its live state dict, which it changes as it draws; with
+    ``unpicklable``, that dict also holds a lambda."""
 
-    def __init__(self, n: int, seed: int = 0) -> None:
+    def __init__(self, n: int, seed: int = 0, unpicklable: bool = False) -> None:
         super().__init__(n, seed)
-        self.live: dict[str, Any] = {}
+        self.live: dict[str, Any] = {"hook": lambda: None} if unpicklable else {}
 
     def __iter__(self) -> Iterator[int]:
         for i in super().__iter__():
@@ -1566,18 +1567,19 @@ class LiveStateOrder(EpochCountingOrder):
         return self.live
 
 
+@pytest.mark.parametrize("unpicklable", [False, True])
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("cut", [3, 8])
 def test_a_sampler_handing_out_its_live_state_resumes_from_the_last_batch_received(
-    cut: int, num_workers: int
+    cut: int, num_workers: int, unpicklable: bool
 ) -> None:
     """A state_dict() that returns the sampler's own dict, changed in place as it draws on
     (workers draw ahead): the saved state is as of the last batch the loop received, mid-epoch
-    and at an epoch's end."""
+    and at an epoch's end; also for a state that does not pickle (it is copied instead)."""
 
     def make() -> ThreadDataLoader[Any]:
         return ThreadDataLoader(
-            list(range(16)), batch_size=2, sampler=LiveStateOrder(16, seed=4),
+            list(range(16)), batch_size=2, sampler=LiveStateOrder(16, 4, unpicklable),
             num_workers=num_workers,
         )  # fmt: skip
 

@@ -23,6 +23,7 @@ from threadloader._engine.inline import InlineDataLoaderIter
 from threadloader._engine.state import (
     Progress,
     Resume,
+    SamplerSnapshot,
     build_state,
     epoch_complete,
     stream_ended,
@@ -220,7 +221,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._undo_seed_draw: tuple[Any, int] | None = None
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         # A sampler with its own state: its state after its last pass's last draw (_state 11).
-        self._sampler_pass_end: Any = None
+        self._sampler_pass_end: SamplerSnapshot | None = None
         self._host_epoch: weakref.ref[Any] | None = None
         # device= with persistent workers: the last epoch's facade and its transfer thread
         self._device_epoch: weakref.ref[DeviceEpochIterator] | None = None
@@ -462,7 +463,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
         self._progress = None  # what ran before the load does not carry into the resumed run
-        self._sampler_pass_end = None if state["in_progress"] else resume.own_sampler_state
+        ended = None if state["in_progress"] else resume.own_sampler_state
+        self._sampler_pass_end = SamplerSnapshot.of(ended) if ended is not None else None
         if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             iterable = self._dataset_kind == _DatasetKind.Iterable

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,6 +117,34 @@ class Resume:
     next_epoch: bool = False
     own_sampler_state: Any = None  # point 11: loaded into the sampler, which resumes itself
     own_sampler_ended: bool = False  # ... after running out the pass it is the state of
+
+
+@dataclass(frozen=True)
+class SamplerSnapshot:
+    """A sampler's ``state_dict()`` as it was when taken (point 11): pickled, which costs a
+    sixth of a deep copy and is how a state is saved anyway; else deep-copied, else as it is.
+    """
+
+    pickled: bytes | None
+    kept: Any = None
+
+    @classmethod
+    def of(cls, state: Any) -> SamplerSnapshot:
+        try:
+            return cls(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:  # noqa: BLE001 - a state that does not pickle: copy it instead
+            try:
+                return cls(None, copy.deepcopy(state))
+            except Exception:  # noqa: BLE001 - nor copy: keep it, as StatefulDataLoader does
+                return cls(None, state)
+
+    def thaw(self) -> Any:
+        """The state: a new copy where it pickled."""
+        return pickle.loads(self.pickled) if self.pickled is not None else self.kept
+
+
+def thawed(snapshot: SamplerSnapshot | None) -> Any:
+    return snapshot.thaw() if snapshot is not None else None
 
 
 @dataclass
@@ -162,11 +191,11 @@ class Progress:
     # at or before ``done`` with the position it resumes at.
     own_sampler: Any = None
     draws: int = 0
-    sampler_snapshots: dict[int, Any] = field(default_factory=dict)
-    sampler_state: Any = None
+    sampler_snapshots: dict[int, SamplerSnapshot] = field(default_factory=dict)
+    sampler_state: SamplerSnapshot | None = None
     sampler_cursor: int = 0
     sampler_ended: bool = False  # ``sampler_state`` is of the previous pass (point 11)
-    last_drawn_state: Any = None  # the state after the latest draw, of any pass
+    last_drawn_state: SamplerSnapshot | None = None  # after the latest draw, of any pass
 
     def pass_positions(self) -> int:
         """Positions drawn from the sampler's current pass and behind the loop, in order."""
@@ -201,11 +230,11 @@ class Progress:
 
     def note_draw(self) -> None:
         """Record that the stream yielded its next batch (point 11: the sampler's state after, a
-        copy: a sampler may hand out its live dict and change it as it draws on)."""
+        snapshot: a sampler may hand out its live dict and change it as it draws on)."""
         pass_index, self.draws = self.draws, self.draws + 1
         if self.own_sampler is not None:
             position = self.position_of(pass_index)
-            state = self.last_drawn_state = copy.deepcopy(self.own_sampler.state_dict())
+            state = self.last_drawn_state = SamplerSnapshot.of(self.own_sampler.state_dict())
             self.sampler_snapshots[position + 1] = state
 
     def _keep_sampler_state(self) -> None:
@@ -355,10 +384,11 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.done = progress.pass_start = resume.position
     progress.ahead = progress.pass_skips = resume.skips
     progress.absorb_ahead()  # an own-state sampler's cursor may be a position delivered ahead
-    progress.sampler_state, progress.sampler_cursor = resume.own_sampler_state, resume.position
-    progress.sampler_ended = resume.own_sampler_ended
-    if resume.own_sampler_state is not None:
-        progress.last_drawn_state = resume.own_sampler_state  # the latest state there is
+    loaded = resume.own_sampler_state
+    progress.sampler_state = SamplerSnapshot.of(loaded) if loaded is not None else None
+    progress.sampler_cursor, progress.sampler_ended = resume.position, resume.own_sampler_ended
+    if progress.sampler_state is not None:
+        progress.last_drawn_state = progress.sampler_state  # the latest state there is
     if positional_sampler(loader) is not None:
         progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
         progress.pass_total = _resumed_pass_batches(loader)
@@ -536,13 +566,13 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
     sampler_ended = False
     if live and progress.own_sampler is not None:  # type: ignore[union-attr]
         # Point 11: the sampler resumes at the cursor of its state, skipping what is behind.
-        sampler_state = progress.sampler_state  # type: ignore[union-attr]
+        sampler_state = thawed(progress.sampler_state)  # type: ignore[union-attr]
         sampler_ended = progress.sampler_ended  # type: ignore[union-attr]
         position = progress.sampler_cursor  # type: ignore[union-attr]
         ahead = [*range(position, progress.done), *ahead]  # type: ignore[union-attr]
     elif fresh and progress is not None and progress.own_sampler is not None:
         # Between epochs: the state after the finished (or left) pass's last draw.
-        sampler_state = progress.last_drawn_state
+        sampler_state = thawed(progress.last_drawn_state)
         sampler_ended = sampler_state is not None
     # Between epochs, what carries state into the next one: without workers, the loader's own
     # dataset; with persistent workers, their dataset copies and generators (point 8). Other

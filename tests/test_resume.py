@@ -1492,17 +1492,19 @@ class EpochCountingOrder(torch.utils.data.Sampler[int]):
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("cut", ["after iter()", "at the last batch", "after StopIteration"])
 @pytest.mark.parametrize("sampler_type", [ResumableOrder, EpochCountingOrder])
+@pytest.mark.parametrize("n", [8, 7])
 def test_a_sampler_keeping_its_own_state_resumes_from_an_epochs_edges(
-    sampler_type: type, cut: str, num_workers: int
+    n: int, sampler_type: type, cut: str, num_workers: int
 ) -> None:
     """A state taken in a second pass before its first batch, or at its end (before and after
     StopIteration), resumes the same passes as the uninterrupted run: the state holds the
-    sampler's state after its last draw, which the resume runs out before the next pass
-    (``_state`` point 11)."""
+    sampler's state after its last index, which the resume runs out before the next pass
+    (``_state`` point 11). Also where a partial last batch is drawn only once the sampler's
+    pass has ended (7 samples in batches of 2): its state is the one before that end."""
 
     def make() -> ThreadDataLoader[Any]:
         return ThreadDataLoader(
-            list(range(8)), batch_size=2, sampler=sampler_type(8, seed=3), num_workers=num_workers
+            list(range(n)), batch_size=2, sampler=sampler_type(n, seed=3), num_workers=num_workers
         )
 
     loader = make()
@@ -1594,3 +1596,22 @@ def test_a_sampler_handing_out_its_live_state_resumes_from_the_last_batch_receiv
     resumed.load_state_dict(state)
     rest = [b.tolist() for _ in range(1 if cut < 8 else 0) for b in resumed]
     assert seen + rest + [b.tolist() for b in resumed] == uninterrupted
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("n", [7, 8, 9])
+def test_a_sampler_keeping_its_own_state_gives_dataloaders_batches(
+    n: int, drop_last: bool, num_workers: int
+) -> None:
+    """Batching such a sampler ourselves (to keep its state before a partial last batch) gives
+    torch's batches, epoch after epoch, with and without drop_last."""
+
+    def batches(cls: Any) -> list[list[int]]:
+        loader = cls(
+            list(range(n)), batch_size=3, sampler=EpochCountingOrder(n, seed=6),
+            drop_last=drop_last, num_workers=num_workers,
+        )  # fmt: skip
+        return [b.tolist() for _ in range(3) for b in loader]
+
+    assert batches(ThreadDataLoader) == batches(torch.utils.data.DataLoader)

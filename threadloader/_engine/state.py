@@ -196,6 +196,9 @@ class Progress:
     sampler_cursor: int = 0
     sampler_ended: bool = False  # ``sampler_state`` is of the previous pass (point 11)
     last_drawn_state: SamplerSnapshot | None = None  # after the latest draw, of any pass
+    # The state after the pass's last index, taken before a final partial batch is drawn
+    # (``own_batches``); that draw then saves it rather than the state after the pass ended.
+    last_index_state: SamplerSnapshot | None = None
 
     def pass_positions(self) -> int:
         """Positions drawn from the sampler's current pass and behind the loop, in order."""
@@ -234,8 +237,9 @@ class Progress:
         pass_index, self.draws = self.draws, self.draws + 1
         if self.own_sampler is not None:
             position = self.position_of(pass_index)
-            state = self.last_drawn_state = SamplerSnapshot.of(self.own_sampler.state_dict())
-            self.sampler_snapshots[position + 1] = state
+            state = self.last_index_state or SamplerSnapshot.of(self.own_sampler.state_dict())
+            self.last_index_state = None
+            self.last_drawn_state = self.sampler_snapshots[position + 1] = state
 
     def _keep_sampler_state(self) -> None:
         kept = [cursor for cursor in self.sampler_snapshots if cursor <= self.done]
@@ -289,6 +293,39 @@ def own_state_sampler(loader: Any) -> Any:
     return None
 
 
+def own_batches(
+    sampler: Any, batch_size: int, drop_last: bool, progress: Progress
+) -> Iterator[list[Any]]:
+    """torch's ``BatchSampler`` over a sampler with its own state (point 11): the same batches,
+    and the sampler's state taken after its ``len()``-th index when that index starts or fills
+    a partial last batch. torch's batching asks for one index more before it yields that
+    batch, which runs what the sampler does once its pass ends; the state saved for the batch
+    must be the one before (``Progress.last_index_state``)."""
+    indices = iter(sampler)
+    if drop_last:
+        for full in zip(*[indices] * batch_size, strict=False):
+            yield [*full]
+        return
+    try:
+        last: int | None = len(sampler)
+    except TypeError:
+        last = None
+    count = 0
+    while True:
+        batch: list[Any] = []
+        for index in indices:
+            batch.append(index)
+            count += 1
+            progress.last_index_state = None  # an index past len(): not the pass's last
+            if len(batch) == batch_size:
+                break
+            if count == last:
+                progress.last_index_state = SamplerSnapshot.of(sampler.state_dict())
+        if not batch:
+            return
+        yield batch
+
+
 def rng_source(loader: Any) -> str:
     return "generator" if loader.generator is not None else "global"
 
@@ -329,11 +366,18 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
     progress.indices_drawn = False
+    progress.last_index_state = None
     progress.own_sampler = (
         own_state_sampler(loader) if it._dataset_kind == _DatasetKind.Map else None
     )
     progress.draws = 0
     progress.sampler_snapshots = {}
+    index_sampler = loader._index_sampler
+    if progress.own_sampler is loader.sampler and type(index_sampler) is BatchSampler:
+        # torch's batching of it, not started yet: the same, keeping the state point 11 needs
+        sampler_iter = own_batches(
+            loader.sampler, index_sampler.batch_size, index_sampler.drop_last, progress
+        )
     # Point 11: until a position of this pass is behind the loop, the state after the last draw
     # of the sampler's previous pass (this loader's latest epoch, or a loaded state's).
     previous: Progress | None = getattr(loader, "_progress", None)

@@ -1615,3 +1615,32 @@ def test_a_sampler_keeping_its_own_state_gives_dataloaders_batches(
         return [b.tolist() for _ in range(3) for b in loader]
 
     assert batches(ThreadDataLoader) == batches(torch.utils.data.DataLoader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resumed_pass_of_a_sampler_keeping_its_own_state_ends_where_it_should(
+    num_workers: int,
+) -> None:
+    """A pass resumed mid-way from the sampler's own state yields only its rest; its partial
+    last batch still keeps the state from before the pass ended, so a state taken after it
+    starts the next pass, not the one after (7 samples in batches of 2)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            list(range(7)), batch_size=2, sampler=EpochCountingOrder(7, seed=3),
+            num_workers=num_workers,
+        )  # fmt: skip
+
+    loader = make()
+    uninterrupted = [b.tolist() for _ in range(2) for b in loader]
+    loader = make()
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    seen += [b.tolist() for b in resumed]
+    again = make()
+    again.load_state_dict(resumed.state_dict())
+    assert seen + [b.tolist() for b in again] == uninterrupted

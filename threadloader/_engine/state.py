@@ -294,20 +294,22 @@ def own_state_sampler(loader: Any) -> Any:
 
 
 def own_batches(
-    sampler: Any, batch_size: int, drop_last: bool, progress: Progress
+    sampler: Any, batch_size: int, drop_last: bool, progress: Progress, resumed_at: int = 0
 ) -> Iterator[list[Any]]:
     """torch's ``BatchSampler`` over a sampler with its own state (point 11): the same batches,
     and the sampler's state taken after its ``len()``-th index when that index starts or fills
     a partial last batch. torch's batching asks for one index more before it yields that
     batch, which runs what the sampler does once its pass ends; the state saved for the batch
-    must be the one before (``Progress.last_index_state``)."""
+    must be the one before (``Progress.last_index_state``). A pass the sampler resumed from a
+    loaded state at ``resumed_at`` indices yields the rest of its ``len()``; a count that
+    turns out wrong keeps no state (an index comes after it, or none reaches it)."""
     indices = iter(sampler)
     if drop_last:
         for full in zip(*[indices] * batch_size, strict=False):
             yield [*full]
         return
     try:
-        last: int | None = len(sampler)
+        last: int | None = len(sampler) - resumed_at
     except TypeError:
         last = None
     count = 0
@@ -375,8 +377,15 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     index_sampler = loader._index_sampler
     if progress.own_sampler is loader.sampler and type(index_sampler) is BatchSampler:
         # torch's batching of it, not started yet: the same, keeping the state point 11 needs
+        resumed_at = 0  # indices the sampler's loaded state is past (it yields the rest)
+        if resume is not None and resume.own_sampler_state is not None:
+            resumed_at = 0 if resume.own_sampler_ended else resume.position
         sampler_iter = own_batches(
-            loader.sampler, index_sampler.batch_size, index_sampler.drop_last, progress
+            loader.sampler,
+            index_sampler.batch_size,
+            index_sampler.drop_last,
+            progress,
+            resumed_at * index_sampler.batch_size,
         )
     # Point 11: until a position of this pass is behind the loop, the state after the last draw
     # of the sampler's previous pass (this loader's latest epoch, or a loaded state's).

@@ -463,8 +463,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
         self._progress = None  # what ran before the load does not carry into the resumed run
-        ended = None if state["in_progress"] else resume.own_sampler_state
-        self._sampler_pass_end = SamplerSnapshot.of(ended) if ended is not None else None
+        self._sampler_pass_end = None if state["in_progress"] else resume.own_sampler_state
         if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:
             # The dataset as the finished epoch left it (``_engine.dataset_state`` point 4).
             iterable = self._dataset_kind == _DatasetKind.Iterable

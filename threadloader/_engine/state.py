@@ -91,34 +91,6 @@ STATE_VERSION = 1
 KINDS = {_DatasetKind.Map: "map", _DatasetKind.Iterable: "iterable"}
 
 
-@dataclass
-class Resume:
-    """A checked state, waiting for the next ``iter()`` to resume from it."""
-
-    batches: int  # batches returned before the save (torch's _num_yielded)
-    base_seed: int
-    rng_source: str
-    rng_state: torch.Tensor
-    replay_indices: bool  # map-style with a non-positional sampler: draw and drop indices
-    replay_data: bool  # IterableDataset without state_dict: fetch and drop batches
-    worker_states: list[Any] | None = None  # per-worker dataset states (point 4)
-    worker_state_form: int = dataset_state.FORM  # how they are written (_dataset_state)
-    next_worker: int = 0
-    workers_status: list[bool] | None = None
-    rng_states: list[Any] | None = None  # per-worker generator states (point 6)
-    position: int = 0  # map-style: where the index stream resumes (point 7)
-    skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
-    global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
-    sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
-    indices_drawn: bool = True  # the pass drew its first index before the save (point 2)
-    worker_batches: list[int] | None = None  # batches received from each worker (point 4)
-    # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
-    # start from the saved dataset and generator states; nothing else is resumed.
-    next_epoch: bool = False
-    own_sampler_state: Any = None  # point 11: loaded into the sampler, which resumes itself
-    own_sampler_ended: bool = False  # ... after running out the pass it is the state of
-
-
 @dataclass(frozen=True)
 class SamplerSnapshot:
     """A sampler's ``state_dict()`` as it was when taken (point 11): pickled, which costs a
@@ -145,6 +117,35 @@ class SamplerSnapshot:
 
 def thawed(snapshot: SamplerSnapshot | None) -> Any:
     return snapshot.thaw() if snapshot is not None else None
+
+
+@dataclass
+class Resume:
+    """A checked state, waiting for the next ``iter()`` to resume from it."""
+
+    batches: int  # batches returned before the save (torch's _num_yielded)
+    base_seed: int
+    rng_source: str
+    rng_state: torch.Tensor
+    replay_indices: bool  # map-style with a non-positional sampler: draw and drop indices
+    replay_data: bool  # IterableDataset without state_dict: fetch and drop batches
+    worker_states: list[Any] | None = None  # per-worker dataset states (point 4)
+    worker_state_form: int = dataset_state.FORM  # how they are written (_dataset_state)
+    next_worker: int = 0
+    workers_status: list[bool] | None = None
+    rng_states: list[Any] | None = None  # per-worker generator states (point 6)
+    position: int = 0  # map-style: where the index stream resumes (point 7)
+    skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
+    global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
+    sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
+    indices_drawn: bool = True  # the pass drew its first index before the save (point 2)
+    worker_batches: list[int] | None = None  # batches received from each worker (point 4)
+    # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
+    # start from the saved dataset and generator states; nothing else is resumed.
+    next_epoch: bool = False
+    # Point 11: the state loaded into the sampler, which resumes itself (taken before the load)
+    own_sampler_state: SamplerSnapshot | None = None
+    own_sampler_ended: bool = False  # ... after running out the pass it is the state of
 
 
 @dataclass
@@ -437,8 +438,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.done = progress.pass_start = resume.position
     progress.ahead = progress.pass_skips = resume.skips
     progress.absorb_ahead()  # an own-state sampler's cursor may be a position delivered ahead
-    loaded = resume.own_sampler_state
-    progress.sampler_state = SamplerSnapshot.of(loaded) if loaded is not None else None
+    progress.sampler_state = resume.own_sampler_state
     progress.sampler_cursor, progress.sampler_ended = resume.position, resume.own_sampler_ended
     if progress.sampler_state is not None:
         progress.last_drawn_state = progress.sampler_state  # the latest state there is

@@ -19,6 +19,7 @@ from threadloader._engine.state import (
     KINDS,
     STATE_VERSION,
     Resume,
+    SamplerSnapshot,
     dataset_length,
     own_state_sampler,
     positional_sampler,
@@ -327,7 +328,9 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         loader.sampler.set_epoch(epoch)
     if positional is not None:
         positional[0].load_state_dict(state["sampler"])
+    own_snapshot = None
     if stateful_sampler is not None and own_state is not None:
+        own_snapshot = SamplerSnapshot.of(own_state)  # before the sampler holds the dict
         stateful_sampler.load_state_dict(own_state)
         if own_ended:
             run_out(stateful_sampler)
@@ -350,7 +353,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
         worker_batches=_worker_batches(state, batches) if replay_data else None,
-        own_sampler_state=own_state,
+        own_sampler_state=own_snapshot,
         own_sampler_ended=own_ended,
     )
 

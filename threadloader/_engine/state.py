@@ -309,10 +309,8 @@ def own_batches(
         for full in zip(*[indices] * batch_size, strict=False):
             yield [*full]
         return
-    try:
-        last: int | None = len(sampler) - resumed_at
-    except TypeError:
-        last = None
+    length = length_of(sampler)
+    last = length - resumed_at if length is not None else None
     count = 0
     while True:
         batch: list[Any] = []
@@ -454,12 +452,9 @@ def run_out(sampler: Any) -> None:
     """Run a sampler, just loaded with the state after its pass's last draw, to that pass's end
     (point 11), as the uninterrupted run's loop did: at most ``len(sampler)`` items; a sampler
     without a length is left as loaded (its pass may never end)."""
-    try:
-        most = len(sampler)
-    except TypeError:
-        return
-    for _ in itertools.islice(iter(sampler), most + 1):
-        pass
+    most = length_of(sampler)
+    if most is not None:
+        dataset_state.run_to_end(iter(sampler), most + 1)
 
 
 def start_new_pass(it: Any) -> None:
@@ -529,10 +524,7 @@ def epoch_complete(loader: Any, progress: Progress) -> bool:
     if progress.resumed_batches:
         total = progress.pass_total
     else:
-        try:
-            total = len(loader._index_sampler)
-        except TypeError:  # a sampler without len()
-            return False
+        total = length_of(loader._index_sampler)  # None: a sampler without len()
     return total is not None and progress.done - progress.resumed_batches >= total
 
 
@@ -656,7 +648,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "sampler_ended": sampler_ended,
         "sampler_epoch": sampler_epoch(loader),
         "dataset_kind": kind,
-        "dataset_length": dataset_length(loader.dataset) if kind == "map" else None,
+        "dataset_length": length_of(loader.dataset) if kind == "map" else None,
         "num_workers": loader.num_workers,
         "world_size": world_size,
         "rank": rank,
@@ -718,10 +710,10 @@ def _plain_states(states: list[Any] | None) -> list[Any] | None:
     return [as_plain(s) if s is not None else None for s in states]
 
 
-def dataset_length(dataset: Any) -> int | None:
-    """``len(dataset)``, or None for a dataset without a length."""
+def length_of(obj: Any) -> int | None:
+    """``len(obj)``, or None for a dataset or sampler without a length."""
     try:
-        return len(dataset)
+        return len(obj)
     except TypeError:
         return None
 

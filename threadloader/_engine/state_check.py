@@ -20,7 +20,7 @@ from threadloader._engine.state import (
     STATE_VERSION,
     Resume,
     SamplerSnapshot,
-    dataset_length,
+    length_of,
     own_state_sampler,
     positional_sampler,
     rng_source,
@@ -166,7 +166,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     kind = KINDS[loader._dataset_kind]
     if state["dataset_kind"] != kind:
         raise ValueError(f"loader state is for a {state['dataset_kind']} dataset, this is {kind}")
-    length = dataset_length(loader.dataset) if kind == "map" else None
+    length = length_of(loader.dataset) if kind == "map" else None
     if state["dataset_length"] != length and not _sampler_checks_sources(loader):
         raise ValueError(
             f"loader state is for a dataset of length {state['dataset_length']}, "

@@ -437,3 +437,25 @@ def test_helpers_never_pin_so_a_training_process_using_cuda_can_fork_them(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok"]
+
+
+def test_helpers_started_before_one_that_failed_to_start_are_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second helper's start fails: iter() raises its error, and the first helper, already
+    running, is killed and waited for (no zombie left for the training process's lifetime)."""
+    from threadloader.isolation import link
+
+    started: list[Any] = []
+    real_start = link._start_process
+
+    def second_fails(ctx: Any, **kwargs: Any) -> Any:
+        if started:
+            raise OSError("no more processes")
+        started.append(real_start(ctx, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(link, "_start_process", second_fails)
+    with pytest.raises(OSError, match="no more processes"):
+        iter(_loader(Ids(40), helpers=2, batch_size=4, num_workers=2))
+    assert len(started) == 1 and started[0].exitcode is not None

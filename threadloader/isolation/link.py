@@ -341,6 +341,12 @@ class _Link:
         if self.process.pid is not None and self.process.exitcode is None:
             self.process.kill()
 
+    def reap(self) -> None:
+        """Kill the helper and wait for its end, so that no zombie is left. Idempotent."""
+        self.kill()
+        if self.process.pid is not None:
+            self.process.join(CLOSE_WAIT_S)  # SIGKILL cannot be ignored: a moment at most
+
     def _close_pipes(self) -> None:
         self.closed = True
         for conn in self._ours():  # the control pipe's EOF tells the helper to exit
@@ -433,3 +439,9 @@ class Links:
         """Kill every helper, waiting for nothing (``_Link.kill``)."""
         for link in self.links:
             link.kill()
+
+    def reap(self) -> None:
+        """Kill every helper, then wait for their ends (``_Link.reap``)."""
+        self.kill()
+        for link in self.links:
+            link.reap()

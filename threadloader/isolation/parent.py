@@ -225,7 +225,7 @@ def _start_links(
             name = f"threadloader-helper-{id(owner):x}" + (f"-{helper}" if count > 1 else "")
             links.append(_Link(ctx, spec, name=name))
     except BaseException:
-        Links(links).kill()
+        Links(links).reap()
         raise
     return links
 

@@ -7,6 +7,7 @@ exception, ``KeyboardInterrupt`` while waiting, a worker stuck in slow user code
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -111,6 +112,30 @@ def test_threads_end_when_iterator_is_garbage_collected() -> None:
     assert len(_ours()) == 2
     gc.collect()
     assert _ours() == []
+
+
+def test_a_forked_child_collecting_an_inherited_iterator_neither_waits_nor_closes_it() -> None:
+    """A process forked while an iterator lives (torch's worker processes, a user's fork) has
+    none of its threads: collecting its copy there runs nothing, where closing it waited
+    ``JOIN_TIMEOUT_S`` for threads that do not exist. The parent's epoch goes on whole."""
+    it = iter(ThreadDataLoader(Squares(), batch_size=4, num_workers=2))
+    first = next(it)
+    holder: dict[str, object] = {}
+    holder["self"], holder["it"] = holder, it  # only a collection frees it
+    del it
+
+    def child() -> None:
+        start = time.monotonic()
+        holder.clear()  # the child's copy: frees it
+        gc.collect()
+        sys.exit(0 if time.monotonic() - start < 2.0 else 3)
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(30)
+    assert process.exitcode == 0
+    rest = list(holder["it"])  # type: ignore[call-overload]
+    assert torch.cat([first, *rest]).tolist() == [i * i for i in range(64)]
 
 
 def test_threads_end_after_worker_exception_and_exhaustion() -> None:
@@ -380,7 +405,7 @@ def test_ctrl_c_while_the_epoch_waits_for_its_workers_is_raised(
             class Slow(Dataset):
                 def __len__(self): return 64
                 def __getitem__(self, i):
-                    if i >= 4:
+                    if i >= 4 and i % 4 == 0:  # a batch's first read: one 3 s wait per batch
                         time.sleep(3)
                     return torch.tensor(i)
             """

@@ -30,11 +30,17 @@ Ctrl-C that lands while it runs. The rules; where the code disagrees with them, 
    joins threads, a live helper process ends when its control pipe does (``isolation.helper``
    point 3; multiprocessing also terminates it, a daemon), and once ``atexit`` runs, an object
    dying (module teardown clears globals) runs nothing.
+6. A forked child (torch's own worker processes, a user's ``multiprocessing``) inherits the
+   parent's objects but none of its threads or child processes: what they own is the parent's
+   to close. Every ``Finalizer`` inherited is detached in the child, so that a collection there
+   neither waits for threads that do not exist (``JOIN_TIMEOUT_S`` per pool) nor signals the
+   parent's helper processes.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 import weakref
@@ -193,3 +199,15 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    # Point 6. The parent's hook lock may have been held by one of its threads at the fork.
+    global _hook_lock
+    _hook_lock = threading.Lock()
+    for finalizer in list(_registry.values()):
+        finalizer.detach()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

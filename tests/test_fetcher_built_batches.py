@@ -35,6 +35,14 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def short_token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """200 windows of 11 tokens: enough batches to compare whole epochs with DataLoader's."""
+    path = tmp_path_factory.mktemp("gathered") / "short_tokens.bin"
+    np.arange(2_201, dtype=np.uint32).tofile(path)
+    return str(path)
+
+
 def _assert_torch_batches(ours: list[Any], theirs: list[Any]) -> None:
     assert len(ours) == len(theirs) > 0
     for a, b in zip(ours, theirs, strict=True):
@@ -140,17 +148,17 @@ class _Scaled(TokenWindows):
 @pytest.mark.parametrize("dataset_type", [_Shifted, _Scaled])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_subclasses_get_what_dataloader_gives_them(
-    token_file: str, dataset_type: type[TokenWindows], num_workers: int
+    short_token_file: str, dataset_type: type[TokenWindows], num_workers: int
 ) -> None:
-    ds = dataset_type(token_file, seq_len=11, dtype=np.uint32)
+    ds = dataset_type(short_token_file, seq_len=11, dtype=np.uint32)
     theirs = list(DataLoader(ds, batch_size=4, shuffle=False))
     ours = list(ThreadDataLoader(ds, batch_size=4, num_workers=num_workers))
     _assert_torch_batches(ours, theirs)
     assert theirs[0][0][0, 1] in (1001, 2)  # the override took effect (plain: 1)
 
 
-def test_an_instance_getitems_is_called_as_torch_calls_it(token_file: str) -> None:
-    ds = TokenWindows(token_file, seq_len=11, dtype=np.uint32)
+def test_an_instance_getitems_is_called_as_torch_calls_it(short_token_file: str) -> None:
+    ds = TokenWindows(short_token_file, seq_len=11, dtype=np.uint32)
     plain = ds.__getitems__
     ds.__getitems__ = lambda indices: [(x - 1, y) for x, y in plain(indices)]  # type: ignore[method-assign]
     assert _gathered.parts_getter(ds) is None

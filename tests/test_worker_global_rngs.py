@@ -7,8 +7,8 @@ worker processes on the same dataset; items sleep between draws so that worker t
 
 from __future__ import annotations
 
-import io
 import functools
+import io
 import random
 import threading
 import time

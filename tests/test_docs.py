@@ -27,7 +27,10 @@ HISTORY = {
 #: The blocks CI reads: the line after each marker's fence is the command it runs.
 MARKER_BLOCKS = {
     "demo-command": "pip install torch==2.13.0 && pip install -e . && python -m threadloader compare",
-    "test-command": ('pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest'),
+    "test-command": (
+        'pip install torch==2.13.0 && pip install -e ".[test]" '
+        "&& python -m pytest -n 2 --dist loadfile"
+    ),
 }
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -44,10 +44,12 @@ from threadloader._engine import dataset_state
 from threadloader._engine.datapipes import graph_walks, sharding_init_fn
 from threadloader._engine.profiled_next import ProfiledNext
 from threadloader._engine.state import (
+    Progress,
     ProgressMixin,
     Resume,
     begin_pass,
     start_new_pass,
+    undo_seed_draw,
     warn_replay,
     without_predrawn,
 )
@@ -91,6 +93,20 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     _log_every_s: float | None
     _concurrency: ConcurrencyController
     _finalizer: Finalizer
+
+    def __init__(self, loader: Any, resume: Resume | None) -> None:
+        """torch's iterator set up for ``loader`` (its base seed drawn, or the saved epoch's for
+        a ``resume``), with the options every dispatching epoch reads; the workers are the
+        subclass's to start."""
+        self._progress = Progress()
+        with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
+            super().__init__(loader)
+        undo_seed_draw(self, loader)
+        self._resume = resume
+        if resume is not None:
+            self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's
+        self._prefetch_factor = prefetch_factor(loader)
+        self._in_order = loader.in_order
 
     def _send(self, worker_id: int, idx: int, index: Any) -> Any:
         raise NotImplementedError

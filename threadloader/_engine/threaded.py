@@ -50,13 +50,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.utils.data import _DatasetKind
 
-from threadloader._engine.datapipes import graph_walks
 from threadloader._engine.device_epoch import host_collate
-from threadloader._engine.dispatch import DispatchingIter, prefetch_factor
+from threadloader._engine.dispatch import DispatchingIter
 from threadloader._engine.state import (
-    Progress,
     Resume,
-    undo_seed_draw,
 )
 from threadloader._engine.stats import LoaderStats
 from threadloader._engine.tasks import NewEpoch, Result, Task
@@ -114,15 +111,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         *,
         log_every_s: float | None = None,
     ) -> None:
-        self._progress = Progress()
-        with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
-            super().__init__(loader)
-        undo_seed_draw(self, loader)
-        self._resume = resume
-        if resume is not None:
-            self._base_seed = resume.base_seed  # the workers' seeds are the saved epoch's
-        self._prefetch_factor = prefetch_factor(loader)
-        self._in_order: bool = loader.in_order
+        super().__init__(loader, resume)
         # The training thread may run a map-style batch itself (point 1 above), except under a
         # timeout: a batch that takes too long must raise, as torch's does, not block here; and
         # except with in_order=False, whose batches come as the workers finish them: running one

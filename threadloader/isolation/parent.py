@@ -66,12 +66,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data._utils.collate import default_collate
 
-from threadloader._engine.datapipes import graph_walks
-from threadloader._engine.dispatch import DispatchingIter, prefetch_factor
+from threadloader._engine.dispatch import DispatchingIter
 from threadloader._engine.state import (
-    Progress,
     Resume,
-    undo_seed_draw,
 )
 from threadloader._engine.tasks import Result, WorkerSpec
 from threadloader._engine.worker_handles import HelperHandle
@@ -271,15 +268,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
     def __init__(
         self, loader: DataLoader[Any], resume: Resume | None = None, *, helpers: int | None = None
     ) -> None:
-        self._progress = Progress()
-        with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
-            super().__init__(loader)
-        undo_seed_draw(self, loader)
-        self._resume = resume
-        if resume is not None:
-            self._base_seed = resume.base_seed
-        self._prefetch_factor = prefetch_factor(loader)
-        self._in_order: bool = loader.in_order
+        super().__init__(loader, resume)
         self._log_every_s = getattr(loader, "log_every_s", None)
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or getattr(loader, "helpers", None) or 1, self._num_workers)

@@ -17,13 +17,14 @@ from threadloader.samplers.shuffle import (
     STATE_VERSION,
     _as_positions,
     _check_common,
+    _EpochResume,
     _length_of,
     _Pass,
     _state_int,
 )
 
 
-class DistributedShuffleSampler(Sampler[int]):
+class DistributedShuffleSampler(_EpochResume, Sampler[int]):
     """torch's ``DistributedSampler``, with an order that does not depend on the world size.
 
     Same arguments, defaults, errors, ``set_epoch``, ``num_samples`` and ``total_size`` as
@@ -142,18 +143,6 @@ class DistributedShuffleSampler(Sampler[int]):
             return stream(positions)
 
         return pass_.iterate(make_block)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch for this sampler: each epoch has its own order when ``shuffle=True``.
-
-        Args:
-            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume; any
-                other epoch drops it (point 3).
-        """
-        self.epoch = epoch
-        if self._pending is not None and self._pending[0] != epoch:
-            self._pending = None
-        self._kept = self._pending is not None
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Map global stream positions to dataset indices, vectorised.

@@ -146,7 +146,32 @@ def _check_common(state: Mapping[str, Any], owner: str, length: int) -> None:
         )
 
 
-class ShuffleSampler(Sampler[int]):
+class _EpochResume:
+    """An epoch-keyed sampler's resume of a loaded state, waiting for its ``iter()`` (point 3).
+
+    ``load_state_dict`` sets ``_pending`` to ``(epoch, cursor)``; ``set_epoch`` keeps it for that
+    epoch only, and ``_kept`` says whether it was named (a finished epoch's state then yields an
+    empty rest rather than starting over).
+    """
+
+    epoch: int
+    _pending: tuple[int, int] | None
+    _kept: bool
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the order of the next ``iter()``: each epoch has its own permutation.
+
+        Args:
+            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume; any
+                other epoch drops it (point 3).
+        """
+        self.epoch = epoch
+        if self._pending is not None and self._pending[0] != epoch:
+            self._pending = None
+        self._kept = self._pending is not None
+
+
+class ShuffleSampler(_EpochResume, Sampler[int]):
     """Yield ``[0, N)`` in a new pseudo-random order each epoch, in O(1) memory, resumable in O(1).
 
     The order of epoch ``e`` is a Feistel bijection of ``[0, N)`` keyed by ``(seed, e)`` (module
@@ -187,18 +212,6 @@ class ShuffleSampler(Sampler[int]):
         pass_ = _Pass(self.epoch, start, start, self.length)
         self._pass = pass_
         return pass_.iterate(lambda lo, hi: permutation(np.arange(lo, hi, dtype=np.uint64)))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the order of the next ``iter()``: each epoch has its own permutation.
-
-        Args:
-            epoch: epoch number. Setting the epoch of a just-loaded state keeps its resume; any
-                other epoch drops it (point 3).
-        """
-        self.epoch = epoch
-        if self._pending is not None and self._pending[0] != epoch:
-            self._pending = None
-        self._kept = self._pending is not None
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
         """Map positions of an epoch's order to dataset indices, vectorised, in O(len(positions)).

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import random
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from threadloader import ThreadDataLoader
 from threadloader.streams import Mixture, MixtureSampler, TokenWindows
@@ -410,6 +412,63 @@ def test_loader_set_mixture_weights_applies_from_the_next_batch(
     got += list(it)
     assert position == cut * 8
     assert torch.cat(got).tolist() == _mixture_reference(cut * 8)
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Item i: ``base + i`` and draws from the worker's torch, ``random`` and ``numpy.random``
+    globals (random augmentations); with ``pause_s``, a random pause (timing only)."""
+
+    def __init__(self, base: int, n: int, pause_s: float = 0.0) -> None:
+        self.base, self.n, self.pause_s = base, n, pause_s
+        self.timing = random.Random()  # not a worker's generator: moves no draw
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.pause_s:
+            time.sleep(self.timing.random() * self.pause_s)
+        drawn = [int(torch.randint(0, 1000, ())), random.randrange(1000), np.random.randint(1000)]
+        return torch.tensor([self.base + i, *drawn])
+
+
+def _augmented_epoch(
+    at: int | None, change_at: int | None, pause_s: float, **kwargs: Any
+) -> list[list[int]]:
+    """An epoch of 50 batches of 4 over two ``Augmented`` sources, the weights changed for the
+    positions from ``at`` on: up front (``change_at`` None) or live after ``change_at`` batches."""
+    torch.manual_seed(0)
+    sources = {"a": Augmented(1000, 97, pause_s), "b": Augmented(2000, 61, pause_s)}
+    mixture = Mixture(sources, {"a": 0.7, "b": 0.3})
+    if change_at is None and at is not None:
+        mixture.set_weights({"a": 0.1, "b": 0.9}, at_position=at)
+    sampler = MixtureSampler(mixture, samples_per_epoch=200)
+    loader = ThreadDataLoader(mixture, batch_size=4, sampler=sampler, **kwargs)
+    it = iter(loader)
+    got = [next(it) for _ in range(change_at or 0)]
+    if change_at is not None:
+        time.sleep(pause_s * 5)  # the workers run ahead into batches the change drops
+        assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == at
+    got += list(it)
+    return torch.cat(got).tolist()
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "isolation"), [(2, "threads"), (3, "threads"), (2, "process")]
+)
+@pytest.mark.parametrize("cut", [0, 3, 47])
+@pytest.mark.parametrize("pause_s", [0.0, 0.004])
+def test_a_live_change_draws_the_augmentations_of_the_stream_set_up_front(
+    num_workers: int, isolation: str, cut: int, pause_s: float
+) -> None:
+    """Workers had begun batches the change drops, drawing from their generators: those go back
+    to their state after each worker's last delivered batch, and each batch goes to the worker
+    it had from the start. The samples, augmentations included, are those of the schedule set
+    before the epoch, however far the workers had run ahead (which the pauses vary)."""
+    kwargs = {"num_workers": num_workers, "isolation": isolation}
+    expected = _augmented_epoch(cut * 4, None, 0.0, **kwargs)
+    assert _augmented_epoch(cut * 4, cut, pause_s, **kwargs) == expected
+    assert expected != _augmented_epoch(None, None, 0.0, **kwargs)  # the change changed it
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -125,7 +125,7 @@ def test_an_epoch_restart_drops_the_earlier_epochs_queued_tasks() -> None:
     board = TaskBoard(theirs, worker_ids=range(2), limit=1)
     for msg in _tasks(6, workers=2):  # all queued before any runner reads
         ours.send(msg)
-    ours.send((EPOCH, 1, 42))
+    ours.send((EPOCH, 1, 42, None))
     new = _tasks(4, workers=2, generation=1)
     for msg in new:
         ours.send(msg)
@@ -135,7 +135,7 @@ def test_an_epoch_restart_drops_the_earlier_epochs_queued_tasks() -> None:
         msg = board.take(got[-1][1])
         assert msg is not None
         got.append(msg)
-    assert got[:2] == [(EPOCH, 0, 1, 42), (EPOCH, 1, 1, 42)]
+    assert got[:2] == [(EPOCH, 0, 1, 42, None), (EPOCH, 1, 1, 42, None)]
     assert got[2:] == new
     ours.close()
     assert board.take(got[-1][1]) is None

@@ -48,6 +48,7 @@ from threadloader._engine.state import (
     ProgressMixin,
     Resume,
     begin_pass,
+    rewinds_live,
     start_new_pass,
     undo_seed_draw,
     warn_replay,
@@ -93,6 +94,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     _log_every_s: float | None
     _concurrency: ConcurrencyController
     _finalizer: Finalizer
+    _round_robin_start: int
+    _workers_status: list[bool]
 
     def __init__(self, loader: Any, resume: Resume | None) -> None:
         """torch's iterator set up for ``loader`` (its base seed drawn, or the saved epoch's for
@@ -149,6 +152,13 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             raise ValueError("a live change of the index stream needs in_order=True")
         self._restart_workers(redispatch=True)
         self._forget_in_flight()
+        if all(self._workers_status):
+            # The round robin gives each batch the worker it had from the start (a worker's
+            # generators draw for its own batches in order: ``Worker.start_epoch``), not the
+            # one after the dropped batches' workers.
+            self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+            for _ in range((self._round_robin_start + self._rcvd_idx) % self._num_workers):
+                next(self._worker_queue_idx_cycle)
         self._sampler_done = False  # rewound
         self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
         if new_pass:
@@ -185,6 +195,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             else frozenset(),
             tail_items=loader.batch_size if self._drop_last and loader.batch_size else 1,
             capture_rng=bool(loader.save_worker_rng),
+            # A live change rewinds the stream (``redispatch``); each worker may have begun up to
+            # prefetch_factor dropped batches, after its last delivered one.
+            rng_history=self._prefetch_factor + 2 if rewinds_live(loader) else 0,
             resume_rng=resume.rng_states if resume is not None else None,
         )
 
@@ -254,6 +267,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                 dataset_state.finished(state) for state in progress.dataset_states
             ]
         progress.next_worker = 0
+        self._round_robin_start = 0  # the worker of this iterator's batch 0
         if resume is not None and resume.worker_states is not None:
             progress.dataset_states = list(resume.worker_states)
             if resume.workers_status is not None:
@@ -269,6 +283,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             # The round robin resumes at the worker after the one that made the last delivered
             # batch (_state point 9); a replay runs it again from the first worker.
             progress.next_worker = resume.next_worker % self._num_workers
+            self._round_robin_start = progress.next_worker
             for _ in range(progress.next_worker):
                 next(self._worker_queue_idx_cycle)
         # Which workers' IterableDataset ended as of the batches delivered, for state_dict():

@@ -281,6 +281,12 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
     return None
 
 
+def rewinds_live(loader: Any) -> bool:
+    """Whether the loader's index stream may be rewound during an epoch: its sampler takes live
+    weight changes (``MixtureSampler``, through ``ThreadDataLoader.set_mixture_weights``)."""
+    return hasattr(loader.sampler, "position_after")
+
+
 def own_state_sampler(loader: Any) -> Any:
     """The loader's batch sampler or sampler with its own ``state_dict``/``load_state_dict``
     (point 11), or None; torch's and torchdata's draw from torch generators and are replayed,

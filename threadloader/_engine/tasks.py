@@ -30,10 +30,14 @@ class Task:
 
 @dataclass(frozen=True)
 class NewEpoch:
-    """Control message for persistent workers: start over on a fresh dataset iterator."""
+    """Control message: start over on a fresh dataset iterator (persistent workers), or go back
+    to the first batch not delivered (``rewind``: a live change of the index stream)."""
 
     generation: int
     seed: int | None = None  # an IterDataPipe's new shared seed (_datapipes point 4)
+    # The first batch the loop has not received: each worker's generators go back to their
+    # state after its last batch before it (``Worker.start_epoch``).
+    rewind: int | None = None
 
 
 class _Nothing:
@@ -109,4 +113,7 @@ class WorkerSpec:
     # batch size with ``drop_last`` (the partial batch it dropped), else 1 (the end).
     tail_items: int = 1
     capture_rng: bool = False  # snapshot the worker's generators after each batch
+    # Keep each worker's generator states after its latest batches, this many, so that a live
+    # change of the index stream can rewind them (``Worker.start_epoch``); 0 keeps none.
+    rng_history: int = 0
     resume_rng: list[Any] | None = None  # per-worker generator states to resume from

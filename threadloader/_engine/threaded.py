@@ -178,8 +178,10 @@ class ThreadedDataLoaderIter(DispatchingIter):
         self._pool.close(wait=False)
 
     def _restart_workers(self, redispatch: bool = False) -> None:
-        seed = None if redispatch else self._shared_seed
-        self._generation = self._pool.new_epoch(seed)
+        if redispatch:
+            self._generation = self._pool.new_epoch(None, rewind=self._rcvd_idx)
+        else:
+            self._generation = self._pool.new_epoch(self._shared_seed)
 
     def _new_stats(self) -> None:
         super()._new_stats()
@@ -357,6 +359,6 @@ def _start_pending_epoch(worker: Worker) -> bool:
     """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``)."""
     head = worker.tasks.head()
     if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
-        worker.start_epoch(head.generation, head.seed)
+        worker.start_epoch(head.generation, head.seed, head.rewind)
         return True
     return False

@@ -8,6 +8,7 @@ says what that means); ``Worker.enter`` makes the calling thread act as this wor
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 import time
@@ -102,6 +103,11 @@ class Worker:
         self._fetcher: Any = None
         self._pending_error: ExceptionWrapper | None = None
         self._ended = False  # the IterableDataset ran out this epoch
+        # (batch idx, the generators' state after it), the epoch's start as idx -1: what a
+        # rewind goes back to (``start_epoch``).
+        self._rng_history: collections.deque[tuple[int, dict[str, Any]]] | None = (
+            collections.deque(maxlen=spec.rng_history) if spec.rng_history else None
+        )
 
     def _where(self) -> str:
         return f"in threadloader worker thread {self.id}"
@@ -120,7 +126,9 @@ class Worker:
             self._fetcher.recollate(spec.collate_fn)
         return self
 
-    def start_epoch(self, generation: int, seed: int | None = None) -> None:
+    def start_epoch(
+        self, generation: int, seed: int | None = None, rewind: int | None = None
+    ) -> None:
         """(Re)create the dataset fetcher, as this worker whichever thread calls it (an
         IterableDataset's ``__iter__`` runs here and may shard by ``get_worker_info()``, or draw
         from the global RNGs); holding ``busy``. Errors surface with this worker's next task.
@@ -128,6 +136,11 @@ class Worker:
         Args:
             generation: the epoch's generation.
             seed: a later epoch's shared seed for an IterDataPipe graph (``datapipes``).
+            rewind: the first batch the loop has not received, when the index stream was
+                rewound there (a live mixture-weight change): the worker's generators go back
+                to their state after its last batch before it, so that the batches it makes
+                again, and the later ones, draw what they would have drawn had the stream been
+                so from the start, however many dropped batches it had begun.
         """
         self.generation = generation
         self._ended = False
@@ -146,6 +159,17 @@ class Worker:
             self._pending_error = ExceptionWrapper(where=self._where())
         finally:
             leave(previous)
+        history = self._rng_history
+        if history is None:
+            return
+        if rewind is None:
+            history.clear()
+            history.append((-1, rng_state(self.rngs)))
+            return
+        while history and history[-1][0] >= rewind:
+            history.pop()
+        if history:
+            load_rng_state(self.rngs, history[-1][1])
 
     def initialize(self) -> None:
         """Run ``worker_init_fn`` and create the fetcher, as torch's worker does at start."""
@@ -242,8 +266,12 @@ class Worker:
                     # StatefulDataLoader; the generators' is: what the batch drew before it
                     # raised is drawn in an uninterrupted run too.
                     state = None if failed else self.snapshot()
-                    if self.spec.capture_rng:
+                    if self.spec.capture_rng or self._rng_history is not None:
                         rng = rng_state(self.rngs)
+                        if self._rng_history is not None:
+                            self._rng_history.append((task.idx, rng))
+                        if not self.spec.capture_rng:
+                            rng = None
                 except BaseException:  # noqa: BLE001  # delivered to the training thread
                     if not failed:
                         data = ExceptionWrapper(

@@ -25,13 +25,15 @@ from threadloader._primitives.worker_globals import WorkerRNGs
 
 
 def rng_state(rngs: WorkerRNGs) -> dict[str, Any]:
-    """The state of a worker's generators now: its own and its ``numpy.random`` global."""
+    """The state of a worker's generators now: its own and its ``numpy.random`` global (None
+    while the worker has not used it: still as seeded, and reading its state costs ~0.1 ms)."""
     numpy_generator: Any = rngs.rng.numpy_generator
+    legacy = rngs.numpy_legacy.get_state(legacy=False) if rngs.numpy_legacy_made else None
     return {
         "random": rngs.random.getstate(),
         "torch": rngs.torch.get_state(),
         "numpy": numpy_generator.bit_generator.state if numpy_generator is not None else None,
-        "numpy_global": rngs.numpy_legacy.get_state(legacy=False),
+        "numpy_global": legacy,
     }
 
 
@@ -60,7 +62,7 @@ def load_rng_state(rngs: WorkerRNGs, state: dict[str, Any]) -> None:
     """Put a worker's generators back in ``state`` (from ``rng_state``).
 
     A state saved before the ``numpy.random`` global was per worker has no ``numpy_global``:
-    that one keeps its seed.
+    that one keeps its state; ``None`` there puts it back as seeded, unused.
 
     Raises:
         ValueError: ``state`` is not a worker generator state.
@@ -76,5 +78,8 @@ def load_rng_state(rngs: WorkerRNGs, state: dict[str, Any]) -> None:
     numpy_generator: Any = rngs.rng.numpy_generator
     if numpy_generator is not None and state.get("numpy") is not None:
         numpy_generator.bit_generator.state = state["numpy"]
-    if state.get("numpy_global") is not None:
-        rngs.numpy_legacy.set_state(state["numpy_global"])
+    if "numpy_global" in state:
+        if state["numpy_global"] is None:
+            rngs.forget_numpy_legacy()
+        else:
+            rngs.numpy_legacy.set_state(state["numpy_global"])

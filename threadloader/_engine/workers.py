@@ -74,7 +74,7 @@ def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
         if isinstance(msg, NewEpoch):
             with worker.busy:
                 if worker.tasks.take_head_if(msg):
-                    worker.start_epoch(msg.generation, msg.seed)
+                    worker.start_epoch(msg.generation, msg.seed, msg.rewind)
             continue
         if not gate.enter():
             return
@@ -184,7 +184,7 @@ class WorkerPool:
         alive = self.alive_threads
         return f"<WorkerPool {len(self._threads)} threads, {alive} alive, closed={self._closed}>"
 
-    def new_epoch(self, seed: int | None = None) -> int:
+    def new_epoch(self, seed: int | None = None, rewind: int | None = None) -> int:
         """Drop every task not started, and restart each worker's fetcher (persistent workers).
 
         A persistent epoch's restart finds none of a live worker's tasks queued: the iterator
@@ -193,6 +193,7 @@ class WorkerPool:
 
         Args:
             seed: the iterator's new shared seed, for an IterDataPipe graph (``datapipes``).
+            rewind: a redispatch's first batch not delivered (``Worker.start_epoch``).
 
         Returns:
             The new generation: results of earlier generations are stale.
@@ -200,7 +201,7 @@ class WorkerPool:
         self.generation += 1
         generation = self.generation
         for w in self.workers:
-            w.tasks.replace_all(NewEpoch(generation, seed))
+            w.tasks.replace_all(NewEpoch(generation, seed, rewind))
         # Results the training thread never read (a break, a live weight change) would hold
         # room the new tasks need: the queue's bound counts one stale result per worker only.
         self.results.drop_where(lambda r: r.generation != generation)

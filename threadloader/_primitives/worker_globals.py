@@ -101,6 +101,15 @@ class WorkerRNGs:
         self._numpy_legacy = np.random.RandomState(bitgen)
 
     @property
+    def numpy_legacy_made(self) -> bool:
+        """Whether the worker's ``numpy.random`` global was made (used, or its state asked for)."""
+        return self._numpy_legacy is not None
+
+    def forget_numpy_legacy(self) -> None:
+        """Put the worker's ``numpy.random`` global back as it was before its first use."""
+        self._numpy_legacy = None
+
+    @property
     def numpy_legacy(self) -> np.random.RandomState:
         """The worker's ``numpy.random`` global, seeded with ``numpy_seed`` when first used."""
         # No lock: one thread at a time acts as a given worker (its tasks run under the

@@ -309,7 +309,7 @@ def _run_tasks(first: Worker, helper: _Helper) -> None:
         if msg[0] == EPOCH:
             with worker.busy:
                 worker.initialize_here()
-                worker.start_epoch(msg[2], msg[3])
+                worker.start_epoch(msg[2], msg[3], msg[4])
             continue
         _, _, idx, generation, index = msg
         if generation != worker.generation:

@@ -343,10 +343,11 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._generation += 1
         parked = self._parked_slots()
         seed = None if redispatch else self._shared_seed
+        rewind = self._rcvd_idx if redispatch else None  # Worker.start_epoch
         for i, link in enumerate(self._links.links):
             link.reader.give_back(parked.get(i, ()))
             link.reader.send_released()
-            link.send((EPOCH, self._generation, seed))
+            link.send((EPOCH, self._generation, seed, rewind))
 
     def _parked_slots(self) -> dict[int, list[Any]]:
         """Slots of batches parked in the reorder table of an abandoned epoch, by helper."""

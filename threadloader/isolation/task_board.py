@@ -42,7 +42,7 @@ from typing import Any
 
 # Message tags, training process -> helper, on the task pipe:
 TASK = 0  # (TASK, worker_id, idx, generation, index)
-EPOCH = 1  # (EPOCH, generation, seed): workers start over; one per worker here
+EPOCH = 1  # (EPOCH, generation, seed, rewind): workers start over; one per worker here
 
 
 class TaskBoard:
@@ -87,8 +87,9 @@ class TaskBoard:
             done: the worker the caller held, or None on its first call.
 
         Returns:
-            ``(TASK, worker_id, idx, generation, index)`` or ``(EPOCH, worker_id, generation, seed)``,
-            the caller now holding ``worker_id``; None once the pipe has ended.
+            ``(TASK, worker_id, idx, generation, index)`` or
+            ``(EPOCH, worker_id, generation, seed, rewind)``, the caller now holding
+            ``worker_id``; None once the pipe has ended.
 
         Raises:
             Exception: whatever reading the pipe raises besides its end (a message that cannot
@@ -145,10 +146,10 @@ class TaskBoard:
 
     def _add(self, msg: tuple[Any, ...]) -> None:
         if msg[0] == EPOCH:
-            generation, seed = msg[1], msg[2]
+            generation, seed, rewind = msg[1], msg[2], msg[3]
             self._generation = generation
             # Rule 3: the earlier epochs' tasks not started yet are dropped.
             self._queue = deque(m for m in self._queue if m[0] != TASK or m[3] >= generation)
-            self._queue.extend((EPOCH, w, generation, seed) for w in self._worker_ids)
+            self._queue.extend((EPOCH, w, generation, seed, rewind) for w in self._worker_ids)
         elif msg[3] >= self._generation:
             self._queue.append(msg)

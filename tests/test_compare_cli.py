@@ -202,7 +202,8 @@ def test_runs_last_one_second_by_default(capsys: pytest.CaptureFixture[str]) -> 
     data = json.loads(out)
     assert data["config"]["seconds"] == 1.0 and data["config"]["batches"] is None
     (run,) = data["results"][0]["runs"]
-    assert run["batches"] > 200  # ~3,000 token batches a second here
+    # Timed for a second, not for a count of batches (~500 here, ~160 with the CPU busy).
+    assert 1.0 <= run["elapsed_s"] < 2.0 and not run["ran_out"] and run["batches"] > 10
 
 
 def test_the_demo_runs_the_tensors_workload_and_python_is_one_flag_away() -> None:

@@ -760,6 +760,25 @@ def test_helper_ends_after_exhaustion() -> None:
     assert _helpers() == []
 
 
+def test_a_process_forked_meanwhile_does_not_hold_the_helper_open() -> None:
+    """A process forked while a helper runs (torch's DataLoader workers for a validation pass,
+    a user's fork) gets copies of the training process's ends of the helper's pipes; holding
+    the control pipe's, it kept the helper from seeing its EOF, and each epoch's end waited
+    ``CLOSE_WAIT_S`` (5 s) before killing it. Forked children close their copies at once."""
+    iterator = iter(IsolatedLoader(Ids(40), batch_size=4, num_workers=2))
+    next(iterator)
+    bystander = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    bystander.start()
+    try:
+        start = time.monotonic()
+        assert len(list(iterator)) == 9
+        assert time.monotonic() - start < link.CLOSE_WAIT_S / 2
+        assert _helpers() == []
+    finally:
+        bystander.kill()
+        bystander.join()
+
+
 def test_helper_ends_after_break_del_and_garbage_collection() -> None:
     """break, del and a reference cycle collected by gc each end the helper."""
     loader = IsolatedLoader(Ids(400), batch_size=4, num_workers=2)

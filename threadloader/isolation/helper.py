@@ -73,10 +73,21 @@ SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descrip
 RETIRE = 12  # (RETIRE, seg_id)
 FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
 
-#: The training process's ends of every helper's pipes. A helper forked from the training
-#: process closes its copies first: holding its own control pipe's write end, it would never
-#: see that pipe's EOF (point 3).
+#: The training process's ends of every helper's pipes. Every process forked from the training
+#: process closes its copies at once (``_close_training_ends``): a helper holding its own control
+#: pipe's write end would never see that pipe's EOF (point 3), and neither would any helper
+#: while a forked child (torch's DataLoader workers, a user's fork) held the end.
 TRAINING_ENDS: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _close_training_ends() -> None:
+    # In a forked child only: the ends are the parent's; closing the copies closes nothing there.
+    for end in list(TRAINING_ENDS):
+        end.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_training_ends)
 
 #: Seconds between checks that the training process still exists, when no message arrives.
 PARENT_CHECK_S = 1.0
@@ -443,8 +454,7 @@ def helper_main(
         results: this process's end of the result socket.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for end in list(TRAINING_ENDS):
-        end.close()
+    _close_training_ends()  # a helper forked from the training process closed them already
     torch.set_num_threads(1)  # as torch's workers: N threads already use the cores
     worker_info.install()
     sender = _Sender(results)

@@ -164,6 +164,32 @@ def test_the_zygote_holds_none_of_the_training_process_pipes(tmp_path: Any) -> N
     assert out == ["eof", "True", "batches", "8"]
 
 
+def test_a_process_forked_from_the_training_process_does_not_keep_the_zygote(
+    tmp_path: Any,
+) -> None:
+    """Processes forked from the training process (torch's persistent DataLoader workers here,
+    and a helper forked from it) close their copies of its end of the zygote's socket: the
+    zygote exits as that end closes, and exit does not wait for it (it waited its 1 s)."""
+    out = _run(
+        tmp_path,
+        """
+        iso = loader(isolation="process", persistent_workers=True)
+        print("batches", len(list(iso)))
+        server = zygote.server_pid()
+        torch_workers = iter(torch.utils.data.DataLoader(
+            Rows(), batch_size=4, num_workers=2, persistent_workers=True,
+            multiprocessing_context="fork",
+        ))
+        next(torch_workers)
+        start = time.monotonic()
+        zygote.shutdown()  # closes this end and waits for the zygote to exit
+        print("zygote", server is not None, time.monotonic() - start < 2)
+        print("batches", len(list(iso)))
+        """,
+    )
+    assert out == ["batches", "8", "zygote", "True", "True", "batches", "8"]
+
+
 def test_a_dead_zygote_leaves_helpers_to_the_forkserver(tmp_path: Any) -> None:
     """The zygote killed while another thread runs: the next epoch starts its helpers from the
     forkserver and gives the same batches."""

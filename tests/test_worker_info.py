@@ -599,3 +599,36 @@ def test_a_task_run_as_a_worker_without_an_openmp_runtime_found_starts_no_thread
         assert starts == []
     finally:
         torch.set_num_threads(before)
+
+
+class ForksAChild(torch.utils.data.Dataset[list[Any]]):
+    """Item i forks a process that reports what get_worker_info() and the global RNG functions
+    act on there (a dataset starting torch's DataLoader workers or a multiprocessing pool)."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> list[Any]:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        theirs, ours = ctx.Pipe(duplex=False)
+
+        def report() -> None:
+            from threadloader._primitives import worker_globals
+
+            ours.send([imported_get_worker_info() is None, worker_globals.current() is None])
+
+        child = ctx.Process(target=report)
+        child.start()
+        got = theirs.recv()
+        child.join()
+        return [imported_get_worker_info() is not None, *got]
+
+
+def test_a_process_forked_from_a_worker_thread_is_no_worker() -> None:
+    """Forked from a worker thread, a process is no worker of ours: get_worker_info() answers
+    torch's module global (None here; a torch worker's own there) and the global RNG functions
+    act on the process's generators, as in a process forked from any other thread."""
+    batches = list(ThreadDataLoader(ForksAChild(), batch_size=None, num_workers=1))
+    assert batches == [[True, True, True], [True, True, True]]

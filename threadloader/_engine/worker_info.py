@@ -19,6 +19,7 @@ that calls ``default_collate`` itself.)
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -79,3 +80,13 @@ def swap(info: WorkerInfo | None) -> WorkerInfo | None:
     previous = getattr(_local, "info", None)
     _local.info = info
     return previous
+
+
+def _after_fork_in_child() -> None:
+    # A process forked from a worker thread (a dataset starting torch's DataLoader workers, or
+    # a multiprocessing pool) is no worker of ours: torch's module global answers there.
+    _local.info = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

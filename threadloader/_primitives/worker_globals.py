@@ -33,6 +33,9 @@ dispatch on the calling thread:
    while another loader's workers run would race. torch's seeding functions get a new body, so
    every reference to them dispatches. ``random``'s and ``numpy.random``'s module functions are
    replaced by name: one bound before that (``from random import random``) keeps the original.
+6. A process forked from a worker thread (a dataset that starts torch's DataLoader workers or a
+   multiprocessing pool) is no worker: its only thread stops acting as one, and its global
+   RNGs are the process's own, as in a process forked from any other thread.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import os
 import random
 import threading
 import types
@@ -153,6 +157,17 @@ def swap(rngs: WorkerRNGs | None) -> WorkerRNGs | None:
         _remove_mode()
     _local.current = rngs  # after the stack changed: a Ctrl-C between leaves it consistent
     return previous
+
+
+def _after_fork_in_child() -> None:
+    # Point 6: a process forked from a worker thread is no worker of ours; its global RNGs are
+    # the process's own again.
+    if _local.current is not None:
+        swap(None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def clear_modes() -> None:

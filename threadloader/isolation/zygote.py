@@ -23,7 +23,10 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    never a descriptor opened later. It ignores SIGINT (a terminal's Ctrl-C is the training
    process's), freezes the garbage collector's view of what it inherited (so a helper's
    collections do not write to, and so copy, the shared pages), and exits when its socket
-   reaches EOF: the training process exited or died.
+   reaches EOF: the training process exited or died. Every other process forked from the
+   training process (a helper forked from it, torch's DataLoader workers, a user's fork)
+   closes its copy of the training process's end at once, and forgets the zygote: holding it,
+   they kept the zygote alive, and the training process's exit waited for it.
 3. A helper is a ``multiprocessing.Process`` started with ``fork`` inside the zygote. Its target
    and arguments are pickled in the training process by ``ForkingPickler`` (descriptors such as
    pipe ends and shared tensors travel beside the bytes on the socket, as with the forkserver)
@@ -137,6 +140,20 @@ def shutdown() -> None:
         server, _server = _server, None
     if server is not None:
         server.close()
+
+
+def _after_fork_in_child() -> None:
+    # Point 2: this process's end of the zygote's socket is the parent's (the zygote, forked
+    # with ``_lock`` held, resets its own state in ``_serve``).
+    global _server, _lock
+    _lock = threading.Lock()
+    server, _server = _server, None
+    if server is not None:
+        server.sock.close()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close_at_exit() -> None:

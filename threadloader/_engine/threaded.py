@@ -52,9 +52,7 @@ from torch.utils.data import _DatasetKind
 
 from threadloader._engine.device_epoch import host_collate
 from threadloader._engine.dispatch import DispatchingIter
-from threadloader._engine.state import (
-    Resume,
-)
+from threadloader._engine.state import Resume
 from threadloader._engine.stats import LoaderStats
 from threadloader._engine.tasks import NewEpoch, Result, Task
 from threadloader._engine.worker import Worker

@@ -67,9 +67,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data._utils.collate import default_collate
 
 from threadloader._engine.dispatch import DispatchingIter
-from threadloader._engine.state import (
-    Resume,
-)
+from threadloader._engine.state import Resume
 from threadloader._engine.tasks import Result, WorkerSpec
 from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController

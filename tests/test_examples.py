@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,11 +55,16 @@ def cwd(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def tmpdir_(tmp_path: Path) -> Path:
-    """The folder an example sees as the system's temporary directory."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    return folder
+def tmpdir_() -> Iterator[Path]:
+    """The folder an example sees as the system's temporary directory.
+
+    A short path in the system's: multiprocessing puts the forkserver's socket there, and a
+    Unix socket path has at most 107 bytes (pytest's per-test folders under pytest-xdist came
+    close enough that the helpers could not start).
+    """
+    folder = Path(tempfile.mkdtemp(prefix="tl-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_remote_images_caches_in_a_temporary_folder(cwd: Path, tmpdir_: Path) -> None:

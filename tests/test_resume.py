@@ -1569,6 +1569,21 @@ class LiveStateOrder(EpochCountingOrder):
         return self.live
 
 
+def _resumed_after(
+    make: Callable[[], ThreadDataLoader[Any]], cut: int
+) -> tuple[list[Any], ThreadDataLoader[Any]]:
+    """The first ``cut`` batches of an epoch (as lists), and a new loader holding the state
+    saved after them (not through ``torch.save``: some samplers' states here do not pickle)."""
+    loader = make()
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(cut)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    return seen, resumed
+
+
 @pytest.mark.parametrize("unpicklable", [False, True])
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("cut", [3, 8])
@@ -1587,13 +1602,7 @@ def test_a_sampler_handing_out_its_live_state_resumes_from_the_last_batch_receiv
 
     loader = make()
     uninterrupted = [b.tolist() for _ in range(2) for b in loader]
-    loader = make()
-    it = iter(loader)
-    seen = [next(it).tolist() for _ in range(cut)]
-    state = loader.state_dict()
-    del it
-    resumed = make()
-    resumed.load_state_dict(state)
+    seen, resumed = _resumed_after(make, cut)
     rest = [b.tolist() for _ in range(1 if cut < 8 else 0) for b in resumed]
     assert seen + rest + [b.tolist() for b in resumed] == uninterrupted
 
@@ -1633,13 +1642,7 @@ def test_a_resumed_pass_of_a_sampler_keeping_its_own_state_ends_where_it_should(
 
     loader = make()
     uninterrupted = [b.tolist() for _ in range(2) for b in loader]
-    loader = make()
-    it = iter(loader)
-    seen = [next(it).tolist() for _ in range(2)]
-    state = loader.state_dict()
-    del it
-    resumed = make()
-    resumed.load_state_dict(state)
+    seen, resumed = _resumed_after(make, 2)
     seen += [b.tolist() for b in resumed]
     again = make()
     again.load_state_dict(resumed.state_dict())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -194,16 +196,24 @@ def test_json_has_the_medians_and_every_run(capsys: pytest.CaptureFixture[str]) 
     assert base["ratio_vs_baseline"] == pytest.approx(1.0)
 
 
-def test_runs_last_one_second_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    """Without --batches or --seconds each run is timed for 1 s: past every loader's start-up."""
+def test_runs_last_one_second_by_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --batches or --seconds each run is timed for 1 s: past every loader's start-up.
+
+    The runner's clock is a fake one, advancing 1/64 s per reading (exact in binary): the timed
+    loop reads it twice per batch, so a 1 s run takes exactly 32 batches, however fast the
+    machine is."""
+    ticks = itertools.count()
+    fake_time = types.SimpleNamespace(perf_counter=lambda: next(ticks) / 64, sleep=time.sleep)
+    monkeypatch.setattr(runner, "time", fake_time)
     argv = ["compare", "--workload", "tokens", "--loaders", "dataloader0", "--rounds", "1"]
     code, out, _ = _main([*argv, "--json", "--no-progress"], capsys)
     assert code == 0
     data = json.loads(out)
     assert data["config"]["seconds"] == 1.0 and data["config"]["batches"] is None
     (run,) = data["results"][0]["runs"]
-    # Timed for a second, not for a count of batches (~500 here, ~160 with the CPU busy).
-    assert 1.0 <= run["elapsed_s"] < 2.0 and not run["ran_out"] and run["batches"] > 10
+    assert run["batches"] == 32 and not run["ran_out"]
 
 
 def test_the_demo_runs_the_tensors_workload_and_python_is_one_flag_away() -> None:

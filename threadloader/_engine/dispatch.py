@@ -48,7 +48,7 @@ from threadloader._engine.state import (
     ProgressMixin,
     Resume,
     begin_pass,
-    rewinds_live,
+    mixture_sampled,
     start_new_pass,
     undo_seed_draw,
     warn_replay,
@@ -197,7 +197,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             capture_rng=bool(loader.save_worker_rng),
             # A live change rewinds the stream (``redispatch``); each worker may have begun up to
             # prefetch_factor dropped batches, after its last delivered one.
-            rng_history=self._prefetch_factor + 2 if rewinds_live(loader) else 0,
+            rng_history=self._prefetch_factor + 2 if mixture_sampled(loader) else 0,
             resume_rng=resume.rng_states if resume is not None else None,
         )
 

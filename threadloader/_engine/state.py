@@ -281,10 +281,13 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
     return None
 
 
-def rewinds_live(loader: Any) -> bool:
-    """Whether the loader's index stream may be rewound during an epoch: its sampler takes live
-    weight changes (``MixtureSampler``, through ``ThreadDataLoader.set_mixture_weights``)."""
-    return hasattr(loader.sampler, "position_after")
+def mixture_sampled(loader: Any) -> bool:
+    """Whether the loader samples with a ``MixtureSampler``: its index stream may be rewound
+    during an epoch (``ThreadDataLoader.set_mixture_weights``), and its state checks each
+    source's length by name."""
+    from threadloader.streams import MixtureSampler
+
+    return isinstance(loader.sampler, MixtureSampler)
 
 
 def own_state_sampler(loader: Any) -> Any:

@@ -21,6 +21,7 @@ from threadloader._engine.state import (
     Resume,
     SamplerSnapshot,
     length_of,
+    mixture_sampled,
     own_state_sampler,
     positional_sampler,
     rng_source,
@@ -73,13 +74,6 @@ def _exact_len(loader: Any) -> bool:
     still name a batch."""
     samplers = [loader._index_sampler, loader.sampler]
     return all(type(s).__module__ == "torch.utils.data.sampler" for s in samplers)
-
-
-def _sampler_checks_sources(loader: Any) -> bool:
-    """A MixtureSampler checks each source's length by name; sources may be added at restart."""
-    from threadloader.streams import MixtureSampler
-
-    return isinstance(loader.sampler, MixtureSampler)
 
 
 _REQUIRED = (
@@ -167,7 +161,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     if state["dataset_kind"] != kind:
         raise ValueError(f"loader state is for a {state['dataset_kind']} dataset, this is {kind}")
     length = length_of(loader.dataset) if kind == "map" else None
-    if state["dataset_length"] != length and not _sampler_checks_sources(loader):
+    # A MixtureSampler checks each source's length by name; sources may be added at restart.
+    if state["dataset_length"] != length and not mixture_sampled(loader):
         raise ValueError(
             f"loader state is for a dataset of length {state['dataset_length']}, "
             f"this dataset has length {length}"

@@ -243,11 +243,14 @@ def test_dataset_stats_of_the_helpers_add_up() -> None:
     assert combined_stats([{"n": 1}, {"n": 2}]) == {"n": 2}
 
 
-def _run_script(tmp_path: Any, source: str) -> subprocess.CompletedProcess[str]:
+def _run_script(tmp_path: Any, source: str, **environ: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(source))
     repo = str(pathlib.Path(threadloader.__file__).parents[1])  # this checkout's, not installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ, **environ,
+        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+    }  # fmt: skip
     return subprocess.run(
         [sys.executable, str(script)],
         check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
@@ -354,6 +357,39 @@ def test_building_an_isolated_loader_with_threads_running_starts_the_forkserver(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["started", "True", "zygote", "False", "batches", "8"]
+
+
+def test_a_tmpdir_too_long_for_the_forkserver_socket_starts_helpers_with_spawn(
+    tmp_path: Any,
+) -> None:
+    """multiprocessing binds the forkserver's socket under ``TMPDIR``, and a socket path over
+    ~100 bytes cannot be bound: where the user named no start method, the helpers come from
+    ``spawn`` instead of failing with ``OSError: AF_UNIX path too long``."""
+    long_tmp = tmp_path / ("t" * max(1, 120 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    done = _run_script(
+        tmp_path,
+        """
+        import multiprocessing.forkserver as forkserver
+        import threading
+        from threadloader import ThreadDataLoader
+
+        if __name__ == "__main__":
+            stop = threading.Event()
+            busy = threading.Thread(target=stop.wait)
+            busy.start()
+            try:
+                loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
+                print("batches", [batch.tolist() for batch in loader] == [[i] for i in range(8)])
+                print("forkserver", forkserver._forkserver._forkserver_pid is not None)
+            finally:
+                stop.set()
+                busy.join()
+        """,
+        TMPDIR=str(long_tmp),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["batches", "True", "forkserver", "False"]
 
 
 def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None:

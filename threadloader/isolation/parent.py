@@ -24,7 +24,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    workers do. Otherwise from the zygote (``zygote``: a copy of this process taken when a
    loader with ``isolation="process"`` was built, if it ran one thread then), or from a
    forkserver that preloads threadloader and torch (started when such a loader is built, else at
-   the first ``iter()`` that needs it); then the dataset, ``collate_fn`` and ``worker_init_fn``
+   the first ``iter()`` that needs it), or ``spawn`` where there is no forkserver or
+   ``TMPDIR`` is too long a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn``
    are pickled once per helper (``PickledOnce``): one copy of the dataset each. A process running
    other Python threads is never forked: one of them could hold a lock the copy would keep. A
    ``multiprocessing_context`` the user names is used as given (``fork`` only while this process
@@ -59,8 +60,12 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
+import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -145,8 +150,7 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
             return multiprocessing.get_context("fork")
         if zygote.running():
             return zygote.ZygoteContext()
-        methods = multiprocessing.get_all_start_methods()
-        multiprocessing_context = "forkserver" if "forkserver" in methods else "spawn"
+        multiprocessing_context = "forkserver" if _forkserver_can_listen() else "spawn"
     ctx = (
         multiprocessing.get_context(multiprocessing_context)
         if isinstance(multiprocessing_context, str)
@@ -180,6 +184,33 @@ def start_helper_server(multiprocessing_context: Any = None) -> None:
             multiprocessing.forkserver.ensure_running()
         except OSError:  # iter() tries again, and raises what starting a helper raises
             pass
+
+
+def _forkserver_can_listen() -> bool:
+    """Whether this platform has a forkserver and it can bind its socket (``AF_UNIX``).
+
+    multiprocessing puts the forkserver's socket in a folder under ``TMPDIR``; a socket path is
+    limited to ~100 bytes, so a long ``TMPDIR`` stops the forkserver from starting at all. Where
+    the user named no start method, helpers then come from ``spawn``, which needs no socket.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return True
+    return _socket_path_fits(multiprocessing.util.get_temp_dir())
+
+
+@functools.cache
+def _socket_path_fits(folder: str) -> bool:
+    # Bind a socket at a path as long as the forkserver's (``listener-`` and 8 characters).
+    path = os.path.join(folder, f"tl-probe-{os.getpid() % 10**8:08d}")
+    try:
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.bind(path)
+    except OSError:
+        return False
+    os.unlink(path)
+    return True
 
 
 def _preload_in_forkserver(ctx: Any) -> None:

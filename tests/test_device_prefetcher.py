@@ -155,6 +155,48 @@ def test_close_joins_the_thread_and_is_idempotent() -> None:
         next(it)
 
 
+@pytest.mark.parametrize("ended", [False, True])
+def test_restart_drops_what_was_pulled_and_pulls_on_from_the_rewound_source(ended: bool) -> None:
+    """restart(rewind): the batches pulled and not delivered are dropped, rewind runs while no
+    thread pulls (here it moves the source back), and a new thread pulls on from there; also
+    after the old thread had pulled the source's end. Closing the source is not asked for."""
+    n = 5 if ended else 6  # the three slots after the first two batches hold 2, 3, 4
+    source = Counting(n)
+    closed: list[bool] = []
+    it = prefetcher(source, depth=4 if ended else 3, on_close=lambda: closed.append(True))
+    assert [next(it), next(it)] == [0, 1]
+    assert _wait_until(lambda: source.pulled == 5)
+    if ended:  # a fourth slot: it pulled the end too
+        assert _wait_until(lambda: not it.thread.is_alive())
+    old_thread = it.thread
+
+    def rewind() -> None:
+        assert not old_thread.is_alive()
+        assert not closed
+        source.pulled = 2
+
+    it.restart(rewind)
+    assert list(it) == list(range(2, n))
+    assert closed == [True]  # once, by the end the consumer reached
+
+
+def test_restart_after_close_raises_and_a_failed_rewind_closes() -> None:
+    """A closed prefetcher cannot restart; a rewind that raises ends the stream."""
+    it = prefetcher(Counting(10))
+    next(it)
+
+    def fail() -> None:
+        raise ValueError("cannot rewind")
+
+    with pytest.raises(ValueError, match="cannot rewind"):
+        it.restart(fail)
+    with pytest.raises(RuntimeError, match="closed"):
+        next(it)
+    it.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        it.restart(lambda: None)
+
+
 def test_break_then_del_ends_the_thread() -> None:
     """Leaving a for loop early and dropping the prefetcher ends its thread."""
     it = prefetcher(Counting(10_000))

@@ -584,18 +584,52 @@ def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
         ThreadDataLoader(range(10), batch_size=2).set_mixture_weights({"a": 1.0})
 
 
-def test_set_mixture_weights_refuses_a_running_device_stage() -> None:
-    """With device=, the transfer thread draws from the sampler: a live rewind would repeat the
-    batches in the transfer stage, so the loader refuses it mid-epoch and allows it between."""
-    mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
-    sampler = MixtureSampler(mixture, samples_per_epoch=400)
-    loader = ThreadDataLoader(mixture, batch_size=8, sampler=sampler, num_workers=2, device="cpu")
+@pytest.mark.parametrize(
+    ("num_workers", "isolation", "persistent"),
+    [(2, "threads", False), (3, "threads", True), (2, "process", False)],
+)
+@pytest.mark.parametrize("cut", [0, 3, 48])
+def test_a_live_change_with_device_drops_the_transfer_stage(
+    num_workers: int, isolation: str | None, persistent: bool, cut: int
+) -> None:
+    """With device=, the transfer thread has pulled batches the loop has not received, drawn
+    from the sampler under the old weights: they are dropped and the host epoch goes back to
+    the loop's position, so the samples, augmentations included, are those of the schedule set
+    before the epoch (the last cut changes the weights while the stage holds the epoch's end)."""
+    kwargs = {
+        "num_workers": num_workers, "isolation": isolation, "device": "cpu",
+        "persistent_workers": persistent, "device_prefetch": 3,
+    }  # fmt: skip
+    expected = _augmented_epoch(cut * 4, None, 0.0, **kwargs)
+    assert _augmented_epoch(cut * 4, cut, 0.004, **kwargs) == expected
+    assert expected == _augmented_epoch(cut * 4, None, 0.0, num_workers=num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_live_change_with_device_resumes_as_the_changed_stream(num_workers: int) -> None:
+    """A live change with device= applies from the loop's next batch, whatever the transfer
+    stage held, and a state taken after it holds the change: a resumed loader gives the rest
+    of the changed stream."""
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=400)
+        return ThreadDataLoader(
+            mixture, batch_size=8, sampler=sampler, num_workers=num_workers, device="cpu"
+        )
+
+    loader = make()
     it = iter(loader)
-    next(it)
-    with pytest.raises(ValueError, match="device="):
-        loader.set_mixture_weights({"a": 0.1, "b": 0.9})
-    list(it)
-    assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == 400
+    got = [next(it) for _ in range(3)]
+    time.sleep(0.05)  # the transfer stage fills with batches drawn under the old weights
+    assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == 24
+    got += [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    got += list(resumed)
+    assert torch.cat(got).tolist() == _mixture_reference(24)
 
 
 @pytest.mark.parametrize(

@@ -226,6 +226,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         # device= with persistent workers: the last epoch's facade and its transfer thread
         self._device_epoch: weakref.ref[DeviceEpochIterator] | None = None
         self._transfer_thread: threading.Thread | None = None
+        self._device_facade: weakref.ref[DeviceEpochIterator] | None = None  # the latest epoch's
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
@@ -257,6 +258,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.device is not None:
             persistent = self._iterator is not None
             it = DeviceEpochIterator(self, it, persistent)
+            self._device_facade = weakref.ref(it)
             if persistent:
                 self._device_epoch, self._transfer_thread = weakref.ref(it), it.transfer_thread
         self._progress = it._progress
@@ -377,7 +379,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         Raises:
             TypeError: the loader's sampler is not a ``MixtureSampler``.
             ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
-                ``device=`` or with workers and ``in_order=False`` is running (nothing changed).
+                workers and ``in_order=False`` is running (nothing changed).
         """
         from threadloader.streams import MixtureSampler
 
@@ -389,30 +391,34 @@ class ThreadDataLoader(DataLoader[T_co]):
             )
         mixture: Any = self.dataset
         epoch = self._host_epoch() if self._host_epoch is not None else None
-        if epoch is None or epoch._progress.exhausted:
+        progress = self._progress  # the loop's: with device=, behind the host epoch's
+        if epoch is None or progress is None or progress.exhausted:
             return int(mixture.set_weights(weights))
-        if self.device is not None:
-            # The transfer thread draws indices from the sampler concurrently: rewinding it from
-            # this thread would hand out the batches in the transfer stage a second time.
-            raise ValueError(
-                "set_mixture_weights during an epoch with device= is not supported: call it "
-                "between epochs, or use device=None and move batches to the device yourself"
-            )
         if not self.in_order and self.num_workers > 0:
             raise ValueError("a live change of the index stream needs in_order=True")
-        if epoch._progress.ahead:
+        if progress.ahead:
             raise ValueError(
                 "set_mixture_weights cannot rewind this epoch: batches after the current one "
                 "were already delivered out of order (in_order=False, now or in the state it "
                 "resumed from)"
             )
-        consumed = epoch._progress.pass_positions() * (self.batch_size or 1)
-        ended = sampler.pass_ended
-        position = int(mixture.set_weights(weights, at_position=sampler.position_after(consumed)))
-        redispatch = getattr(epoch, "redispatch", None)
-        if redispatch is not None:
+        consumed = progress.pass_positions() * (self.batch_size or 1)
+
+        def change() -> int:
+            ended = sampler.pass_ended
+            position = mixture.set_weights(weights, at_position=sampler.position_after(consumed))
             # A pass that had handed out its last index restarts at the position: a new one.
-            redispatch(new_pass=ended and not sampler.pass_ended)
+            epoch.redispatch(new_pass=ended and not sampler.pass_ended)
+            return int(position)
+
+        facade = self._device_facade() if self._device_facade is not None else None
+        if facade is None or facade._progress is not progress:
+            return change()
+        # The transfer thread draws from the sampler: stop it, and take back from the host
+        # epoch the batches it holds, before the sampler is rewound.
+        position = int(facade.rewound(change))
+        if self._transfer_thread is not None:
+            self._transfer_thread = facade.transfer_thread  # what the next iter() waits for
         return position
 
     def state_dict(self) -> dict[str, Any]:

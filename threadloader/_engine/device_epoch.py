@@ -71,6 +71,27 @@ def host_collate(loader: Any, collate_fn: Callable[[Any], Any], pin: bool) -> Ca
     return collate_fn
 
 
+def copy_progress(progress: Progress) -> Progress:
+    """A copy of ``progress`` that shares none of the lists an epoch changes in place."""
+    return dataclasses.replace(
+        progress,
+        dataset_states=list(progress.dataset_states or []) or None,
+        rng_states=list(progress.rng_states or []) or None,
+        workers_alive=list(progress.workers_alive),
+        worker_batches=list(progress.worker_batches),
+        sampler_snapshots={},  # the transfer thread's own: nothing reads them from here
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostTag:
+    """What rides with a host batch: the epoch's progress after it, and how many batches
+    (errors included) the epoch had handed out with it."""
+
+    progress: Progress
+    handed_out: int
+
+
 class _HostBatches:
     """What the transfer thread pulls: host batches, each tagged with the progress after it.
 
@@ -79,22 +100,21 @@ class _HostBatches:
 
     def __init__(self, epoch: Any) -> None:
         self._epoch = epoch
+        self.handed_out = 0  # batches next() returned or raised for (not StopIteration)
 
     def __iter__(self) -> _HostBatches:
         return self
 
     def __next__(self) -> Tagged[Any]:
-        batch = next(self._epoch)
-        progress: Progress = self._epoch._progress
-        snapshot = dataclasses.replace(
-            progress,
-            dataset_states=list(progress.dataset_states or []) or None,
-            rng_states=list(progress.rng_states or []) or None,
-            workers_alive=list(progress.workers_alive),
-            worker_batches=list(progress.worker_batches),
-            sampler_snapshots={},  # the transfer thread's own: nothing reads them from here
-        )
-        return Tagged(batch, snapshot)
+        try:
+            batch = next(self._epoch)
+        except StopIteration:
+            raise
+        except Exception:
+            self.handed_out += 1  # a worker's error takes its batch's place
+            raise
+        self.handed_out += 1
+        return Tagged(batch, _HostTag(copy_progress(self._epoch._progress), self.handed_out))
 
 
 def _close(prefetcher: DevicePrefetcher[Any]) -> None:
@@ -137,8 +157,13 @@ class DeviceEpochIterator:
         self._stats.attach_consumer()  # before the transfer thread starts draining the epoch
         self._epoch_ref = weakref.ref(epoch)
         self._workers: list[Any] = epoch._workers  # the host epoch's workers
+        self._host = _HostBatches(epoch)
+        # The loop, not the transfer thread, reaches the end: until then batches may be taken
+        # back (``rewound``) and made again by the same workers. Closing this closes the epoch.
+        epoch.closed_by_consumer = True
+        self._received = 0  # of the host epoch's batches (and errors), by the loop
         self._prefetcher: DevicePrefetcher[Any] = DevicePrefetcher(
-            _HostBatches(epoch),
+            self._host,
             loader.device,
             device_prefetch(loader),
             pool=getattr(loader, "_staging", None),
@@ -169,9 +194,14 @@ class DeviceEpochIterator:
         except KeyboardInterrupt:
             self.close()
             raise
+        except Exception:
+            self._received += 1
+            raise
         finally:
             self._stats.on_consumer_wait(time.perf_counter() - start, delivered, ended)
-        self._progress.__dict__.update(tagged.tag.__dict__)
+        tag: _HostTag = tagged.tag
+        self._progress.__dict__.update(tag.progress.__dict__)
+        self._received = tag.handed_out
         issued = self._prefetcher.stats().issue_s
         self._stats.caller.add("transfer", issued - self._issued)
         self._issued = issued
@@ -185,6 +215,37 @@ class DeviceEpochIterator:
     def close(self) -> None:
         """Stop the transfer thread (and, unless persistent, the workers). Idempotent."""
         self._finalizer()
+
+    def rewound(self, change: Callable[[], Any]) -> Any:
+        """Run ``change`` with the host epoch back at the loop's position, then go on from it.
+
+        For a live change of the index stream (``ThreadDataLoader.set_mixture_weights``): the
+        transfer thread stops pulling; the batches it holds are dropped and the host epoch
+        takes back those it had handed out past the loop (``take_back``), so that ``change``
+        sees the sampler, the progress and the workers as the loop does; a new transfer thread
+        then pulls what ``change`` dispatched. Call it from the thread that iterates.
+
+        Args:
+            change: rewinds the sampler to the loop's position and redispatches the host epoch.
+
+        Returns:
+            What ``change`` returned.
+
+        Raises:
+            RuntimeError: this epoch was closed.
+        """
+        epoch = self._epoch_ref()
+        if epoch is None:
+            raise RuntimeError("this epoch was closed")
+        outcome: list[Any] = []
+
+        def rewind() -> None:
+            epoch.take_back(copy_progress(self._progress), self._received)
+            self._host.handed_out = self._received
+            outcome.append(change())
+
+        self._prefetcher.restart(rewind)
+        return outcome[0]
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         raise RuntimeError("a device epoch is not reset; iter(loader) makes a new one")

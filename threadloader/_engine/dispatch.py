@@ -42,6 +42,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._engine import dataset_state
 from threadloader._engine.datapipes import graph_walks, sharding_init_fn
+from threadloader._engine.device_epoch import device_prefetch
 from threadloader._engine.profiled_next import ProfiledNext
 from threadloader._engine.state import (
     Progress,
@@ -82,6 +83,13 @@ def prefetch_factor(loader: Any) -> int:
             "prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"
         )
     return int(factor)
+
+
+def _rng_history(loader: Any) -> int:
+    """Generator states a worker keeps, one after each of its latest batches and one more:
+    enough to go back past every batch the loop has not received (``Worker.start_epoch``)."""
+    held = device_prefetch(loader) if loader.device is not None else 0
+    return int(loader.prefetch_factor or 1) + held + 2
 
 
 class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
@@ -136,6 +144,21 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         """Start the workers' next generation, dropping the tasks they have not started: a
         persistent epoch's (with the iterator's new shared seed), or a redispatch's."""
         raise NotImplementedError
+
+    #: Set by a consumer that closes this epoch itself once it has delivered the end (the
+    #: device transfer stage, which may still take back batches and redispatch).
+    closed_by_consumer = False
+
+    def _closes_at_end(self) -> bool:
+        """Whether the epoch closes (stops its workers) as the sampler's end is reached."""
+        return not self._persistent_workers and not self.closed_by_consumer
+
+    def take_back(self, progress: Progress, handed_out: int) -> None:
+        """Forget the batches handed out after the first ``handed_out`` of this epoch, which
+        a consumer dropped (``device_epoch``'s transfer stage), and go back to ``progress``,
+        the epoch's as it handed out the last one kept. ``redispatch`` must follow."""
+        self._progress.__dict__.update(progress.__dict__)
+        self._rcvd_idx = handed_out
 
     def redispatch(self, new_pass: bool = False) -> None:
         """Drop every batch dispatched and not delivered, and dispatch again from the sampler.
@@ -195,9 +218,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             else frozenset(),
             tail_items=loader.batch_size if self._drop_last and loader.batch_size else 1,
             capture_rng=bool(loader.save_worker_rng),
-            # A live change rewinds the stream (``redispatch``); each worker may have begun up to
-            # prefetch_factor dropped batches, after its last delivered one.
-            rng_history=self._prefetch_factor + 2 if mixture_sampled(loader) else 0,
+            # A live change rewinds the stream (``redispatch``) to the loop's position; each
+            # worker may have begun up to prefetch_factor dropped batches after its last one
+            # delivered, and with device= the transfer stage holds more the loop never got.
+            rng_history=_rng_history(loader) if mixture_sampled(loader) else 0,
             resume_rng=resume.rng_states if resume is not None else None,
         )
 
@@ -456,7 +480,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                     self._fill()
                     if self._send_idx != sent:
                         continue
-                if not self._persistent_workers:
+                if self._closes_at_end():
                     self.close()
                 raise StopIteration
 

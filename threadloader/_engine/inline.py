@@ -88,6 +88,13 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
     def close(self) -> None:
         """Nothing to stop: batches are made in the calling thread."""
 
+    def take_back(self, progress: Progress, handed_out: int) -> None:
+        """Forget the batches returned after the first ``handed_out``, which a consumer dropped
+        (``device_epoch``'s transfer stage), and go back to ``progress``, as it was after the
+        last one kept. ``redispatch`` must follow."""
+        self._progress.__dict__.update(progress.__dict__)
+        self._drawn = self._behind = handed_out
+
     def redispatch(self, new_pass: bool = False) -> None:
         """The sampler was rewound to the delivered position (a live mixture-weight change):
         drop what was drawn from it and not delivered, the resume's early draw (``Predrawn``);

@@ -276,7 +276,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
         (``dispatch`` point 4), or the next index now."""
         drawn = self._next_drawn()
         if drawn is None:  # the sampler ran out (every live worker has room: none is in flight)
-            if not self._persistent_workers:
+            if self._closes_at_end():
                 self.close()
             raise StopIteration
         worker_id, index = drawn

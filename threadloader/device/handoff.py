@@ -37,14 +37,14 @@ class Handoff:
     def __init__(self, depth: int) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._items: deque[Any] = deque()
-        self._depth = depth
+        self.depth = depth
         self._used = 0
         self._closed = False
 
     def take_slot(self) -> bool:
         """Wait for a free slot and take it; False (no slot taken) once closed."""
         with self._cond:
-            while self._used >= self._depth and not self._closed:
+            while self._used >= self.depth and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return False

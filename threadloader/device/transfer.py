@@ -204,6 +204,35 @@ class _Transfer:
         self.batches += 1
         return self.copier.deliver(item)
 
+    def restart(self, rewind: Callable[[], None]) -> None:
+        """Drop the batches pulled and not delivered, run ``rewind``, then pull again.
+
+        The thread finishes the pull it is in (``on_close`` is not run: the source stays open),
+        and ``rewind`` runs here once no thread pulls, so it may move the source back; a new
+        thread then pulls on from where the source is. A Ctrl-C, or ``rewind`` raising, ends
+        the stream instead: the consumer's next ``next()`` raises.
+
+        Raises:
+            RuntimeError: the prefetcher was closed.
+        """
+        if self.state is not HandoffState.RUNNING:
+            raise RuntimeError(f"{self.name} was closed; it cannot start pulling again")
+        try:
+            dropped = self.handoff.close()  # wakes the thread if it waits for a slot
+            del dropped
+            self.finished.wait()  # as long as its pull takes: the source is not ours until then
+            self.thread.join()
+            rewind()
+        except BaseException:
+            self.abandon()
+            raise
+        self.handoff = Handoff(self.handoff.depth)
+        self.finished = threading.Event()
+        self.thread = threading.Thread(
+            target=_transfer_loop, args=(self, self.source), name=self.name, daemon=True
+        )
+        self.thread.start()
+
     def abandon(self) -> None:
         """Stop the thread without waiting for it; the exit hook joins it. Idempotent.
 
@@ -409,6 +438,23 @@ class DevicePrefetcher(Generic[T]):
     def close(self) -> None:
         """Stop pulling, drop batches not delivered, join the thread. Idempotent."""
         self._finalizer()
+
+    def restart(self, rewind: Callable[[], None]) -> None:
+        """Drop the batches not delivered and pull again, after ``rewind`` moved the source.
+
+        For a source whose later batches changed (a live mixture-weight change): the transfer
+        thread finishes the pull it is in, then ``rewind`` runs in the calling thread while no
+        thread pulls from ``source``, and a new transfer thread pulls on from there. Call it
+        from the thread that iterates.
+
+        Args:
+            rewind: moves the source back to the first batch the consumer has not received.
+
+        Raises:
+            RuntimeError: the prefetcher was closed.
+            BaseException: what ``rewind`` raised; the prefetcher is then closed.
+        """
+        self._transfer.restart(rewind)
 
     def stats(self) -> TransferStats:
         """Return a snapshot of this prefetcher's counters."""

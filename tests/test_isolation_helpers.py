@@ -329,11 +329,20 @@ def test_a_forked_helper_collects_none_of_the_objects_it_inherited(tmp_path: Any
     assert all(line.startswith("True") for line in lines), lines
 
 
+@pytest.mark.parametrize("long_tmpdir", [False, True])
 def test_building_an_isolated_loader_with_threads_running_starts_the_forkserver(
-    tmp_path: Any,
+    tmp_path: Any, long_tmpdir: bool
 ) -> None:
     """A Python thread running when the loader is built: never fork then; the forkserver starts
-    when the loader is built, so it imports torch while the script builds its model."""
+    when the loader is built, so it imports torch while the script builds its model. Its socket
+    is bound under ``TMPDIR``, and a socket path over ~100 bytes cannot be: with a longer
+    ``TMPDIR`` the helpers come from ``spawn`` instead of failing with ``OSError: AF_UNIX path
+    too long``."""
+    environ = {}
+    if long_tmpdir:
+        long_tmp = tmp_path / ("t" * max(1, 120 - len(str(tmp_path))))
+        long_tmp.mkdir()
+        environ["TMPDIR"] = str(long_tmp)
     done = _run_script(
         tmp_path,
         """
@@ -346,50 +355,21 @@ def test_building_an_isolated_loader_with_threads_running_starts_the_forkserver(
             stop = threading.Event()
             busy = threading.Thread(target=stop.wait)
             busy.start()
-            assert forkserver._forkserver._forkserver_pid is None
-            loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
-            print("started", forkserver._forkserver._forkserver_pid is not None)
-            print("zygote", zygote.server_pid() is not None)
-            print("batches", len(list(loader)))
-            stop.set()
-            busy.join()
-        """,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["started", "True", "zygote", "False", "batches", "8"]
-
-
-def test_a_tmpdir_too_long_for_the_forkserver_socket_starts_helpers_with_spawn(
-    tmp_path: Any,
-) -> None:
-    """multiprocessing binds the forkserver's socket under ``TMPDIR``, and a socket path over
-    ~100 bytes cannot be bound: where the user named no start method, the helpers come from
-    ``spawn`` instead of failing with ``OSError: AF_UNIX path too long``."""
-    long_tmp = tmp_path / ("t" * max(1, 120 - len(str(tmp_path))))
-    long_tmp.mkdir()
-    done = _run_script(
-        tmp_path,
-        """
-        import multiprocessing.forkserver as forkserver
-        import threading
-        from threadloader import ThreadDataLoader
-
-        if __name__ == "__main__":
-            stop = threading.Event()
-            busy = threading.Thread(target=stop.wait)
-            busy.start()
             try:
+                assert forkserver._forkserver._forkserver_pid is None
                 loader = ThreadDataLoader(list(range(8)), num_workers=2, isolation="process")
+                print("started", forkserver._forkserver._forkserver_pid is not None)
+                print("zygote", zygote.server_pid() is not None)
                 print("batches", [batch.tolist() for batch in loader] == [[i] for i in range(8)])
-                print("forkserver", forkserver._forkserver._forkserver_pid is not None)
             finally:
                 stop.set()
                 busy.join()
         """,
-        TMPDIR=str(long_tmp),
+        **environ,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["batches", "True", "forkserver", "False"]
+    started = str(not long_tmpdir)
+    assert done.stdout.split() == ["started", started, "zygote", "False", "batches", "True"]
 
 
 def test_a_loader_built_at_module_level_starts_one_server(tmp_path: Any) -> None:

@@ -262,6 +262,14 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     stateful_iterable = kind == "iterable" and worker_states is not None
     replay_data = kind == "iterable" and not stateful_iterable and batches > 0
     expected = max(loader.num_workers, 1)
+    if replay_data and state["in_progress"] and max(state["num_workers"], 1) != expected:
+        raise ValueError(
+            f"loader state was saved with num_workers={state['num_workers']}, this loader has "
+            f"num_workers={loader.num_workers}: an IterableDataset without state_dict resumes "
+            "by replaying "
+            "the batches each worker had delivered, and its workers shard it by their number, "
+            "so it resumes on the same number of workers"
+        )
     if worker_states is not None and len(worker_states) != expected:
         if stateful_iterable and state["in_progress"]:
             raise ValueError(

@@ -133,6 +133,8 @@ def test_options_apply_where_valid() -> None:
         threadloader.patch(isolation="thread")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="log_every_s"):
         threadloader.patch(log_every_s=0)
+    with pytest.raises(ValueError, match=r"device_prefetch=2 .* needs device="):
+        threadloader.patch(device_prefetch=2)
     assert not threadloader.is_patched()
 
 

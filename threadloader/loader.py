@@ -17,7 +17,12 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from threadloader._engine import worker_info
 from threadloader._engine.dataset_state import settle_dataset
-from threadloader._engine.device_epoch import DeviceEpochIterator, check_device_args, staging_pool
+from threadloader._engine.device_epoch import (
+    DeviceEpochIterator,
+    check_device_args,
+    refuse_prefetch_without_device,
+    staging_pool,
+)
 from threadloader._engine.device_epoch import retire as retire_device_epoch
 from threadloader._engine.inline import InlineDataLoaderIter
 from threadloader._engine.state import (
@@ -605,8 +610,4 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
             "global RNGs, which are the training script's to save); set num_workers > 0, or "
             "save_worker_rng=False"
         )
-    if loader.device is None and loader.device_prefetch is not None:
-        raise ValueError(
-            f"device_prefetch={loader.device_prefetch!r} sets how many batches wait on the "
-            "device, so it needs device= (without it batches stay on the host)"
-        )
+    refuse_prefetch_without_device(loader.device, loader.device_prefetch)

@@ -264,3 +264,16 @@ def check_device_args(device: Any, device_prefetch: Any) -> None:
             raise ValueError(f"device_prefetch must be an int >= 1, got {device_prefetch!r}")
     if device is not None:
         device_from_arg(device)
+
+
+def refuse_prefetch_without_device(device: Any, device_prefetch: Any) -> None:
+    """Refuse ``device_prefetch=`` without ``device=``, where it would be ignored.
+
+    Raises:
+        ValueError: ``device_prefetch`` is set and ``device`` is None.
+    """
+    if device is None and device_prefetch is not None:
+        raise ValueError(
+            f"device_prefetch={device_prefetch!r} sets how many batches wait on the device, so "
+            "it needs device= (without it batches stay on the host)"
+        )

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from threadloader import loader as _loader
-from threadloader._engine.device_epoch import check_device_args
+from threadloader._engine.device_epoch import check_device_args, refuse_prefetch_without_device
 from threadloader.integrations import _divert
 from threadloader.isolation.parent import check_isolation
 
@@ -61,6 +61,7 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if options.get("isolation") in ("threads",):
             raise ValueError("helpers needs isolation='process' or 'auto' (the default)")
     check_device_args(options.get("device"), options.get("device_prefetch"))
+    refuse_prefetch_without_device(options.get("device"), options.get("device_prefetch"))
     log_every_s = options.get("log_every_s")
     if log_every_s is not None and not log_every_s > 0:
         raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s}")

@@ -14,9 +14,10 @@ Where the code disagrees with these rules, the code is wrong.
    mostly waits for its batches is paced by the workers, and a slower step only shortens the
    wait.
 3. After an epoch in helpers, the loop's pace (batches per second of wall time, training steps
-   included) is compared with the last epoch in threads: if the helpers' is lower by more than
-   ``MOVE_BACK`` the workers move back to threads, and move to helpers again only once an epoch
-   in threads runs slower than the helpers did.
+   included) is compared with the last epoch in threads: if the helpers' is below ``MOVE_BACK``
+   times the threads', the workers move back to threads, and move to helpers again (point 2
+   still holding) only once an epoch in threads runs at most ``1 / MOVE_BACK`` times the
+   helpers' pace.
 4. Nothing moves when moving would change the data or cannot help: with ``persistent_workers``
    (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
    would start afresh), with fewer than 2 workers or 2 usable CPUs, after an epoch shorter than

@@ -12,9 +12,9 @@ How a read behaves; where the code disagrees with this, the code is wrong.
    dataset's read pool (``max_concurrency`` threads, shared by every loader worker, started on
    first use), the calling thread reads the last one itself. The pool's queue is bounded: with
    ``2 * max_concurrency`` reads already queued or running, the caller reads the rest itself.
-3. A read is retried on transient failures (HTTP 5xx/408/429, reset or refused connections,
-   truncated bodies, timeouts) with exponential backoff and jitter; each try has a deadline
-   (``RetryPolicy``). A good read fills the caches, then is decoded in the thread that read it.
+3. A read is retried on transient failures (HTTP 500/502/503/504/408/425/429, reset or refused
+   connections, truncated bodies, timeouts) with exponential backoff and jitter; each try has a
+   deadline (``RetryPolicy``). A good read fills the caches, then is decoded in the thread that read it.
 4. An item that cannot be delivered (missing object, permanent error, retries exhausted, decode
    error) raises ``RemoteReadError`` / ``RemoteDecodeError`` naming its URL and the last cause,
    unless ``max_skipped`` allows skipping it: then ``__getitems__`` leaves it out, so the batch is

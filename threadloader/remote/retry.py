@@ -1,8 +1,9 @@
 """Retrying one read: which failures are worth another try, and how long to wait before it.
 
-A read is retried when its failure is *transient*: the server said so (HTTP 5xx, 408, 429), the
-connection broke (reset, refused, closed early, truncated body) or the read timed out. Anything
-else (a missing object, a refused permission, a 4xx) fails at once: retrying cannot fix it.
+A read is retried when its failure is *transient*: the server said so (HTTP 500, 502, 503, 504,
+408, 425, 429), the connection broke (reset, refused, closed early, truncated body) or the read
+timed out. Anything else (a missing object, a refused permission, another 4xx or 5xx) fails at
+once: retrying cannot fix it.
 Storage clients wrap their errors differently (s3fs raises ``OSError(EIO)`` with botocore's
 ``ClientError`` as its cause, aiohttp sets ``.status``), so the whole cause chain is examined.
 
@@ -157,7 +158,7 @@ def is_transient(exc: BaseException) -> bool:
         exc: what the read raised.
 
     Returns:
-        True for HTTP 5xx/408/425/429, timeouts, broken connections and truncated bodies,
+        True for HTTP 500/502/503/504/408/425/429, timeouts, broken connections and truncated bodies,
         found on the exception or anywhere in its ``__cause__``/``__context__`` chain; False
         otherwise (missing object, permission denied, other 4xx, unknown errors).
     """

@@ -54,7 +54,8 @@ class TokenWindows(Dataset[_Window]):
     Window ``i`` is tokens ``i * seq_len ... i * seq_len + seq_len`` (inclusive) of the files'
     concatenation; ``input`` is its first ``seq_len`` tokens and ``target`` its last ``seq_len``,
     both int64 (views of one ``seq_len + 1`` tensor). Consecutive windows share one token, so every
-    token but the last is a target exactly once per epoch, as in nanoGPT and Megatron.
+    token but the first is a target (every token but the last an input) exactly once per epoch,
+    as in nanoGPT and Megatron; tokens after the last whole window are not read.
 
     Zero build: opening reads each file's size (``.npy``: its header), nothing else; each file is
     memory-mapped on its first read, by whichever thread needs it, and kept open (at most

@@ -4,9 +4,12 @@ after the resumed one as the uninterrupted run did, as torchdata's StatefulDataL
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
-from torch.utils.data import RandomSampler
+from torch.utils.data import RandomSampler, Sampler
 
 from threadloader import ThreadDataLoader
 
@@ -59,3 +62,77 @@ def test_a_samplers_own_generator_resumes_with_the_epoch(cut_epoch: int) -> None
     assert [b.tolist() for b in resumed] == rest
     assert [b.tolist() for b in resumed] == following
     assert sorted(i for b in head + rest for i in b) == list(range(24))
+
+
+class EagerPermutation(Sampler[int]):
+    """Draws its whole order from the global RNG in ``__iter__`` itself, not in a generator."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class EagerBatches(Sampler[list[int]]):
+    """A batch sampler that draws its batches from the global RNG in ``__iter__`` itself."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(torch.randperm(21).view(7, 3).tolist())
+
+    def __len__(self) -> int:
+        return 7
+
+
+@pytest.mark.parametrize(
+    ("kind", "saved_workers", "loaded_workers", "persistent"),
+    [
+        ("sampler", 0, 0, False),
+        ("sampler", 2, 2, False),
+        ("sampler", 2, 3, False),
+        ("sampler", 0, 2, False),
+        ("sampler", 2, 2, True),
+        ("batch_sampler", 0, 0, False),
+        ("batch_sampler", 2, 2, False),
+    ],
+)
+def test_a_sampler_drawing_in_iter_itself_resumes_its_own_order(
+    kind: str, saved_workers: int, loaded_workers: int, persistent: bool
+) -> None:
+    """A sampler whose ``__iter__`` returns an iterator over an order it drew from the global RNG
+    there and then (no generator function): torch's iterator calls ``iter()`` before the epoch's
+    first index is drawn, so the resumed epoch makes its iterator again under the RNG as it was
+    then, and goes on with the saved order (not one drawn from the resumed process's RNG), also
+    in a later epoch of persistent workers."""
+
+    def make(num_workers: int) -> ThreadDataLoader[Any]:
+        options: dict[str, Any] = (
+            {"sampler": EagerPermutation(21), "batch_size": None}  # the sampler, not batched
+            if kind == "sampler"
+            else {"batch_sampler": EagerBatches()}
+        )
+        return ThreadDataLoader(
+            list(range(21)), num_workers=num_workers,
+            persistent_workers=persistent and num_workers > 0, **options,
+        )  # fmt: skip
+
+    torch.manual_seed(5)
+    loader = make(saved_workers)
+    if persistent:
+        list(loader)
+    it = iter(loader)
+    head = [_flat(next(it)) for _ in range(3)]
+    state = loader.state_dict()
+    rest = [_flat(b) for b in it]
+    torch.manual_seed(6)  # the resumed process's RNG is elsewhere
+    resumed = make(loaded_workers)
+    resumed.load_state_dict(state)
+    assert [_flat(b) for b in resumed] == rest
+    assert sorted(i for b in head + rest for i in b) == list(range(21))
+
+
+def _flat(batch: Any) -> list[int]:
+    return torch.as_tensor(batch).reshape(-1).tolist()

@@ -34,7 +34,7 @@ from threadloader._engine.state import (
     stream_ended,
 )
 from threadloader._engine.state_check import parse_state
-from threadloader._engine.state_codec import decode_state, encode_rng
+from threadloader._engine.state_codec import RNG_KEYS, decode_state, encode_rng
 from threadloader._engine.stats import EpochStats, LoaderStats
 from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader._primitives.concurrency import usable_cpus
@@ -482,7 +482,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                 self.dataset, resume.worker_states[0], resume.worker_state_form, iterable, 0
             )
         self._pending_state = copy.deepcopy(dict(state))
-        for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
+        for key in RNG_KEYS:
             if isinstance(self._pending_state.get(key), torch.Tensor):
                 self._pending_state[key] = encode_rng(self._pending_state[key])
         self._undo_seed_draw = None

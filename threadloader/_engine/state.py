@@ -14,7 +14,12 @@ How state works; where the code disagrees with this, the code is wrong.
    first ``next()``): then the global RNG saved with the user's checkpoint never saw the draw,
    and it is left as the draw leaves it, as in the uninterrupted run.
    A generator of the sampler's own (``RandomSampler(generator=g)``, or the one Accelerate gives
-   a sampler it shards over processes) is snapshotted and put back the same way.
+   a sampler it shards over processes) is snapshotted and put back the same way. A sampler that
+   draws in ``__iter__`` itself (``return iter(torch.randperm(n).tolist())``) draws when torch's
+   iterator calls ``iter()`` on it, before that point: the global RNG is snapshotted right
+   before the ``iter()`` call whose iterator the epoch uses, and a resume that replays the
+   sampler makes its iterator again under that state (the resumed process's own ``iter()``
+   drew from its RNG as torch's does, and that iterator is dropped).
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
    offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
    sampler is replayed: its indices for the batches already delivered are drawn and dropped.
@@ -138,6 +143,7 @@ class Resume:
     skips: tuple[int, ...] = ()  # map-style: later positions already delivered (point 7)
     global_rng_state: torch.Tensor | None = None  # with a generator: the global RNG (point 2)
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
+    iter_rng_state: torch.Tensor | None = None  # the global RNG before iter(sampler) (point 2)
     indices_drawn: bool = True  # the pass drew its first index before the save (point 2)
     worker_batches: list[int] | None = None  # batches received from each worker (point 4)
     # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
@@ -168,6 +174,8 @@ class Progress:
     # With a loader generator, the global RNG as well: a sampler may draw from it (point 2).
     global_rng_state: torch.Tensor | None = None
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
+    # The global RNG right before iter() made the sampler iterator this epoch uses (point 2).
+    iter_rng_state: torch.Tensor | None = None
     indices_drawn: bool = False  # the pass drew an index yet (point 2)
     worker_batches: list[int] = field(default_factory=list)  # delivered from each worker
     # Per-worker dataset states as of each one's last delivered batch (point 4).
@@ -411,11 +419,22 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
             torch.get_rng_state() if progress.rng_source == "generator" else None
         )
         progress.sampler_rng_state = own.get_state() if own is not None else None
+        progress.iter_rng_state = getattr(it, "_iter_rng_state", None)
         return sampler_iter
     progress.base_seed = resume.base_seed
     progress.rng_source, progress.rng_state = resume.rng_source, resume.rng_state
     progress.global_rng_state = resume.global_rng_state
     progress.sampler_rng_state = resume.sampler_rng_state
+    progress.iter_rng_state = resume.iter_rng_state
+    if resume.iter_rng_state is not None and resume.replay_indices:
+        # Point 2: the sampler's iterator as the saved epoch made it, for one that draws in
+        # __iter__ itself; the one made here drew from this process's RNG.
+        mine = torch.get_rng_state()
+        torch.set_rng_state(resume.iter_rng_state)
+        try:
+            sampler_iter = iter(index_sampler)
+        finally:
+            torch.set_rng_state(mine)
     global_state = resume.rng_state if resume.rng_source == "global" else resume.global_rng_state
     if resume.rng_source == "generator":
         loader.generator.set_state(resume.rng_state)
@@ -675,6 +694,14 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
             else None
         ),
         "sampler_rng_state": _sampler_rng_state(loader, progress if live else None),
+        "iter_rng_state": (
+            encode_rng(progress.iter_rng_state)  # type: ignore[union-attr]
+            if live
+            and progress.iter_rng_state is not None  # type: ignore[union-attr]
+            and positional is None
+            and progress.own_sampler is None  # type: ignore[union-attr]
+            else None
+        ),
         "indices_drawn": progress.indices_drawn if live else True,  # type: ignore[union-attr]
         "worker_batches": (
             list(progress.worker_batches)  # type: ignore[union-attr]

@@ -283,13 +283,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             stacklevel=3,
         )
         worker_states = None
-    global_rng_state = state.get("global_rng_state")  # optional, as worker_rng_states
-    if global_rng_state is not None and (
-        not isinstance(global_rng_state, torch.Tensor)
-        or global_rng_state.dtype != torch.uint8
-        or global_rng_state.shape != torch.get_rng_state().shape
-    ):
-        raise ValueError("loader state global_rng_state is not a torch global RNG state")
+    global_rng_state = _global_rng(state, "global_rng_state")
+    iter_rng_state = _global_rng(state, "iter_rng_state")
     sampler_rng_state = state.get("sampler_rng_state")  # optional, as global_rng_state
     own = sampler_generator(loader)
     if sampler_rng_state is not None and (
@@ -354,11 +349,28 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         skips=tuple(skips) if kind == "map" else (),
         global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
+        iter_rng_state=iter_rng_state if state["in_progress"] else None,
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
         worker_batches=_worker_batches(state, batches) if replay_data else None,
         own_sampler_state=own_snapshot,
         own_sampler_ended=own_ended,
     )
+
+
+def _global_rng(state: Mapping[str, Any], key: str) -> torch.Tensor | None:
+    """A saved state of torch's global RNG (optional, as ``worker_rng_states``).
+
+    Raises:
+        ValueError: it is not one.
+    """
+    saved = state.get(key)
+    if saved is not None and (
+        not isinstance(saved, torch.Tensor)
+        or saved.dtype != torch.uint8
+        or saved.shape != torch.get_rng_state().shape
+    ):
+        raise ValueError(f"loader state {key} is not a torch global RNG state")
+    return saved
 
 
 def _worker_batches(state: Mapping[str, Any], batches: int) -> list[int] | None:

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+#: A loader state's top-level generator states, written as text (``encode_rng``).
+RNG_KEYS = ("rng_state", "global_rng_state", "sampler_rng_state", "iter_rng_state")
+
 
 def encode_rng(state: torch.Tensor) -> str:
     """A uint8 RNG state tensor as base64 text."""
@@ -40,7 +43,7 @@ def decode_state(state: Any) -> Any:
     if not isinstance(state, Mapping):
         return state
     decoded = dict(state)
-    for key in ("rng_state", "global_rng_state", "sampler_rng_state"):
+    for key in RNG_KEYS:
         if key in decoded:
             decoded[key] = decode_rng(decoded[key])
     return decoded

@@ -421,3 +421,20 @@ def test_an_epoch_that_moved_mid_way_counts_for_helpers_from_the_move_on() -> No
     choice = policy.next_epoch(loader, whole)
     assert choice.mode == auto.THREADS
     assert "80.0 batches/s with helper processes against 100.0 with threads" in choice.reason
+
+
+def test_the_helpers_pace_after_a_move_starts_once_the_batches_in_flight_are_delivered() -> None:
+    """Between the decision to move and the move, the worker threads deliver the batches in
+    flight quickly (20 in 0.05 s here): counted for helpers they would hide that helpers ran
+    80 batches/s against the threads' 100 (95 over the whole time after the decision)."""
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2, isolation="threads")
+    list(loader)
+    measured = loader.stats()
+    decided = dataclasses.replace(measured, batches=100, wall_s=1.0)
+    began = dataclasses.replace(measured, batches=120, wall_s=1.05)
+    whole = dataclasses.replace(measured, batches=200, wall_s=2.05)
+    policy = auto.AutoIsolation()
+    policy.moved(auto.Choice(auto.PROCESS, "moved", helpers=2), decided, began)
+    choice = policy.next_epoch(loader, whole)
+    assert choice.mode == auto.THREADS
+    assert "80.0 batches/s with helper processes against 100.0 with threads" in choice.reason

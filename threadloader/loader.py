@@ -527,11 +527,13 @@ class ThreadDataLoader(DataLoader[T_co]):
             )
 
 
-def _moved(loader_ref: weakref.ref[Any], choice: Choice, before: LoaderStats) -> None:
+def _moved(
+    loader_ref: weakref.ref[Any], choice: Choice, before: LoaderStats, since: LoaderStats
+) -> None:
     """Record that the first epoch moved into helpers (``mid_epoch``), for ``stats()``."""
     loader = loader_ref()
     if loader is not None:
-        loader._auto.moved(choice, before)
+        loader._auto.moved(choice, before, since)
         loader._epoch_choice = choice
 
 

@@ -218,15 +218,18 @@ class AutoIsolation:
         )
         return self.choice
 
-    def moved(self, choice: Choice, before: LoaderStats) -> None:
+    def moved(self, choice: Choice, before: LoaderStats, since: LoaderStats | None = None) -> None:
         """Record a move into helpers in the middle of the first epoch (``mid_epoch``).
 
         Args:
             choice: where the rest of the epoch runs, and why.
-            before: the epoch's stats up to the move: the threads' pace.
+            before: the epoch's stats up to the decision to move: the threads' pace.
+            since: the epoch's stats as the move began, once the batches in flight were
+                delivered (``before`` if None): the helpers' pace counts from there, their
+                start included; the threads' last batches count for neither.
         """
         self.choice = choice
-        self._moved_at = before
+        self._moved_at = before if since is None else since
         pace = loop_pace(before)
         if pace is not None:
             self._pace[THREADS] = pace

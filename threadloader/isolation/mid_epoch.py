@@ -63,7 +63,7 @@ MIN_REMAINING_S = 1.0
 def mover_for(
     loader: Any,
     epoch: ThreadedDataLoaderIter,
-    on_move: Callable[[Choice, LoaderStats], None],
+    on_move: Callable[[Choice, LoaderStats, LoaderStats], None],
     pickling_problem: Callable[[], str | None],
 ) -> MidEpochMove | None:
     """A ``MidEpochMove`` for ``epoch`` when point 1 allows one, else None.
@@ -71,7 +71,8 @@ def mover_for(
     Args:
         loader: the ``ThreadDataLoader``.
         epoch: its first epoch's threaded iterator.
-        on_move: called with the ``Choice`` and the stats before the move, once it moved.
+        on_move: called once it moved, with the ``Choice``, the stats when the move was decided
+            and those when it began (the batches in flight delivered).
         pickling_problem: what a helper could not receive pickled, or None (point 1).
     """
     if (
@@ -90,7 +91,8 @@ class MidEpochMove:
 
     Args:
         helpers: how many helper processes.
-        on_move: called with the ``Choice`` and the epoch's stats before the move, once moved.
+        on_move: called once moved, with the ``Choice``, the epoch's stats when the move was
+            decided and those when it began (the batches in flight delivered).
         pickling_problem: what a helper could not receive pickled, or None.
         clock: a monotonic clock in seconds.
     """
@@ -98,7 +100,7 @@ class MidEpochMove:
     def __init__(
         self,
         helpers: int,
-        on_move: Callable[[Choice, LoaderStats], None],
+        on_move: Callable[[Choice, LoaderStats, LoaderStats], None],
         pickling_problem: Callable[[], str | None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -142,6 +144,7 @@ class MidEpochMove:
         """Join the threads and carry the workers on in helpers (point 4); False: declined."""
         if not zygote.may_fork(besides=epoch.pool.alive_threads):
             return False  # a thread started since: stay in threads
+        began = epoch.stats_so_far()  # the batches in flight were delivered: helpers' from here
         epoch.join_threads()
         if not zygote.may_fork():
             return False  # the training thread makes every batch from here on
@@ -164,5 +167,5 @@ class MidEpochMove:
             f"process{'es' if count > 1 else ''}",
             helpers=count,
         )
-        self._on_move(choice, self._stats)
+        self._on_move(choice, self._stats, began)
         return True

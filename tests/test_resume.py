@@ -1552,6 +1552,48 @@ def test_a_sampler_keeping_its_own_state_resumes_from_an_epochs_edges(
     assert seen + [b.tolist() for _ in range(passes) for b in resumed] == uninterrupted
 
 
+class EmptySecondEpoch(EpochCountingOrder):
+    """The same sampler, whose second pass yields nothing; its epoch count moves on all the same
+    (a curriculum stage with no samples)."""
+
+    def __iter__(self) -> Iterator[int]:
+        if self.epoch != 1:
+            yield from super().__iter__()
+            return
+        self.resume_at = None
+        self.epoch, self.yielded = self.epoch + 1, 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", ["after the empty pass", "after the next pass's iter()"])
+def test_a_pass_that_drew_nothing_is_run_out_from_where_it_began(
+    cut: str, num_workers: int
+) -> None:
+    """A state taken after a pass that drew no index (or before the next pass's first batch)
+    resumes the pass after it: the resume runs the empty pass out from the state it began with,
+    which moves the sampler's epoch on as the uninterrupted run's did, instead of running out
+    the pass before it (then the empty pass came again)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        sampler = EmptySecondEpoch(8, seed=3)
+        return ThreadDataLoader(
+            list(range(8)), batch_size=2, sampler=sampler, num_workers=num_workers
+        )
+
+    loader = make()
+    uninterrupted = [[b.tolist() for b in loader] for _ in range(4)]
+    assert uninterrupted[1] == [] and uninterrupted[2] != uninterrupted[0]
+    loader = make()
+    for _ in range(2):
+        list(loader)
+    it = iter(loader) if cut == "after the next pass's iter()" else None
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [[b.tolist() for b in resumed] for _ in range(2)] == uninterrupted[2:]
+
+
 def test_an_out_of_order_state_before_a_second_passs_first_batch_resumes_that_pass() -> None:
     """in_order=False in a sampler's second pass: later batches arrive before the slow first,
     and a state then has no position of the pass behind the loop. It holds the sampler's state

@@ -68,7 +68,9 @@ How state works; where the code disagrees with this, the code is wrong.
    and runs that pass out (``run_out``: what the pass does after its last index, an epoch
    counter, a reseed), so the next ``iter()`` starts the same pass as without the interruption.
    A pass the loop left early (``break``) is run out too, though the uninterrupted run dropped
-   it: what the sampler does after its last index then runs once more than it did.
+   it: what the sampler does after its last index then runs once more than it did. A pass that
+   ended having drawn nothing is run out from the state it began with (its ``__iter__`` ran
+   all the same, and may have moved an epoch counter on).
    A sampler's first pass in a process has no previous one: nothing is saved, and the resumed
    process's sampler starts as it was built. torch's and torchdata's samplers draw from torch
    generators and are replayed (point 3).
@@ -205,6 +207,9 @@ class Progress:
     sampler_cursor: int = 0
     sampler_ended: bool = False  # ``sampler_state`` is of the previous pass (point 11)
     last_drawn_state: SamplerSnapshot | None = None  # after the latest draw, of any pass
+    # The sampler's state as this pass began: a pass that ends having drawn nothing is run out
+    # from it (``pass_end_state``).
+    pass_start_state: SamplerSnapshot | None = None
     # The state after the pass's last index, taken before a final partial batch is drawn
     # (``own_batches``); that draw then saves it rather than the state after the pass ended.
     last_index_state: SamplerSnapshot | None = None
@@ -249,6 +254,14 @@ class Progress:
             state = self.last_index_state or SamplerSnapshot.of(self.own_sampler.state_dict())
             self.last_index_state = None
             self.last_drawn_state = self.sampler_snapshots[position + 1] = state
+
+    def pass_end_state(self) -> SamplerSnapshot | None:
+        """The state a resume loads and runs out to be where this pass left the sampler (point
+        11): after its last draw; for a pass that ended having drawn nothing (its ``__iter__``
+        still ran, and may have moved an epoch counter on), as it began."""
+        if self.exhausted and self.draws == 0 and self.pass_start_state is not None:
+            return self.pass_start_state
+        return self.last_drawn_state
 
     def _keep_sampler_state(self) -> None:
         kept = [cursor for cursor in self.sampler_snapshots if cursor <= self.done]
@@ -390,6 +403,10 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     )
     progress.draws = 0
     progress.sampler_snapshots = {}
+    own_sampler = progress.own_sampler
+    progress.pass_start_state = (
+        SamplerSnapshot.of(own_sampler.state_dict()) if own_sampler is not None else None
+    )
     index_sampler = loader._index_sampler
     if progress.own_sampler is loader.sampler and type(index_sampler) is BatchSampler:
         # torch's batching of it, not started yet: the same, keeping the state point 11 needs
@@ -406,8 +423,8 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     # Point 11: until a position of this pass is behind the loop, the state after the last draw
     # of the sampler's previous pass (this loader's latest epoch, or a loaded state's).
     previous: Progress | None = getattr(loader, "_progress", None)
-    if previous is not None and previous.last_drawn_state is not None:
-        loader._sampler_pass_end = previous.last_drawn_state
+    if previous is not None and previous.pass_end_state() is not None:
+        loader._sampler_pass_end = previous.pass_end_state()
     pass_end = getattr(loader, "_sampler_pass_end", None)
     progress.sampler_state, progress.sampler_cursor = pass_end, 0
     progress.sampler_ended, progress.last_drawn_state = pass_end is not None, pass_end
@@ -645,7 +662,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         ahead = [*range(position, progress.done), *ahead]  # type: ignore[union-attr]
     elif fresh and progress is not None and progress.own_sampler is not None:
         # Between epochs: the state after the finished (or left) pass's last draw.
-        sampler_state = thawed(progress.last_drawn_state)
+        sampler_state = thawed(progress.pass_end_state())
         sampler_ended = sampler_state is not None
     # Between epochs, what carries state into the next one: without workers, the loader's own
     # dataset; with persistent workers, their dataset copies and generators (point 8). Other

@@ -605,6 +605,118 @@ def test_a_live_change_with_device_drops_the_transfer_stage(
     assert expected == _augmented_epoch(cut * 4, None, 0.0, num_workers=num_workers)
 
 
+class FailsAt(Dataset[int]):
+    """Items ``base + i``; reading one in ``bad`` raises."""
+
+    def __init__(self, base: int, n: int, bad: frozenset[int]) -> None:
+        self.base, self.n, self.bad = base, n, bad
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if self.base + i in self.bad:
+            raise ValueError(f"item {self.base + i} is corrupt")
+        return self.base + i
+
+
+def _outcomes(it: Iterator[torch.Tensor]) -> list[Any]:
+    """Each remaining batch as a list, or "error" where the batch raised ValueError."""
+    got: list[Any] = []
+    while True:
+        try:
+            got.append(next(it).tolist())
+        except ValueError:
+            got.append("error")
+        except StopIteration:
+            return got
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_live_change_right_after_an_error_applies_after_the_failed_batch(
+    num_workers: int, resume: bool
+) -> None:
+    """The loop received batch 5 as its error (its positions are used, as in torch), then
+    changed the weights: with device= as without, they apply from position 48, and a state taken
+    then resumes the same stream; the error rides the transfer stage in its batch's place."""
+    bad = frozenset({_mixture_reference(10**6)[8 * 5 + 3]})
+
+    def make(device: str | None) -> ThreadDataLoader[Any]:
+        sources = {"a": FailsAt(1000, 97, bad), "b": FailsAt(2000, 61, bad)}
+        mixture = Mixture(sources, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=400)
+        return ThreadDataLoader(
+            mixture, batch_size=8, sampler=sampler, num_workers=num_workers, device=device
+        )
+
+    def run(device: str | None) -> tuple[int, list[Any]]:
+        loader = make(device)
+        it = iter(loader)
+        got = _outcomes(itertools.islice(it, 6))
+        time.sleep(0.05)  # the transfer stage fills
+        position = loader.set_mixture_weights({"a": 0.1, "b": 0.9})
+        if resume:
+            state = loader.state_dict()
+            del it
+            loader = make(device)
+            loader.load_state_dict(state)
+            it = iter(loader)
+        return position, got + _outcomes(it)
+
+    expected = run(None)
+    assert expected[0] == 48 and expected[1][5] == "error"
+    assert run("cpu") == expected
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_invalid_weights_during_an_epoch_change_nothing(
+    device: str | None, num_workers: int
+) -> None:
+    """Refused weights raise before anything stops: with device= too, the epoch goes on with
+    the old weights (the transfer thread keeps its batches)."""
+    mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+    sampler = MixtureSampler(mixture, samples_per_epoch=400)
+    loader = ThreadDataLoader(
+        mixture, batch_size=8, sampler=sampler, num_workers=num_workers, device=device
+    )
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    with pytest.raises(ValueError, match="'a'"):
+        loader.set_mixture_weights({"a": -1.0, "b": 1.0})
+    got += list(it)
+    assert torch.cat(got).tolist() == _mixture_reference(10**6)
+
+
+def test_a_live_change_before_the_first_batch_with_device_resumes_the_augmentations() -> None:
+    """A change before the first next() with device=, one batch, a state with the workers'
+    generators: the resume gives the rest of the run, augmentations included. The loop's
+    progress is its own copy from the start, never the host epoch's lists, which the transfer
+    thread moves on for batches the change drops."""
+
+    def make() -> ThreadDataLoader[Any]:
+        sources = {"a": Augmented(1000, 97), "b": Augmented(2000, 61)}
+        mixture = Mixture(sources, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=80)
+        return ThreadDataLoader(
+            mixture, batch_size=4, sampler=sampler, num_workers=2, device="cpu",
+            save_worker_rng=True,
+        )  # fmt: skip
+
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    time.sleep(0.1)  # the transfer thread pulls batches
+    loader.set_mixture_weights({"a": 0.1, "b": 0.9})
+    next(it)
+    state = loader.state_dict()
+    rest = torch.cat(list(it)).tolist()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert torch.cat(list(resumed)).tolist() == rest
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_live_change_with_device_resumes_as_the_changed_stream(num_workers: int) -> None:
     """A live change with device= applies from the loop's next batch, whatever the transfer

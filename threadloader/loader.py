@@ -385,8 +385,10 @@ class ThreadDataLoader(DataLoader[T_co]):
             TypeError: the loader's sampler is not a ``MixtureSampler``.
             ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
                 workers and ``in_order=False`` is running (nothing changed).
+            RuntimeError: with ``device=``, the running epoch was closed (``close()``, Ctrl-C).
         """
         from threadloader.streams import MixtureSampler
+        from threadloader.streams.mixing import check_weights
 
         sampler = self.sampler
         if not isinstance(sampler, MixtureSampler):
@@ -395,6 +397,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                 f"{type(sampler).__name__}"
             )
         mixture: Any = self.dataset
+        check_weights(weights, mixture.names)  # before anything stops: nothing changes then
         epoch = self._host_epoch() if self._host_epoch is not None else None
         progress = self._progress  # the loop's: with device=, behind the host epoch's
         if epoch is None or progress is None or progress.exhausted:

@@ -28,6 +28,7 @@ from torch.utils.data import default_collate
 
 from threadloader._engine.state import Progress
 from threadloader._primitives.finalizers import Finalizer
+from threadloader.device.handoff import failure
 from threadloader.device.pinned import BufferPool, pinned_allocator, pinning_collate
 from threadloader.device.recycle import RecyclingCollate
 from threadloader.device.transfer import DevicePrefetcher, Tagged, device_from_arg
@@ -84,6 +85,14 @@ def copy_progress(progress: Progress) -> Progress:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Raised:
+    """A host batch whose making raised: the error rides the transfer stage in its batch's
+    place, tagged like a batch, so that the loop's progress counts it when it is raised."""
+
+    exc: BaseException
+
+
+@dataclasses.dataclass(frozen=True)
 class _HostTag:
     """What rides with a host batch: the epoch's progress after it, and how many batches
     (errors included) the epoch had handed out with it."""
@@ -107,12 +116,12 @@ class _HostBatches:
 
     def __next__(self) -> Tagged[Any]:
         try:
-            batch = next(self._epoch)
+            batch: Any = next(self._epoch)
         except StopIteration:
             raise
-        except Exception:
-            self.handed_out += 1  # a worker's error takes its batch's place
-            raise
+        except Exception as exc:  # noqa: BLE001  # a worker's error takes its batch's place
+            batch = _Raised(failure(exc).exc)  # its frames' locals cleared, as a Failure's
+            del exc
         self.handed_out += 1
         return Tagged(batch, _HostTag(copy_progress(self._epoch._progress), self.handed_out))
 
@@ -152,7 +161,7 @@ class DeviceEpochIterator:
     """
 
     def __init__(self, loader: Any, epoch: Any, persistent: bool) -> None:
-        self._progress = dataclasses.replace(epoch._progress)  # what the loop has received
+        self._progress = copy_progress(epoch._progress)  # what the loop has received
         self._stats = epoch._stats
         self._stats.attach_consumer()  # before the transfer thread starts draining the epoch
         self._epoch_ref = weakref.ref(epoch)
@@ -187,7 +196,7 @@ class DeviceEpochIterator:
         delivered = ended = False
         try:
             tagged = next(self._prefetcher)
-            delivered = True
+            delivered = not isinstance(tagged.batch, _Raised)
         except StopIteration:
             self._progress.exhausted = ended = True
             raise
@@ -195,13 +204,20 @@ class DeviceEpochIterator:
             self.close()
             raise
         except Exception:
-            self._received += 1
+            self._received += 1  # a failed copy: its host batch was handed out
             raise
         finally:
             self._stats.on_consumer_wait(time.perf_counter() - start, delivered, ended)
         tag: _HostTag = tagged.tag
         self._progress.__dict__.update(tag.progress.__dict__)
         self._received = tag.handed_out
+        if not delivered:
+            exc = tagged.batch.exc
+            del tagged
+            try:
+                raise exc
+            finally:
+                del exc  # the traceback holds this frame: no cycle through the exception
         issued = self._prefetcher.stats().issue_s
         self._stats.caller.add("transfer", issued - self._issued)
         self._issued = issued

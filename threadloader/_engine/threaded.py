@@ -12,7 +12,8 @@ where the code disagrees with this, the code is wrong.
    costs more than the item. Map-style datasets only (an IterableDataset's iterator lives in its
    worker), with ``in_order=True`` only (out of order, the loop takes whichever batch a worker
    finishes first), and never under a ``timeout``.
-2. Drained: the last batch is delivered, the workers are joined (unless persistent), and
+2. Drained: the last batch is delivered, the workers are joined (unless persistent, or with
+   ``device=``, whose epoch closes this one when the loop reaches its end), and
    ``StopIteration`` is raised.
 3. Worker error: raised by ``__next__`` at that batch's turn, with the worker id, the batch's
    indices and the original traceback; as in torch, the epoch goes on if ``next()`` is called

@@ -223,15 +223,15 @@ class _Transfer:
             self.finished.wait()  # as long as its pull takes: the source is not ours until then
             self.thread.join()
             rewind()
+            self.handoff = Handoff(self.handoff.depth)
+            self.finished = threading.Event()
+            self.thread = threading.Thread(
+                target=_transfer_loop, args=(self, self.source), name=self.name, daemon=True
+            )
+            self.thread.start()
         except BaseException:
-            self.abandon()
+            self.abandon()  # a new thread, if it started, sees its hand-off closed and exits
             raise
-        self.handoff = Handoff(self.handoff.depth)
-        self.finished = threading.Event()
-        self.thread = threading.Thread(
-            target=_transfer_loop, args=(self, self.source), name=self.name, daemon=True
-        )
-        self.thread.start()
 
     def abandon(self) -> None:
         """Stop the thread without waiting for it; the exit hook joins it. Idempotent.

@@ -702,6 +702,29 @@ def test_a_caught_worker_error_counts_as_a_used_batch_in_the_state(
     assert sorted(seen + rest) == [i for i in range(16) if i != 5]
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_taken_right_after_an_error_resumes_after_the_failed_batch(
+    num_workers: int, device: str | None
+) -> None:
+    """The error was the last thing the loop received: the state counts its batch as used, also
+    with device=, where the error rides the transfer stage in its batch's place."""
+
+    def make() -> Any:
+        return ThreadDataLoader(FailsAt(), batch_size=1, num_workers=num_workers, device=device)
+
+    loader = make()
+    it = iter(loader)
+    seen = [int(next(it)) for _ in range(5)]
+    with pytest.raises(ValueError, match="item 5"):
+        next(it)
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert seen + [int(b) for b in resumed] == [i for i in range(16) if i != 5]
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -1564,34 +1587,47 @@ class EmptySecondEpoch(EpochCountingOrder):
         self.epoch, self.yielded = self.epoch + 1, 0
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("cut", ["after the empty pass", "after the next pass's iter()"])
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    "cut", ["after the empty pass", "after the next pass's iter()", "leaving the empty pass"]
+)
 def test_a_pass_that_drew_nothing_is_run_out_from_where_it_began(
-    cut: str, num_workers: int
+    cut: str, num_workers: int, persistent: bool
 ) -> None:
     """A state taken after a pass that drew no index (or before the next pass's first batch)
     resumes the pass after it: the resume runs the empty pass out from the state it began with,
     which moves the sampler's epoch on as the uninterrupted run's did, instead of running out
-    the pass before it (then the empty pass came again)."""
+    the pass before it (then the empty pass came again). Also when the loop left the empty pass
+    before its first next(), after workers had drawn ahead to its end; and with persistent
+    workers, whose epochs share one progress record."""
 
     def make() -> ThreadDataLoader[Any]:
-        sampler = EmptySecondEpoch(8, seed=3)
         return ThreadDataLoader(
-            list(range(8)), batch_size=2, sampler=sampler, num_workers=num_workers
-        )
+            list(range(8)), batch_size=2, sampler=EmptySecondEpoch(8, seed=3),
+            num_workers=num_workers, persistent_workers=persistent,
+        )  # fmt: skip
+
+    def passes(loader: ThreadDataLoader[Any], count: int) -> list[list[Any]]:
+        return [[b.tolist() for b in loader] for _ in range(count)]
 
     loader = make()
-    uninterrupted = [[b.tolist() for b in loader] for _ in range(4)]
-    assert uninterrupted[1] == [] and uninterrupted[2] != uninterrupted[0]
-    loader = make()
-    for _ in range(2):
+    list(loader)
+    if cut == "leaving the empty pass":
+        it = iter(loader)
+        time.sleep(0.1)  # workers draw ahead, to the pass's end
+        del it
+        state = loader.state_dict()
+        following = passes(loader, 2)
+    else:
         list(loader)
-    it = iter(loader) if cut == "after the next pass's iter()" else None
-    state = loader.state_dict()
-    del it
+        it = iter(loader) if cut == "after the next pass's iter()" else None
+        state = loader.state_dict()
+        del it
+        following = passes(make(), 4)[2:]
+        assert following[0] and following[0] != passes(make(), 1)[0]
     resumed = make()
     resumed.load_state_dict(state)
-    assert [[b.tolist() for b in resumed] for _ in range(2)] == uninterrupted[2:]
+    assert passes(resumed, 2) == following
 
 
 def test_an_out_of_order_state_before_a_second_passs_first_batch_resumes_that_pass() -> None:

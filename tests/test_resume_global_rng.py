@@ -87,6 +87,7 @@ class EagerBatches(Sampler[list[int]]):
         return 7
 
 
+@pytest.mark.parametrize("cut", [0, 3])
 @pytest.mark.parametrize(
     ("kind", "saved_workers", "loaded_workers", "persistent"),
     [
@@ -100,13 +101,13 @@ class EagerBatches(Sampler[list[int]]):
     ],
 )
 def test_a_sampler_drawing_in_iter_itself_resumes_its_own_order(
-    kind: str, saved_workers: int, loaded_workers: int, persistent: bool
+    kind: str, saved_workers: int, loaded_workers: int, persistent: bool, cut: int
 ) -> None:
     """A sampler whose ``__iter__`` returns an iterator over an order it drew from the global RNG
     there and then (no generator function): torch's iterator calls ``iter()`` before the epoch's
     first index is drawn, so the resumed epoch makes its iterator again under the RNG as it was
     then, and goes on with the saved order (not one drawn from the resumed process's RNG), also
-    in a later epoch of persistent workers."""
+    in a later epoch of persistent workers, and before the first batch reached the loop."""
 
     def make(num_workers: int) -> ThreadDataLoader[Any]:
         options: dict[str, Any] = (
@@ -124,7 +125,7 @@ def test_a_sampler_drawing_in_iter_itself_resumes_its_own_order(
     if persistent:
         list(loader)
     it = iter(loader)
-    head = [_flat(next(it)) for _ in range(3)]
+    head = [_flat(next(it)) for _ in range(cut)]
     state = loader.state_dict()
     rest = [_flat(b) for b in it]
     torch.manual_seed(6)  # the resumed process's RNG is elsewhere

@@ -184,7 +184,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
             for _ in range((self._round_robin_start + self._rcvd_idx) % self._num_workers):
                 next(self._worker_queue_idx_cycle)
-        self._sampler_done = False  # rewound
+        self._sampler_done = self._progress.pass_ran_out = False  # rewound
         self._sampler_iter = without_predrawn(self._sampler_iter)  # its early draw is stale
         if new_pass:
             start_new_pass(self)
@@ -405,7 +405,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         try:
             index = self._next_index()
         except StopIteration:
-            self._sampler_done = True
+            self._sampler_done = self._progress.pass_ran_out = True
             return None
         worker_id = self._next_worker()
         return None if worker_id is None else (worker_id, index)

@@ -210,6 +210,7 @@ class Progress:
     # The sampler's state as this pass began: a pass that ends having drawn nothing is run out
     # from it (``pass_end_state``).
     pass_start_state: SamplerSnapshot | None = None
+    pass_ran_out: bool = False  # the sampler's iterator ended (workers draw ahead of the loop)
     # The state after the pass's last index, taken before a final partial batch is drawn
     # (``own_batches``); that draw then saves it rather than the state after the pass ended.
     last_index_state: SamplerSnapshot | None = None
@@ -257,9 +258,10 @@ class Progress:
 
     def pass_end_state(self) -> SamplerSnapshot | None:
         """The state a resume loads and runs out to be where this pass left the sampler (point
-        11): after its last draw; for a pass that ended having drawn nothing (its ``__iter__``
+        11): after its last draw; for a pass that ran out having drawn nothing (its ``__iter__``
         still ran, and may have moved an epoch counter on), as it began."""
-        if self.exhausted and self.draws == 0 and self.pass_start_state is not None:
+        ran_out = self.exhausted or self.pass_ran_out
+        if ran_out and self.draws == 0 and self.pass_start_state is not None:
             return self.pass_start_state
         return self.last_drawn_state
 
@@ -391,7 +393,13 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     """
     sampler_iter: Iterator[Any] = it._sampler_iter
     progress: Progress = it._progress
+    # Point 11: the sampler's previous pass (this loader's latest epoch, possibly this very
+    # progress, reused by persistent workers), read before the new pass resets it.
+    previous: Progress | None = getattr(loader, "_progress", None)
+    if previous is not None and previous.pass_end_state() is not None:
+        loader._sampler_pass_end = previous.pass_end_state()
     progress.exhausted = False
+    progress.pass_ran_out = False
     progress.resumed_batches = 0
     progress.done = progress.pass_start = 0
     progress.ahead = progress.pass_skips = ()
@@ -422,9 +430,6 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
         )
     # Point 11: until a position of this pass is behind the loop, the state after the last draw
     # of the sampler's previous pass (this loader's latest epoch, or a loaded state's).
-    previous: Progress | None = getattr(loader, "_progress", None)
-    if previous is not None and previous.pass_end_state() is not None:
-        loader._sampler_pass_end = previous.pass_end_state()
     pass_end = getattr(loader, "_sampler_pass_end", None)
     progress.sampler_state, progress.sampler_cursor = pass_end, 0
     progress.sampler_ended, progress.last_drawn_state = pass_end is not None, pass_end
@@ -443,7 +448,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.global_rng_state = resume.global_rng_state
     progress.sampler_rng_state = resume.sampler_rng_state
     progress.iter_rng_state = resume.iter_rng_state
-    if resume.iter_rng_state is not None and resume.replay_indices:
+    if resume.iter_rng_state is not None:
         # Point 2: the sampler's iterator as the saved epoch made it, for one that draws in
         # __iter__ itself; the one made here drew from this process's RNG.
         mine = torch.get_rng_state()
@@ -659,6 +664,11 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         sampler_state = thawed(progress.sampler_state)  # type: ignore[union-attr]
         sampler_ended = progress.sampler_ended  # type: ignore[union-attr]
         position = progress.sampler_cursor  # type: ignore[union-attr]
+        end = progress.pass_end_state()  # type: ignore[union-attr]
+        if end is not progress.last_drawn_state:  # type: ignore[union-attr]
+            # This pass ran out having drawn nothing (workers draw ahead of the loop): a resume
+            # runs it out again from where it began, as between epochs.
+            sampler_state, sampler_ended = thawed(end), True
         ahead = [*range(position, progress.done), *ahead]  # type: ignore[union-attr]
     elif fresh and progress is not None and progress.own_sampler is not None:
         # Between epochs: the state after the finished (or left) pass's last draw.

@@ -349,7 +349,10 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         skips=tuple(skips) if kind == "map" else (),
         global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
-        iter_rng_state=iter_rng_state if state["in_progress"] else None,
+        # A sampler replayed from RNG states (point 3), also before its first index is behind.
+        iter_rng_state=iter_rng_state
+        if state["in_progress"] and kind == "map" and positional is None and own_state is None
+        else None,
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
         worker_batches=_worker_batches(state, batches) if replay_data else None,
         own_sampler_state=own_snapshot,

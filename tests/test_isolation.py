@@ -516,12 +516,17 @@ def _waits(loader: ThreadDataLoader[Any]) -> tuple[list[int], int, int]:
 @pytest.mark.skipif(link.usable_cpus() < 2, reason="polls only with a CPU to spare")
 def test_short_waits_for_cheap_batches_are_polled_not_slept() -> None:
     """One fetching thread making sub-millisecond batches: the loop polls and never sleeps."""
-    loader = IsolatedLoader(SlowItems(n=300, delay=0.0002), batch_size=None, num_workers=1)
-    got, polled, spun = _waits(loader)
-    assert got == list(range(300))
-    # Most waits (~298 of 300 with a CPU to spare); a busy CPU (another test process beside
-    # this one) stretches some past the polling window, which ends the polling for a while.
-    assert spun >= 30, (polled, spun)
+    counts = []
+    for _ in range(3):  # a loaded machine may keep the loop off the CPU for a whole run
+        loader = IsolatedLoader(SlowItems(n=300, delay=0.0002), batch_size=None, num_workers=1)
+        got, polled, spun = _waits(loader)
+        assert got == list(range(300))
+        # Most waits (~298 of 300 with a CPU to spare); a busy CPU (another test process beside
+        # this one) stretches some past the polling window, which ends the polling for a while.
+        counts.append((polled, spun))
+        if spun >= 30:
+            return
+    raise AssertionError(f"fewer than 30 of 300 waits polled to their batch in 3 runs: {counts}")
 
 
 def test_waits_longer_than_the_polling_window_sleep() -> None:

@@ -116,12 +116,16 @@ class _HostBatches:
 
     def __next__(self) -> Tagged[Any]:
         try:
-            batch: Any = next(self._epoch)
+            batch = next(self._epoch)
         except StopIteration:
             raise
         except Exception as exc:  # noqa: BLE001  # a worker's error takes its batch's place
-            batch = _Raised(failure(exc).exc)  # its frames' locals cleared, as a Failure's
-            del exc
+            # Its frames' locals cleared, as a Failure's; and never a local of this frame, which
+            # its traceback holds: the cycle would keep the loop's iterator alive.
+            return self._tagged(_Raised(failure(exc).exc))
+        return self._tagged(batch)
+
+    def _tagged(self, batch: Any) -> Tagged[Any]:
         self.handed_out += 1
         return Tagged(batch, _HostTag(copy_progress(self._epoch._progress), self.handed_out))
 

@@ -309,6 +309,7 @@ def _transfer_batches(transfer: _Transfer, source: Iterator[Any]) -> None:
             if isinstance(host, Tagged):
                 moved = copier.move(host.batch)
                 item = dataclasses.replace(moved, batch=Tagged(moved.batch, host.tag))
+                del moved  # a blocked take_slot() must not pin it either
             else:
                 item = copier.move(host)
         except BaseException as exc:  # noqa: BLE001  # e.g. CUDA out of memory: the consumer's

@@ -37,6 +37,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "threads": {"device": None, "pin_memory": False},
     "pinned": {"device": None, "pin_memory": True},
     "process": {"device": None, "isolation": "process"},
+    "device": {"device": "cpu"},  # batches through the transfer thread
 }
 
 

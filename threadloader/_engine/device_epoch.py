@@ -7,7 +7,11 @@ that each batch's host-to-device copy is issued off the training thread and over
 Consumer-aligned state: the transfer thread runs ``device_prefetch`` batches ahead of the loop,
 and the epoch iterator's ``Progress`` advances with it. Each host batch therefore travels with a
 snapshot of that progress (a ``Tagged`` leaf, which the copy leaves alone), and the facade's own
-``Progress`` -- the one the loader saves -- takes the snapshot of the batch it hands over.
+``Progress`` -- the one the loader saves -- takes the snapshot of the batch it hands over. A
+worker's error travels the same way, in its batch's place, and is raised when its turn comes.
+A live change of the index stream (``set_mixture_weights``) stops the transfer thread, drops
+what it holds, takes the host epoch back to the loop's position (``rewound``) and starts a new
+transfer thread.
 
 Memory path: with a CUDA device, workers collate straight into pinned staging buffers from a
 ``BufferPool`` shared with the prefetcher, which returns each buffer to the pool once the copy
@@ -102,7 +106,8 @@ class _HostTag:
 
 
 class _HostBatches:
-    """What the transfer thread pulls: host batches, each tagged with the progress after it.
+    """What the transfer thread pulls: host batches, or the errors raised in their place, each
+    tagged with the progress after it.
 
     Holds the epoch iterator strongly: the transfer thread is its only consumer.
     """

@@ -67,10 +67,15 @@ def _workers_after(make: Callable[[Dataset[Any]], DataLoader[Any]], ending: str)
 
 @pytest.mark.parametrize("ending", ["exhaustion", "break", "error"])
 @pytest.mark.parametrize("loader", ["torch", "threads", "process"])
-def test_iterator_workers_are_listed_and_end_with_the_epoch(loader: str, ending: str) -> None:
+def test_iterator_workers_are_listed_and_end_with_the_epoch(
+    loader: str, ending: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``iter(loader)._workers`` has one entry per worker, with ``is_alive()`` and ``join()``,
     and none is alive once the epoch ended (exhausted, ``break`` then ``del``, or a worker error
     then ``del``): as torch's worker processes."""
+    # torch's workers notice their shutdown at their next status check, 5 s apart: after a
+    # worker error, 10 s of this test were torch's; they check every 0.5 s here.
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
     workers = _workers_after(_loaders()[loader], ending)
     assert [w.is_alive() for w in workers] == [False, False]
     assert [w.exitcode for w in workers] == [0, 0]

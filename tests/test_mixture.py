@@ -590,7 +590,7 @@ def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
 )
 @pytest.mark.parametrize("cut", [0, 3, 48])
 def test_a_live_change_with_device_drops_the_transfer_stage(
-    num_workers: int, isolation: str | None, persistent: bool, cut: int
+    num_workers: int, isolation: str, persistent: bool, cut: int
 ) -> None:
     """With device=, the transfer thread has pulled batches the loop has not received, drawn
     from the sampler under the old weights: they are dropped and the host epoch goes back to

@@ -24,8 +24,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    workers do. Otherwise from the zygote (``zygote``: a copy of this process taken when a
    loader with ``isolation="process"`` was built, if it ran one thread then), or from a
    forkserver that preloads threadloader and torch (started when such a loader is built, else at
-   the first ``iter()`` that needs it), or ``spawn`` where there is no forkserver or
-   ``TMPDIR`` is too long a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn``
+   the first ``iter()`` that needs it), or ``spawn`` where there is no forkserver or ``TMPDIR``
+   is too long a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn``
    are pickled once per helper (``PickledOnce``): one copy of the dataset each. A process running
    other Python threads is never forked: one of them could hold a lock the copy would keep. A
    ``multiprocessing_context`` the user names is used as given (``fork`` only while this process
@@ -131,7 +131,7 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
     helpers share its pages and see the dataset as it is now, as torch's fork-started workers
     do), else the zygote (``zygote``: a copy of this process taken when a loader was built and
     it ran one Python thread) if one runs, else the forkserver, which preloads torch and
-    threadloader.
+    threadloader, or ``spawn`` where the forkserver's socket cannot be bound (a long ``TMPDIR``).
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import outcomes
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from threadloader import ThreadDataLoader
@@ -620,16 +621,12 @@ class FailsAt(Dataset[int]):
         return self.base + i
 
 
-def _outcomes(it: Iterator[torch.Tensor]) -> list[Any]:
-    """Each remaining batch as a list, or "error" where the batch raised ValueError."""
-    got: list[Any] = []
-    while True:
-        try:
-            got.append(next(it).tolist())
-        except ValueError:
-            got.append("error")
-        except StopIteration:
-            return got
+def _outcomes(it: Iterator[torch.Tensor], limit: int) -> list[Any]:
+    """The next ``limit`` batches at most, each as a list, or its error's type name."""
+    return [
+        type(o.error).__name__ if o.error is not None else o.batch.tolist()
+        for o in outcomes(it, limit)
+    ]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -653,7 +650,7 @@ def test_a_live_change_right_after_an_error_applies_after_the_failed_batch(
     def run(device: str | None) -> tuple[int, list[Any]]:
         loader = make(device)
         it = iter(loader)
-        got = _outcomes(itertools.islice(it, 6))
+        got = _outcomes(it, 6)
         time.sleep(0.05)  # the transfer stage fills
         position = loader.set_mixture_weights({"a": 0.1, "b": 0.9})
         if resume:
@@ -662,10 +659,10 @@ def test_a_live_change_right_after_an_error_applies_after_the_failed_batch(
             loader = make(device)
             loader.load_state_dict(state)
             it = iter(loader)
-        return position, got + _outcomes(it)
+        return position, got + _outcomes(it, 100)
 
     expected = run(None)
-    assert expected[0] == 48 and expected[1][5] == "error"
+    assert expected[0] == 48 and expected[1][5] == "ValueError" and len(expected[1]) == 50
     assert run("cpu") == expected
 
 

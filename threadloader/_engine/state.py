@@ -396,8 +396,9 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     # Point 11: the sampler's previous pass (this loader's latest epoch, possibly this very
     # progress, reused by persistent workers), read before the new pass resets it.
     previous: Progress | None = getattr(loader, "_progress", None)
-    if previous is not None and previous.pass_end_state() is not None:
-        loader._sampler_pass_end = previous.pass_end_state()
+    previous_end = previous.pass_end_state() if previous is not None else None
+    if previous_end is not None:
+        loader._sampler_pass_end = previous_end
     progress.exhausted = False
     progress.pass_ran_out = False
     progress.resumed_batches = 0

@@ -212,9 +212,9 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     own_ended = own_state is not None and state.get("sampler_ended") is True
     if not state["in_progress"] and not own_ended:
         own_state = None
-    replay_indices = (
-        kind == "map" and positional is None and own_state is None and (position > 0 or bool(skips))
-    )
+    # A map-style sampler replayed from RNG states (_state point 3), with positions to replay.
+    replayed = kind == "map" and positional is None and own_state is None
+    replay_indices = replayed and (position > 0 or bool(skips))
     if stateful_sampler is not None and replay_indices and position > 0:
         warnings.warn(
             f"loader state holds no state of this loader's {type(stateful_sampler).__name__}, "
@@ -349,10 +349,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         skips=tuple(skips) if kind == "map" else (),
         global_rng_state=global_rng_state if state["rng_source"] == "generator" else None,
         sampler_rng_state=sampler_rng_state if state["in_progress"] else None,
-        # A sampler replayed from RNG states (point 3), also before its first index is behind.
-        iter_rng_state=iter_rng_state
-        if state["in_progress"] and kind == "map" and positional is None and own_state is None
-        else None,
+        # Also before its first index is behind (_state point 2).
+        iter_rng_state=iter_rng_state if state["in_progress"] and replayed else None,
         indices_drawn=state.get("indices_drawn") is not False,  # optional: older states drew
         worker_batches=_worker_batches(state, batches) if replay_data else None,
         own_sampler_state=own_snapshot,

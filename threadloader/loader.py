@@ -228,10 +228,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         # A sampler with its own state: its state after its last pass's last draw (_state 11).
         self._sampler_pass_end: SamplerSnapshot | None = None
         self._host_epoch: weakref.ref[Any] | None = None
-        # device= with persistent workers: the last epoch's facade and its transfer thread
-        self._device_epoch: weakref.ref[DeviceEpochIterator] | None = None
+        # device=: the latest epoch's facade; with persistent workers, its transfer thread
+        self._device_facade: weakref.ref[DeviceEpochIterator] | None = None
         self._transfer_thread: threading.Thread | None = None
-        self._device_facade: weakref.ref[DeviceEpochIterator] | None = None  # the latest epoch's
         self._stats: EpochStats | None = None  # likewise
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
@@ -243,8 +242,9 @@ class ThreadDataLoader(DataLoader[T_co]):
     def __iter__(self) -> Any:
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
         # be done pulling from it (and a timeout it hits meanwhile is seen by the check below).
-        retire_device_epoch(self._device_epoch, self._transfer_thread)
-        self._device_epoch = self._transfer_thread = None
+        if self._transfer_thread is not None:
+            retire_device_epoch(self._device_facade, self._transfer_thread)
+        self._transfer_thread = None
         if self._iterator is not None and (
             self._resume is not None or getattr(self._iterator, "closed", False)
         ):
@@ -265,7 +265,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             it = DeviceEpochIterator(self, it, persistent)
             self._device_facade = weakref.ref(it)
             if persistent:
-                self._device_epoch, self._transfer_thread = weakref.ref(it), it.transfer_thread
+                self._transfer_thread = it.transfer_thread
         self._progress = it._progress
         self._stats = it._stats
         return it

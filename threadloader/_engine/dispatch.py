@@ -86,11 +86,16 @@ def prefetch_factor(loader: Any) -> int:
     return int(factor)
 
 
-def _rng_history(loader: Any) -> int:
+def _rng_history(loader: Any, factor: int) -> int:
     """Generator states a worker keeps, one after each of its latest batches and one more:
-    enough to go back past every batch the loop has not received (``Worker.start_epoch``)."""
+    enough to go back past every batch the loop has not received (``Worker.start_epoch``).
+
+    Args:
+        loader: the loader (its ``device``, ``device_prefetch``).
+        factor: its checked ``prefetch_factor`` (``prefetch_factor``).
+    """
     held = device_prefetch(loader) if loader.device is not None else 0
-    return int(loader.prefetch_factor or 1) + held + 2
+    return factor + held + 2
 
 
 class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
@@ -223,7 +228,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             # A live change rewinds the stream (``redispatch``) to the loop's position; each
             # worker may have begun up to prefetch_factor dropped batches after its last one
             # delivered, and with device= the transfer stage holds more the loop never got.
-            rng_history=_rng_history(loader) if mixture_sampled(loader) else 0,
+            rng_history=_rng_history(loader, self._prefetch_factor)
+            if mixture_sampled(loader)
+            else 0,
             resume_rng=resume.rng_states if resume is not None else None,
         )
 

@@ -8,7 +8,6 @@ torch draws from the loader's generator. Every case compares with torch's DataLo
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import torchrun
 from torch.utils.data import DataLoader, MapDataPipe
 from torch.utils.data.datapipes.iter import IterableWrapper
 
@@ -133,10 +133,7 @@ def test_an_uncopyable_pipe_raises_naming_why() -> None:
 )
 def test_under_torchrun_each_rank_gets_torchs_shard(tmp_path: Path) -> None:
     script = Path(__file__).parent / "dist_scripts" / "datapipe_ranks.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(script), str(tmp_path)], check=False, capture_output=True, text=True, timeout=180
-    )
+    proc = torchrun([str(script), str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for nw in ("nw0", "nw2"):

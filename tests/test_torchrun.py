@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
+from helpers import torchrun
 
 from threadloader import DistributedShuffleSampler
 
@@ -21,14 +20,7 @@ N, BATCH, EPOCHS, STOP = 40, 4, 2, 7  # as in the script; step 7 is mid-epoch 1
 
 
 def _torchrun(out: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(SCRIPT), str(out), *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = torchrun([str(SCRIPT), str(out), *args], timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 

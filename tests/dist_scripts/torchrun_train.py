@@ -43,8 +43,9 @@ def train(out: Path, workers: int, stop_at: int, resume: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1 if resume else 0)  # the resume must not depend on the global RNG
     # Gradients averaged by hand rather than by DistributedDataParallel: at exit DDP's gloo
-    # process group aborts the process now and then ("terminate called without an active
-    # exception", about 1 run in 25 here, also without threadloader).
+    # process group aborts the process more often ("terminate called without an active
+    # exception", about 1 run in 25 here, also without threadloader). The plain group does
+    # too, rarely: tests/helpers.py's torchrun() launches once more then.
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = DistributedShuffleSampler(Ids(), seed=1)  # rank and world size from dist

@@ -772,3 +772,40 @@ def test_a_mixture_sampler_inside_a_batch_sampler_is_accepted() -> None:
     batches = BatchSampler(MixtureSampler(mixture, samples_per_epoch=80), 8, drop_last=False)
     loader = ThreadDataLoader(mixture, batch_sampler=batches, num_workers=2)
     assert sum(len(b) for b in loader) == 80
+
+
+class ChangesItsOwnWeights(Dataset[int]):
+    """Items ``i``; reading item 11 asks ``loader`` for new mixture weights."""
+
+    def __init__(self) -> None:
+        self.loader: ThreadDataLoader[Any] | None = None
+
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> int:
+        if i == 11 and self.loader is not None:
+            self.loader.set_mixture_weights({"a": 0.5, "b": 0.5})
+        return i
+
+
+def test_a_change_from_the_transfer_thread_is_refused_not_a_hang() -> None:
+    """With device= and num_workers=0 the dataset runs in the transfer thread: a change made
+    there would wait for that thread's own pull. It raises instead, in the batch's place, and
+    the epoch goes on under the old weights."""
+    source = ChangesItsOwnWeights()
+    mixture = Mixture({"a": source, "b": range(100, 150)}, {"a": 0.9, "b": 0.1})
+    sampler = MixtureSampler(mixture, samples_per_epoch=60)
+    loader = ThreadDataLoader(mixture, batch_size=4, sampler=sampler, device="cpu")
+    source.loader = loader
+    it = iter(loader)
+    got = [str(o.error) if o.error is not None else o.batch.tolist() for o in outcomes(it, 100)]
+    errors = [o for o in got if isinstance(o, str)]
+    assert len(errors) == 1 and "from its own thread" in errors[0]
+    assert len(got) == 15
+    source.loader = None
+    expected = torch.cat(list(ThreadDataLoader(mixture, batch_size=4, sampler=sampler)))
+    failed = got.index(errors[0])
+    assert [x for b in got[:failed] + got[failed + 1 :] for x in b] == (
+        expected[: 4 * failed].tolist() + expected[4 * failed + 4 :].tolist()
+    )

@@ -385,7 +385,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             TypeError: the loader's sampler is not a ``MixtureSampler``.
             ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
                 workers and ``in_order=False`` is running (nothing changed).
-            RuntimeError: with ``device=``, the running epoch was closed (``close()``, Ctrl-C).
+            RuntimeError: with ``device=``, the running epoch was closed (``close()``, Ctrl-C),
+                or this is called from the transfer thread (the dataset's code, with
+                ``num_workers=0``), which the change would wait for.
         """
         from threadloader.streams import MixtureSampler
         from threadloader.streams.mixing import check_weights

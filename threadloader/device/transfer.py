@@ -213,10 +213,17 @@ class _Transfer:
         the stream instead: the consumer's next ``next()`` raises.
 
         Raises:
-            RuntimeError: the prefetcher was closed.
+            RuntimeError: the prefetcher was closed, or this is its own thread (it would wait
+                for itself).
         """
         if self.state is not HandoffState.RUNNING:
             raise RuntimeError(f"{self.name} was closed; it cannot start pulling again")
+        if threading.current_thread() is self.thread:
+            raise RuntimeError(
+                f"{self.name} was asked to restart (a live mixture-weight change) from its own "
+                "thread, by code it runs as it pulls a batch (the dataset, with num_workers=0): "
+                "it would wait for itself; make the change from the thread that iterates"
+            )
         try:
             dropped = self.handoff.close()  # wakes the thread if it waits for a slot
             del dropped
@@ -452,7 +459,8 @@ class DevicePrefetcher(Generic[T]):
             rewind: moves the source back to the first batch the consumer has not received.
 
         Raises:
-            RuntimeError: the prefetcher was closed.
+            RuntimeError: the prefetcher was closed, or this is called from its transfer
+                thread (the dataset's code, with ``num_workers=0``), which it would wait for.
             BaseException: what ``rewind`` raised; the prefetcher is then closed.
         """
         self._transfer.restart(rewind)

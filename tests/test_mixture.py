@@ -579,6 +579,34 @@ def test_a_change_refused_for_in_order_false_leaves_the_stream_as_it_was() -> No
     assert mixture.schedule == [(0, {"a": 0.7, "b": 0.3})]
 
 
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+def test_the_mixtures_own_change_works_with_in_order_false(isolation: str) -> None:
+    """Where the loader refuses a live change (in_order=False), ``Mixture.set_weights`` applies
+    it from the first position not handed out: the batches in flight keep the old weights, the
+    epoch holds the changed stream's samples, and a state taken later resumes its rest."""
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=160)
+        return ThreadDataLoader(
+            mixture, batch_size=8, sampler=sampler, num_workers=2, in_order=False,
+            prefetch_factor=2, isolation=isolation,
+        )  # fmt: skip
+
+    loader = make()
+    it = iter(loader)
+    got = [next(it) for _ in range(3)]
+    position = loader.dataset.set_weights({"a": 0.1, "b": 0.9})
+    assert 3 * 8 <= position <= (3 + 2 * 2) * 8
+    got += [next(it) for _ in range(6)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    got += list(resumed)
+    assert sorted(torch.cat(got).tolist()) == sorted(_mixture_reference(position)[:160])
+
+
 def test_set_mixture_weights_needs_a_mixture_sampler() -> None:
     """Without a MixtureSampler the loader says what is missing."""
     with pytest.raises(TypeError, match="MixtureSampler"):

@@ -341,6 +341,35 @@ def test_the_switch_off_uses_the_forkserver(tmp_path: Any) -> None:
     assert out == ["zygote", "False", "forkserver's", "True", "same", "True"]
 
 
+def test_the_forkserver_leaves_with_the_training_process(tmp_path: Any) -> None:
+    """Whatever reads the training process's output to its end waits for the forkserver too,
+    which holds it: once the training process is gone, the forkserver leaves at once, running
+    no exit teardown (here a 90 s exit handler of a module the user preloads into it stands in
+    for torch's ~0.7 s)."""
+    (tmp_path / "slow_exit.py").write_text(textwrap.dedent("""
+        import atexit, sys, time
+
+        if any("from multiprocessing.forkserver import main" in a for a in sys.orig_argv):
+            atexit.register(time.sleep, 90)
+        """))  # fmt: skip
+    script = tmp_path / "train.py"
+    script.write_text(_PRELUDE + textwrap.dedent("""
+        if __name__ == "__main__":
+            import multiprocessing
+            multiprocessing.set_forkserver_preload(["__main__", "slow_exit"])
+            print(same(list(loader(isolation="process")), list(loader())))
+        """))  # fmt: skip
+    repo = str(pathlib.Path(threadloader.__file__).parents[1])
+    env = {**os.environ, "THREADLOADER_ZYGOTE": "0"}
+    env["PYTHONPATH"] = os.pathsep.join([repo, str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
+
+
 def test_auto_starts_no_helper_server_when_built(tmp_path: Any) -> None:
     """isolation='auto' (the default) may never need a helper: building it forks no zygote
     (whose copy of the process costs memory as the process writes) and starts no forkserver."""

@@ -89,7 +89,8 @@ if TYPE_CHECKING:
 
 #: Values the loader's ``isolation=`` option accepts.
 ISOLATION_MODES = ("auto", "process", "threads", None)
-_PRELOAD = "threadloader.isolation.helper"
+#: Modules the forkserver imports after the user's: the helper, then its quick exit.
+_PRELOAD = ("threadloader.isolation.helper", "threadloader.isolation.forkserver_exit")
 
 
 def check_isolation(isolation: object, multiprocessing_context: object = None) -> None:
@@ -219,8 +220,9 @@ def _preload_in_forkserver(ctx: Any) -> None:
     if getattr(server, "_forkserver_pid", None) is not None:
         return
     modules = list(getattr(server, "_preload_modules", ["__main__"]))
-    if _PRELOAD not in modules:
-        ctx.set_forkserver_preload([*modules, _PRELOAD])
+    missing = [name for name in _PRELOAD if name not in modules]
+    if missing:
+        ctx.set_forkserver_preload([*modules, *missing])
 
 
 def _start_links(

@@ -837,3 +837,69 @@ def test_a_change_from_the_transfer_thread_is_refused_not_a_hang() -> None:
     assert [x for b in got[:failed] + got[failed + 1 :] for x in b] == (
         expected[: 4 * failed].tolist() + expected[4 * failed + 4 :].tolist()
     )
+
+
+def _small_mixture() -> Mixture:
+    return Mixture({"a": range(1000, 1007), "b": range(2000, 2012)}, {"a": 0.5, "b": 2.0}, seed=1)
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", [2, 3])
+def test_two_live_changes_in_a_row_apply_at_the_loops_position(
+    device: str | None, num_workers: int, cut: int
+) -> None:
+    """Two changes with no batch between, once the prefetch drew the epoch's end: both apply
+    from the loop's position (the first began a new pass of the sampler there, which the
+    second counts from), and the epoch keeps every sample."""
+    first, second = {"a": 0.5, "b": 0.0}, {"a": 0.5, "b": 2.0}
+    mixture = _small_mixture()
+    loader = ThreadDataLoader(
+        mixture, batch_size=4, sampler=MixtureSampler(mixture, samples_per_epoch=19),
+        num_workers=num_workers, device=device,
+    )  # fmt: skip
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(cut)]
+    time.sleep(0.1)  # the workers and the transfer stage draw the epoch to its end
+    positions = [loader.set_mixture_weights(first), loader.set_mixture_weights(second)]
+    got += [b.tolist() for b in it]
+    reference = _small_mixture()
+    reference.set_weights(first, at_position=cut * 4)
+    reference.set_weights(second, at_position=cut * 4)
+    flat = [int(reference[i]) for i in reference.indices_at(np.arange(19)).tolist()]
+    assert positions == [cut * 4, cut * 4]
+    assert got == [flat[i : i + 4] for i in range(0, 19, 4)]
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_a_state_right_after_a_live_change_resumes_the_rest(
+    device: str | None, num_workers: int, cut: int
+) -> None:
+    """state_dict() right after a change, before the next batch: a loader rebuilt with the old
+    weights resumes the rest of the changed epoch, nothing repeated or skipped."""
+
+    def make() -> tuple[ThreadDataLoader[Any], MixtureSampler]:
+        mixture = Mixture(
+            {"a": range(1000, 1013), "b": range(2000, 2015)}, {"a": 0.5, "b": 0.5}, seed=3
+        )
+        sampler = MixtureSampler(mixture, samples_per_epoch=12)
+        loader = ThreadDataLoader(
+            mixture, batch_size=3, sampler=sampler, num_workers=num_workers, device=device
+        )
+        return loader, sampler
+
+    loader, sampler = make()
+    sampler.set_epoch(0)
+    it = iter(loader)
+    head = [next(it).tolist() for _ in range(cut)]
+    time.sleep(0.1)  # the workers and the transfer stage draw the epoch to its end
+    loader.set_mixture_weights({"a": 0.1, "b": 0.9})
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    assert len(head + rest) == 4
+    resumed, resumed_sampler = make()
+    resumed.load_state_dict(state)
+    resumed_sampler.set_epoch(0)
+    assert [b.tolist() for b in resumed] == rest

@@ -268,6 +268,9 @@ class DeviceEpochIterator:
             epoch.take_back(copy_progress(self._progress), self._received)
             self._host.handed_out = self._received
             outcome.append(change())
+            # The loop stands where the host epoch now does: ``change`` may have begun a new
+            # pass of the sampler there, which the next change or state must count from.
+            self._progress.__dict__.update(copy_progress(epoch._progress).__dict__)
 
         self._prefetcher.restart(rewind)
         return outcome[0]

@@ -364,3 +364,66 @@ def test_a_state_saved_after_a_failed_batch_keeps_what_it_drew(isolation: str) -
             assert a == b, f"batch {i}"
         else:
             assert_batches_equal(a, b, f"batch {i}")
+
+
+class DrawsPerItem(Dataset[torch.Tensor]):
+    """Item i: ``[i, a draw from the worker's torch RNG]``."""
+
+    def __len__(self) -> int:
+        return 15
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, int(torch.randint(0, 10**6, ()))])
+
+
+def _epoch_keyed_sampler(kind: str) -> Any:
+    from threadloader import DistributedShuffleSampler, ShuffleSampler
+    from threadloader.streams import Mixture, MixtureSampler
+
+    if kind == "shuffle":
+        return ShuffleSampler(15, seed=1)
+    if kind == "distributed":
+        return DistributedShuffleSampler(range(15), num_replicas=1, rank=0, seed=1)
+    mixture = Mixture({"a": range(9), "b": range(9, 15)}, {"a": 0.5, "b": 0.5}, seed=1)
+    return MixtureSampler(mixture, samples_per_epoch=15)
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "distributed", "mixture"])
+@pytest.mark.parametrize(
+    ("isolation", "persistent", "device"),
+    [("threads", False, None), ("process", False, None), ("threads", True, None),
+     ("threads", False, "cpu")],
+)  # fmt: skip
+def test_the_empty_rest_of_a_finished_epoch_draws_no_base_seed(
+    kind: str, isolation: str, persistent: bool, device: str | None
+) -> None:
+    """A state taken at an epoch's last step, resumed by a loop that starts again at the
+    checkpoint's epoch: that epoch's empty rest comes first. The uninterrupted run made no such
+    iterator, so it draws no base seed from the generator, and the next epoch's workers draw
+    the augmentations that run's did. Persistent workers are reset for the next epoch, from
+    their saved generators."""
+
+    def make() -> tuple[ThreadDataLoader[Any], Any]:
+        sampler = _epoch_keyed_sampler(kind)
+        loader = ThreadDataLoader(
+            DrawsPerItem(), batch_size=5, sampler=sampler, num_workers=2,
+            generator=torch.Generator().manual_seed(2), isolation=isolation,
+            persistent_workers=persistent, device=device, save_worker_rng=True,
+        )  # fmt: skip
+        return loader, sampler
+
+    loader, sampler = make()
+    sampler.set_epoch(0)
+    it = iter(loader)
+    _ = [next(it) for _ in range(3)]  # the epoch's last batch; no StopIteration yet
+    state = roundtrip(loader.state_dict())
+    assert list(it) == []
+    sampler.set_epoch(1)
+    expected = [b.tolist() for b in loader]
+
+    resumed, resumed_sampler = make()
+    resumed.load_state_dict(state)
+    resumed_sampler.set_epoch(0)
+    assert list(resumed) == []
+    resumed_sampler.set_epoch(1)
+    assert [b.tolist() for b in resumed] == expected

@@ -31,6 +31,7 @@ from threadloader._engine.state import (
     SamplerSnapshot,
     build_state,
     epoch_complete,
+    resumes_a_finished_epoch,
     stream_ended,
 )
 from threadloader._engine.state_check import parse_state
@@ -307,10 +308,20 @@ class ThreadDataLoader(DataLoader[T_co]):
         undo = self._undo_seed_draw
         if undo is not None and undo[0] is None:  # the global RNG, as the new iterator finds it
             self._undo_seed_draw = (torch.get_rng_state(), undo[1])
+        # The empty rest of a loaded finished epoch, which set_epoch named again (a loop that
+        # restarts at the checkpoint's epoch): the uninterrupted run made no such iterator, so
+        # this one gives its base-seed draw back, and the next epoch's workers are seeded as
+        # that run's were. A persistent one is reset for the next epoch, which draws nothing.
+        empty_rest = not self.persistent_workers and resumes_a_finished_epoch(self)
+        rngs = (torch.get_rng_state(), self.generator.get_state() if self.generator else None)
         try:
             return self._new_iterator(resume)
         finally:
             self._undo_seed_draw = None  # used, or the iterator failed: never for a later one
+            if empty_rest:
+                torch.set_rng_state(rngs[0])
+                if self.generator is not None and rngs[1] is not None:
+                    self.generator.set_state(rngs[1])
 
     def _new_iterator(self, resume: Resume | None) -> _BaseDataLoaderIter:
         if self.num_workers == 0:

@@ -304,6 +304,14 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
     return None
 
 
+def resumes_a_finished_epoch(loader: Any) -> bool:
+    """Whether the loader's next ``iter()`` is the empty rest of a loaded finished epoch: its
+    positional sampler's state ended that epoch, and ``set_epoch`` named it again."""
+    positional = positional_sampler(loader)
+    check = getattr(positional[0], "resumes_a_finished_epoch", None) if positional else None
+    return bool(check()) if check is not None else False
+
+
 def mixture_sampled(loader: Any) -> bool:
     """Whether the loader samples with a ``MixtureSampler``: its index stream may be rewound
     during an epoch (``ThreadDataLoader.set_mixture_weights``), and its state checks each

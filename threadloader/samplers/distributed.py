@@ -236,6 +236,9 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         self._kept = False
         self._pass = None
 
+    def _rest_length(self, cursor: int) -> int:
+        return self._pass_length(cursor)
+
     def _pass_length(self, start: int) -> int:
         """Return how many positions each rank takes from global position ``start`` to epoch end."""
         remaining = max(self._length - start, 0)

@@ -170,6 +170,22 @@ class _EpochResume:
             self._pending = None
         self._kept = self._pending is not None
 
+    def resumes_a_finished_epoch(self) -> bool:
+        """Whether the next ``iter()`` is the empty rest of a loaded finished epoch, which
+        ``set_epoch`` named again (point 3)."""
+        pending = self._pending
+        return (
+            self._kept
+            and pending is not None
+            and pending[0] == self.epoch
+            and pending[1] > 0
+            and self._rest_length(pending[1]) == 0
+        )
+
+    def _rest_length(self, cursor: int) -> int:
+        """Indices a pass of the current epoch resumed at ``cursor`` yields."""
+        raise NotImplementedError
+
 
 class ShuffleSampler(_EpochResume, Sampler[int]):
     """Yield ``[0, N)`` in a new pseudo-random order each epoch, in O(1) memory, resumable in O(1).
@@ -287,6 +303,9 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
         self._pending = (self.epoch, cursor)
         self._kept = False
         self._pass = None
+
+    def _rest_length(self, cursor: int) -> int:
+        return max(self.length - cursor, 0)
 
     def _cursor(self) -> int:
         pending, current = self._pending, self._pass

@@ -903,3 +903,47 @@ def test_a_state_right_after_a_live_change_resumes_the_rest(
     resumed.load_state_dict(state)
     resumed_sampler.set_epoch(0)
     assert [b.tolist() for b in resumed] == rest
+
+
+def _two_augmented_epochs(live: bool) -> list[list[int]]:
+    """Two epochs of 6 batches on 3 persistent workers; the weights change at epoch 1's start:
+    up front, or live right after ``iter()`` began epoch 1."""
+    torch.manual_seed(0)
+    mixture = Mixture({"a": Augmented(1000, 97), "b": Augmented(2000, 61)}, {"a": 0.7, "b": 0.3})
+    if not live:
+        mixture.set_weights({"a": 0.1, "b": 0.9}, at_position=24)
+    sampler = MixtureSampler(mixture, samples_per_epoch=24)
+    loader = ThreadDataLoader(
+        mixture, batch_size=4, sampler=sampler, num_workers=3, persistent_workers=True
+    )
+    got = list(loader)
+    sampler.set_epoch(1)
+    it = iter(loader)
+    if live:
+        assert loader.set_mixture_weights({"a": 0.1, "b": 0.9}) == 24
+    got += list(it)
+    return torch.cat(got).tolist()
+
+
+def test_a_live_change_before_a_worker_read_its_new_epoch_keeps_its_augmentations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A change right after iter() began a persistent epoch, while worker 2 has not read that
+    epoch's start yet (held here): its generators start the epoch where its last batch left
+    them, not where the previous epoch began (two batches a worker: that start is still in
+    its history), and the change has nothing of the new epoch to go back past. The batches,
+    augmentations included, are those of the schedule set up front."""
+    from threadloader._engine.tasks import NewEpoch
+    from threadloader._primitives.queues import BoundedQueue
+
+    peek = BoundedQueue.peek
+
+    def held_peek(queue: BoundedQueue[Any]) -> Any:
+        item = peek(queue)
+        if queue._name == "worker2" and isinstance(item, NewEpoch) and item.generation > 0:
+            time.sleep(0.3)
+        return item
+
+    expected = _two_augmented_epochs(live=False)
+    monkeypatch.setattr(BoundedQueue, "peek", held_peek)
+    assert _two_augmented_epochs(live=True) == expected

@@ -31,13 +31,20 @@ class Task:
 @dataclass(frozen=True)
 class NewEpoch:
     """Control message: start over on a fresh dataset iterator (persistent workers), or go back
-    to the first batch not delivered (``rewind``: a live change of the index stream)."""
+    to the first batch not delivered (``rewind``: a live change of the index stream), or both,
+    in that order (messages a worker had not read yet, merged: ``WorkerPool.new_epoch``)."""
 
     generation: int
     seed: int | None = None  # an IterDataPipe's new shared seed (_datapipes point 4)
     # The first batch the loop has not received: each worker's generators go back to their
     # state after its last batch before it (``Worker.start_epoch``).
     rewind: int | None = None
+    # A new epoch begins: batch numbers count from 0 again (by default, unless a rewind).
+    begins: bool | None = None
+
+    @property
+    def begins_epoch(self) -> bool:
+        return self.rewind is None if self.begins is None else self.begins
 
 
 class _Nothing:

@@ -127,7 +127,11 @@ class Worker:
         return self
 
     def start_epoch(
-        self, generation: int, seed: int | None = None, rewind: int | None = None
+        self,
+        generation: int,
+        seed: int | None = None,
+        rewind: int | None = None,
+        begins: bool | None = None,
     ) -> None:
         """(Re)create the dataset fetcher, as this worker whichever thread calls it (an
         IterableDataset's ``__iter__`` runs here and may shard by ``get_worker_info()``, or draw
@@ -141,6 +145,8 @@ class Worker:
                 to their state after its last batch before it, so that the batches it makes
                 again, and the later ones, draw what they would have drawn had the stream been
                 so from the start, however many dropped batches it had begun.
+            begins: a new epoch begins (after the rewind, if both): batch numbers count from 0
+                again. By default, unless ``rewind`` is given.
         """
         self.generation = generation
         self._ended = False
@@ -162,14 +168,14 @@ class Worker:
         history = self._rng_history
         if history is None:
             return
-        if rewind is None:
+        if rewind is not None:
+            while history and history[-1][0] >= rewind:
+                history.pop()
+            if history:
+                load_rng_state(self.rngs, history[-1][1])
+        if rewind is None if begins is None else begins:
             history.clear()
             history.append((-1, rng_state(self.rngs)))
-            return
-        while history and history[-1][0] >= rewind:
-            history.pop()
-        if history:
-            load_rng_state(self.rngs, history[-1][1])
 
     def initialize(self) -> None:
         """Run ``worker_init_fn`` and create the fetcher, as torch's worker does at start."""

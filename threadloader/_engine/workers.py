@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 
-from threadloader._engine.tasks import NOTHING, NewEpoch, Result, WorkerSpec
+from threadloader._engine.tasks import NOTHING, NewEpoch, Result, Task, WorkerSpec
 from threadloader._engine.worker import Worker, current_context, leave
 from threadloader._primitives import exit_hook, worker_globals
 from threadloader._primitives.gate import Gate
@@ -74,7 +74,7 @@ def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
         if isinstance(msg, NewEpoch):
             with worker.busy:
                 if worker.tasks.take_head_if(msg):
-                    worker.start_epoch(msg.generation, msg.seed, msg.rewind)
+                    worker.start_epoch(msg.generation, msg.seed, msg.rewind, msg.begins_epoch)
             continue
         if not gate.enter():
             return
@@ -200,8 +200,26 @@ class WorkerPool:
         """
         self.generation += 1
         generation = self.generation
+
+        def restart(dropped: list[Task | NewEpoch]) -> NewEpoch:
+            # The control messages the worker has not read yet come first, merged into one: it
+            # makes nothing between them. Rewinds up to the first new epoch go back to the
+            # earliest of them; from a new epoch on, the worker has made nothing to go back
+            # past, and that epoch starts from the state the rewinds left.
+            messages = [m for m in dropped if isinstance(m, NewEpoch)]
+            messages.append(NewEpoch(generation, seed, rewind))
+            begin = next((i for i, m in enumerate(messages) if m.begins_epoch), len(messages))
+            rewinds = [m.rewind for m in messages[:begin] if m.rewind is not None]
+            seeds = [m.seed for m in messages if m.seed is not None]
+            return NewEpoch(
+                generation,
+                seeds[-1] if seeds else None,
+                min(rewinds) if rewinds else None,
+                begins=begin < len(messages),
+            )
+
         for w in self.workers:
-            w.tasks.replace_all(NewEpoch(generation, seed, rewind))
+            w.tasks.replace_all(restart)
         # Results the training thread never read (a break, a live weight change) would hold
         # room the new tasks need: the queue's bound counts one stale result per worker only.
         self.results.drop_where(lambda r: r.generation != generation)

@@ -139,13 +139,15 @@ class BoundedQueue(Generic[T]):
             self._items.clear()
             self._items.extend(kept)
 
-    def replace_all(self, item: T) -> None:
-        """Drop every unread item and put ``item`` in their place (an epoch restart)."""
+    def replace_all(self, make: Callable[[list[T]], T]) -> None:
+        """Drop every unread item and put ``make(dropped)`` in their place (an epoch restart),
+        as one step: no reader takes an item in between."""
         with self._lock:
             if self._closed:
                 return
+            dropped = list(self._items)
             self._items.clear()
-            self._items.append(item)
+            self._items.append(make(dropped))
             self._cond.notify()
 
     def close(self) -> list[T]:

@@ -16,6 +16,7 @@ from helpers import assert_resumes_exactly, cut_and_resume
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
+from threadloader.streams import Mixture, MixtureSampler
 
 
 class SharedCount:
@@ -348,6 +349,44 @@ def test_resume_on_another_world_size_sees_each_sample_once(old: int, new: int, 
             seen.update(batch.tolist())
     assert max(seen.values()) == 1
     assert len(seen) >= n - new - old * 4  # only tails shorter than a batch or a rank are dropped
+
+
+@pytest.mark.parametrize("sampler", ["distributed", "mixture"])
+@pytest.mark.parametrize(("old", "new"), [(4, 1), (4, 2), (4, 3), (2, 1)])
+def test_a_finished_epoch_resumed_on_another_world_size_has_an_empty_rest(
+    sampler: str, old: int, new: int
+) -> None:
+    """Saved at an epoch's last step with the loader's drop_last, whose ranks left a partial
+    batch each unread: that epoch is over on any world size. A loop that starts again at it gets
+    an empty rest, not the left-out indices as one more batch; then the next epoch, in full."""
+
+    def make(world: int, rank: int) -> tuple[ThreadDataLoader[Any], Any]:
+        dataset: Any = range(30)
+        if sampler == "distributed":
+            sampler_: Any = DistributedShuffleSampler(dataset, num_replicas=world, rank=rank)
+        else:
+            dataset = Mixture({"a": range(20), "b": range(20, 30)}, {"a": 0.5, "b": 0.5})
+            sampler_ = MixtureSampler(dataset, world, rank, samples_per_epoch=30)
+        loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, drop_last=True)
+        return loader, sampler_
+
+    states = []
+    for rank in range(old):
+        loader, sampler_ = make(old, rank)
+        sampler_.set_epoch(0)
+        it = iter(loader)
+        _ = [next(it) for _ in range(len(loader))]  # the epoch's last batch; no StopIteration
+        states.append(loader.state_dict())
+    for rank in range(new):
+        loader, sampler_ = make(new, rank)
+        loader.load_state_dict(states[rank % old])
+        sampler_.set_epoch(0)
+        assert list(loader) == []
+        if sampler == "distributed":  # a mixture's next epoch starts where this one ended
+            sampler_.set_epoch(1)
+            fresh, fresh_sampler = make(new, rank)
+            fresh_sampler.set_epoch(1)
+            assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]
 
 
 def test_bad_states_raise_naming_the_mismatch() -> None:

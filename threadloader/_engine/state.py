@@ -81,6 +81,7 @@ from __future__ import annotations
 import copy
 import itertools
 import pickle
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -665,7 +666,10 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         ended = progress is not None and (progress.exhausted or complete)
         done = progress.done if ended and progress is not None else position
         this_pass = done - (progress.resumed_batches if progress is not None else 0)
-        sampler_state = sampler.state_dict_at(max(this_pass, 0) * per_batch)
+        # A finished epoch's end includes the indices drop_last left out of a batch: on another
+        # world size they would make one more batch of that epoch. The sampler stops at its end.
+        consumed = sys.maxsize if ended else max(this_pass, 0) * per_batch
+        sampler_state = sampler.state_dict_at(consumed)
     live = not fresh and progress is not None
     sampler_ended = False
     if live and progress.own_sampler is not None:  # type: ignore[union-attr]

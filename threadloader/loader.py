@@ -65,6 +65,19 @@ BUILT_HOOKS: list[Callable[[Any], None]] = []
 worker_info.install()
 
 
+def _rng_restorer(generator: torch.Generator | None) -> Callable[[], None]:
+    """What puts torch's global RNG, and ``generator`` if given, back as they are now."""
+    rng = torch.get_rng_state()
+    state = generator.get_state() if generator is not None else None
+
+    def restore() -> None:
+        torch.set_rng_state(rng)
+        if generator is not None and state is not None:
+            generator.set_state(state)
+
+    return restore
+
+
 class ThreadDataLoader(DataLoader[T_co]):
     """A ``torch.utils.data.DataLoader`` whose workers are threads in the training process.
 
@@ -313,15 +326,13 @@ class ThreadDataLoader(DataLoader[T_co]):
         # this one gives its base-seed draw back, and the next epoch's workers are seeded as
         # that run's were. A persistent one is reset for the next epoch, which draws nothing.
         empty_rest = not self.persistent_workers and resumes_a_finished_epoch(self)
-        rngs = (torch.get_rng_state(), self.generator.get_state() if self.generator else None)
+        give_back = _rng_restorer(self.generator) if empty_rest else None
         try:
             return self._new_iterator(resume)
         finally:
             self._undo_seed_draw = None  # used, or the iterator failed: never for a later one
-            if empty_rest:
-                torch.set_rng_state(rngs[0])
-                if self.generator is not None and rngs[1] is not None:
-                    self.generator.set_state(rngs[1])
+            if give_back is not None:
+                give_back()
 
     def _new_iterator(self, resume: Resume | None) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
@@ -358,14 +369,10 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     def _seed_draw_undoer(self) -> Callable[[], None]:
         """What puts the RNGs a new iterator draws its base seed from back as they are now."""
-        generator, undo = self.generator, self._undo_seed_draw
-        rng = torch.get_rng_state()
-        state = generator.get_state() if generator is not None else None
+        undo, restore = self._undo_seed_draw, _rng_restorer(self.generator)
 
         def undo_draw() -> None:
-            torch.set_rng_state(rng)
-            if generator is not None and state is not None:
-                generator.set_state(state)
+            restore()
             self._undo_seed_draw = undo
 
         return undo_draw

@@ -309,7 +309,7 @@ def resumes_a_finished_epoch(loader: Any) -> bool:
     """Whether the loader's next ``iter()`` is the empty rest of a loaded finished epoch: its
     positional sampler's state ended that epoch, and ``set_epoch`` named it again."""
     positional = positional_sampler(loader)
-    check = getattr(positional[0], "resumes_a_finished_epoch", None) if positional else None
+    check = getattr(positional[0], "_resumes_a_finished_epoch", None) if positional else None
     return bool(check()) if check is not None else False
 
 

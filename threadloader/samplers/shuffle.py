@@ -170,7 +170,7 @@ class _EpochResume:
             self._pending = None
         self._kept = self._pending is not None
 
-    def resumes_a_finished_epoch(self) -> bool:
+    def _resumes_a_finished_epoch(self) -> bool:
         """Whether the next ``iter()`` is the empty rest of a loaded finished epoch, which
         ``set_epoch`` named again (point 3)."""
         pending = self._pending

@@ -112,7 +112,7 @@ class MixtureSampler(Sampler[int]):
         first = self._start if self._pending is None else self._pending
         return max(self._end - first, 0) // self.num_replicas
 
-    def resumes_a_finished_epoch(self) -> bool:
+    def _resumes_a_finished_epoch(self) -> bool:
         """Whether the next ``iter()`` is the empty rest of a loaded finished epoch, which
         ``set_epoch`` named again (point 3)."""
         return self._kept and self._pending is not None and self._pending >= self._end

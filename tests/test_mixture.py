@@ -947,3 +947,44 @@ def test_a_live_change_before_a_worker_read_its_new_epoch_keeps_its_augmentation
     expected = _two_augmented_epochs(live=False)
     monkeypatch.setattr(BoundedQueue, "peek", held_peek)
     assert _two_augmented_epochs(live=True) == expected
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_change_after_an_epochs_last_batch_applies_from_the_next_epoch(
+    device: str | None, num_workers: int
+) -> None:
+    """With drop_last, an epoch's last batch leaves a position unread. A change made once the
+    loop has every batch (before StopIteration) applies from where the next epoch starts, the
+    pass's end past that position, as a state taken then says: the live run, the schedule set
+    up front and a resumed run give the same next epoch."""
+    later = {"a": 0.1, "b": 0.9}
+
+    def make() -> tuple[ThreadDataLoader[Any], MixtureSampler]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        sampler = MixtureSampler(mixture, samples_per_epoch=21)
+        loader = ThreadDataLoader(
+            mixture, batch_size=4, sampler=sampler, drop_last=True, num_workers=num_workers,
+            device=device,
+        )  # fmt: skip
+        return loader, sampler
+
+    loader, sampler = make()
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(5)]
+    assert loader.set_mixture_weights(later) == 21
+    state = loader.state_dict()
+    assert list(it) == []
+    sampler.set_epoch(1)
+    live = [b.tolist() for b in loader]
+
+    upfront, upfront_sampler = make()
+    upfront.dataset.set_weights(later, at_position=21)
+    assert [b.tolist() for b in upfront] == first
+    upfront_sampler.set_epoch(1)
+    assert [b.tolist() for b in upfront] == live
+
+    resumed, resumed_sampler = make()
+    resumed.load_state_dict(state)
+    resumed_sampler.set_epoch(1)
+    assert [b.tolist() for b in resumed] == live

@@ -422,6 +422,11 @@ class ThreadDataLoader(DataLoader[T_co]):
         progress = self._progress  # the loop's: with device=, behind the host epoch's
         if epoch is None or progress is None or progress.exhausted:
             return int(mixture.set_weights(weights))
+        if epoch_complete(self, progress):
+            # The loop has every batch of the epoch: the next it asks for is the next epoch's,
+            # which starts at this pass's end, past what drop_last left out (as a state then
+            # says); nothing in flight is drawn from there.
+            return int(mixture.set_weights(weights, at_position=sampler.pass_end()))
         if not self.in_order and self.num_workers > 0:
             raise ValueError("a live change of the index stream needs in_order=True")
         if progress.ahead:

@@ -196,6 +196,15 @@ class MixtureSampler(Sampler[int]):
             return self.next_position + consumed * self.num_replicas
         return self._pass.start + min(consumed, self._pass.count) * self.num_replicas
 
+    def pass_end(self) -> int:
+        """The global position after this rank's current pass: where the next epoch starts.
+
+        Before any pass, or with a loaded state waiting for its ``iter()``, the next position.
+        """
+        if self._pending is not None or self._pass is None:
+            return self.next_position
+        return self._pass.start + self._pass.count * self.num_replicas
+
     def _prepare_change(self, position: int) -> None:
         """Check a weight change at ``position``; rewind the current pass if it handed that out.
 

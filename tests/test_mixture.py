@@ -13,7 +13,7 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -386,6 +386,13 @@ def test_thread_loader_resumes_a_mixture_with_a_live_change_exactly(tmp_path: Pa
     assert mixture2.schedule == [(0, {"a": 0.7, "b": 0.3}), (at, {"a": 0.1, "b": 0.9})]
 
 
+def _resumed_rest(make: Callable[[], ThreadDataLoader[Any]], state: dict[str, Any]) -> list[Any]:
+    """The batches a new loader from ``make`` gives once it loaded ``state``."""
+    resumed = make()
+    resumed.load_state_dict(state)
+    return list(resumed)
+
+
 def _mixture_reference(at: int) -> list[int]:
     mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
     mixture.set_weights({"a": 0.1, "b": 0.9}, at_position=at)
@@ -601,9 +608,7 @@ def test_the_mixtures_own_change_works_with_in_order_false(isolation: str) -> No
     got += [next(it) for _ in range(6)]
     state = loader.state_dict()
     del it
-    resumed = make()
-    resumed.load_state_dict(state)
-    got += list(resumed)
+    got += _resumed_rest(make, state)
     assert sorted(torch.cat(got).tolist()) == sorted(_mixture_reference(position)[:160])
 
 
@@ -763,9 +768,7 @@ def test_a_live_change_with_device_resumes_as_the_changed_stream(num_workers: in
     got += [next(it) for _ in range(2)]
     state = loader.state_dict()
     del it
-    resumed = make()
-    resumed.load_state_dict(state)
-    got += list(resumed)
+    got += _resumed_rest(make, state)
     assert torch.cat(got).tolist() == _mixture_reference(24)
 
 

@@ -127,10 +127,7 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Start this rank's pass over the current epoch: from the loaded position once, else 0."""
-        pending, self._pending = self._pending, None
-        start = pending[1] if pending is not None and pending[0] == self.epoch else 0
-        if start and self._pass_length(start) == 0 and not self._kept:
-            start = 0  # a finished epoch's state without set_epoch: start over (point 3)
+        start, self._pending = self._start(), None
         pass_ = _Pass(self.epoch, start, 0, self._pass_length(start))
         self._pass = pass_
         stream = self._stream(self.epoch)

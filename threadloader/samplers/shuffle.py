@@ -170,17 +170,20 @@ class _EpochResume:
             self._pending = None
         self._kept = self._pending is not None
 
+    def _start(self) -> int:
+        """Where the next ``iter()`` starts the current epoch: the loaded cursor (once), else 0;
+        a finished epoch's cursor only if ``set_epoch`` named that epoch (point 3)."""
+        pending = self._pending
+        start = pending[1] if pending is not None and pending[0] == self.epoch else 0
+        if start > 0 and self._rest_length(start) == 0 and not self._kept:
+            return 0  # a finished epoch's state without set_epoch: start over
+        return start
+
     def _resumes_a_finished_epoch(self) -> bool:
         """Whether the next ``iter()`` is the empty rest of a loaded finished epoch, which
         ``set_epoch`` named again (point 3)."""
-        pending = self._pending
-        return (
-            self._kept
-            and pending is not None
-            and pending[0] == self.epoch
-            and pending[1] > 0
-            and self._rest_length(pending[1]) == 0
-        )
+        start = self._start()
+        return start > 0 and self._rest_length(start) == 0
 
     def _rest_length(self, cursor: int) -> int:
         """Indices a pass of the current epoch resumed at ``cursor`` yields."""
@@ -220,10 +223,7 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Start a pass over the current epoch: from the loaded cursor once, else from 0."""
-        pending, self._pending = self._pending, None
-        start = pending[1] if pending is not None and pending[0] == self.epoch else 0
-        if start >= self.length and not self._kept:
-            start = 0  # a finished epoch's state without set_epoch: start over (point 3)
+        start, self._pending = self._start(), None
         permutation = self._permutation(self.epoch)
         pass_ = _Pass(self.epoch, start, start, self.length)
         self._pass = pass_

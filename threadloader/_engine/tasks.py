@@ -39,12 +39,8 @@ class NewEpoch:
     # The first batch the loop has not received: each worker's generators go back to their
     # state after its last batch before it (``Worker.start_epoch``).
     rewind: int | None = None
-    # A new epoch begins: batch numbers count from 0 again (by default, unless a rewind).
-    begins: bool | None = None
-
-    @property
-    def begins_epoch(self) -> bool:
-        return self.rewind is None if self.begins is None else self.begins
+    # A new epoch begins (after the rewind, if both): batch numbers count from 0 again.
+    begins: bool = True
 
 
 class _Nothing:

@@ -358,6 +358,6 @@ def _start_pending_epoch(worker: Worker) -> bool:
     """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``)."""
     head = worker.tasks.head()
     if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
-        worker.start_epoch(head.generation, head.seed, head.rewind, head.begins_epoch)
+        worker.start_epoch(head.generation, head.seed, head.rewind, head.begins)
         return True
     return False

@@ -74,7 +74,7 @@ def _serve(worker: Worker, gate: Gate, results: BoundedQueue[Result]) -> None:
         if isinstance(msg, NewEpoch):
             with worker.busy:
                 if worker.tasks.take_head_if(msg):
-                    worker.start_epoch(msg.generation, msg.seed, msg.rewind, msg.begins_epoch)
+                    worker.start_epoch(msg.generation, msg.seed, msg.rewind, msg.begins)
             continue
         if not gate.enter():
             return
@@ -207,8 +207,8 @@ class WorkerPool:
             # earliest of them; from a new epoch on, the worker has made nothing to go back
             # past, and that epoch starts from the state the rewinds left.
             messages = [m for m in dropped if isinstance(m, NewEpoch)]
-            messages.append(NewEpoch(generation, seed, rewind))
-            begin = next((i for i, m in enumerate(messages) if m.begins_epoch), len(messages))
+            messages.append(NewEpoch(generation, seed, rewind, begins=rewind is None))
+            begin = next((i for i, m in enumerate(messages) if m.begins), len(messages))
             rewinds = [m.rewind for m in messages[:begin] if m.rewind is not None]
             seeds = [m.seed for m in messages if m.seed is not None]
             return NewEpoch(

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import assert_resumes_exactly, cut_and_resume
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
 
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
 from threadloader.streams import Mixture, MixtureSampler
@@ -1254,6 +1254,49 @@ def test_an_out_of_order_state_without_batches_ahead_refuses_another_number_of_r
     with pytest.raises(ValueError, match=r"saved on 2 ranks .*in_order=False.* this run has 1"):
         make(1, 0).load_state_dict(state)
     make(2, 0).load_state_dict(state)  # the same number of ranks resumes
+
+
+@pytest.mark.parametrize("sampler_kind", ["ours", "torch"])
+def test_an_out_of_order_state_is_loaded_by_its_own_rank_only(sampler_kind: str) -> None:
+    """Rank 0 delivered batch 1 before batch 0 (in_order=False); rank 1, loading rank 0's state
+    (a checkpoint written by rank 0 alone), would skip its own batch 1 and read its batch 0
+    again. It is refused, naming why; rank 0 resumes its rest, and a state saved in order
+    resumes any rank of the same world."""
+    samplers = {
+        "ours": lambda d, r: DistributedShuffleSampler(d, num_replicas=2, rank=r, shuffle=False),
+        "torch": lambda d, r: DistributedSampler(d, num_replicas=2, rank=r, shuffle=False),
+    }
+
+    def make(rank: int, slow: frozenset[int] = frozenset(), in_order: bool = False) -> Any:
+        dataset = SlowItems(slow, n=12)
+        return ThreadDataLoader(
+            dataset,
+            batch_size=2,
+            sampler=samplers[sampler_kind](dataset, rank),
+            num_workers=2,
+            in_order=in_order,
+            timeout=30,
+        )
+
+    loader = make(0, slow=frozenset({0}))  # rank 0's first batch is items 0 and 2
+    it = iter(loader)
+    first = [next(it)]
+    state = loader.state_dict()
+    del it
+    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    with pytest.raises(ValueError, match=r"saved by rank 0 .*in_order=False.* this is rank 1"):
+        make(1).load_state_dict(state)
+    own = make(0)
+    own.load_state_dict(state)
+    assert sorted(_items(first) + _items(list(own))) == list(range(0, 12, 2))
+    in_order = make(0, in_order=True)
+    it = iter(in_order)
+    next(it)
+    state = in_order.state_dict()
+    del it
+    other = make(1, in_order=True)
+    other.load_state_dict(state)
+    assert _items(list(other)) == list(range(5, 12, 2))
 
 
 class UnevenStartsAtLoaded(StartsAtLoaded):

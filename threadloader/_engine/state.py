@@ -305,6 +305,17 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
     return None
 
 
+def sampler_rank(loader: Any, default: int) -> int:
+    """The rank whose share of the epoch the loader reads: its sampler's ``rank`` where it has
+    one (it may be given apart from torch.distributed), else ``default``."""
+    positional = positional_sampler(loader)
+    for sampler in (positional[0] if positional is not None else None, loader.sampler):
+        rank = getattr(sampler, "rank", None)
+        if type(rank) is int:
+            return rank
+    return default
+
+
 def resumes_a_finished_epoch(loader: Any) -> bool:
     """Whether the loader's next ``iter()`` is the empty rest of a loaded finished epoch: its
     positional sampler's state ended that epoch, and ``set_epoch`` named it again."""
@@ -719,7 +730,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "dataset_length": length_of(loader.dataset) if kind == "map" else None,
         "num_workers": loader.num_workers,
         "world_size": world_size,
-        "rank": rank,
+        "rank": sampler_rank(loader, rank),
         "worker_states": worker_states,
         "worker_state_form": dataset_state.FORM,
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]

@@ -27,6 +27,7 @@ from threadloader._engine.state import (
     rng_source,
     run_out,
     sampler_generator,
+    sampler_rank,
     snapshot_rng,
     type_name,
 )
@@ -204,7 +205,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             "and the sorted positions from it on"
         )
     positional = positional_sampler(loader)
-    world_size, _ = _get_distributed_settings()
+    world_size, dist_rank = _get_distributed_settings()
     stateful_sampler = own_state_sampler(loader) if kind == "map" else None
     # _state point 11: a sampler with its own state resumes itself at the saved position, or
     # after running out the pass its state is of (before a pass's first batch, between epochs).
@@ -247,6 +248,17 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 "where the other ranks got to. Resume on the same number of ranks, or save from "
                 "a loader with in_order=True to resume on another"
             )
+    saved_rank, rank = state.get("rank"), sampler_rank(loader, dist_rank)
+    if out_of_order and state["in_progress"] and type(saved_rank) is int and saved_rank != rank:
+        # Ranks in lockstep reach the same position, so in order any rank's state resumes any
+        # rank; as completed, each rank's delivered batches (and position) are its own.
+        raise ValueError(
+            f"loader state was saved by rank {saved_rank} from a loader delivering batches as "
+            f"completed (in_order=False), this is rank {rank}: the batches it delivered ahead "
+            f"are in rank {saved_rank}'s share of the epoch, and its state does not say where "
+            f"rank {rank} got to. Load each rank's own state, or save from a loader with "
+            "in_order=True to resume from any rank's"
+        )
     if replay_indices and state["world_size"] != world_size:
         raise ValueError(
             f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "

@@ -842,6 +842,31 @@ def test_a_change_from_the_transfer_thread_is_refused_not_a_hang() -> None:
     )
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_a_change_from_a_worker_is_refused(device: str | None) -> None:
+    """The dataset's code in a worker thread draws from the stream a change rewinds: a change
+    made there lost or repeated batches (and with device= closed the transfer). It raises in
+    that batch's place, and every other batch is the old weights' stream."""
+    source = ChangesItsOwnWeights()
+    mixture = Mixture({"a": source, "b": range(100, 150)}, {"a": 0.9, "b": 0.1})
+    sampler = MixtureSampler(mixture, samples_per_epoch=60)
+    loader = ThreadDataLoader(
+        mixture, batch_size=4, sampler=sampler, num_workers=2, device=device, timeout=30
+    )
+    source.loader = loader
+    it = iter(loader)
+    got = [str(o.error) if o.error is not None else o.batch.tolist() for o in outcomes(it, 100)]
+    errors = [o for o in got if isinstance(o, str)]
+    assert len(errors) == 1 and "called from worker" in errors[0]
+    source.loader = None
+    expected = torch.cat(list(ThreadDataLoader(mixture, batch_size=4, sampler=sampler)))
+    failed = got.index(errors[0])
+    assert len(got) == 15
+    assert [x for b in got[:failed] + got[failed + 1 :] for x in b] == (
+        expected[: 4 * failed].tolist() + expected[4 * failed + 4 :].tolist()
+    )
+
+
 def _small_mixture() -> Mixture:
     return Mixture({"a": range(1000, 1007), "b": range(2000, 2012)}, {"a": 0.5, "b": 2.0}, seed=1)
 
@@ -952,15 +977,42 @@ def test_a_live_change_before_a_worker_read_its_new_epoch_keeps_its_augmentation
     assert _two_augmented_epochs(live=True) == expected
 
 
+def test_unread_epoch_messages_merge_keeping_their_earliest_rewind() -> None:
+    """A worker that has not read its messages gets them merged into one: a live change at
+    batch 5, the next epoch, then a live change at that epoch's start. The merged message
+    (rewind to 5, then begin) keeps its rewind when the third is merged into it: the worker
+    made nothing in the new epoch to rewind, but its generators still stand past batch 5."""
+    from threadloader._engine.tasks import WorkerSpec
+    from threadloader._engine.workers import WorkerPool
+    from threadloader._primitives.timing import StageRecorder
+
+    spec = WorkerSpec(
+        dataset_kind=0, dataset=list(range(8)), auto_collation=True, collate_fn=list,
+        drop_last=False, worker_init_fn=None, num_workers=1, rng_history=8,
+    )  # fmt: skip
+    pool = WorkerPool(spec, 0, 2, "merge-test", [StageRecorder("w0")], start=False)
+    try:
+        pool.new_epoch(rewind=5)
+        pool.new_epoch(seed=7)
+        pool.new_epoch(rewind=0)
+        merged = pool.workers[0].tasks.head()
+        assert merged is not None
+        assert (merged.rewind, merged.begins, merged.seed) == (5, True, 7)  # type: ignore[union-attr]
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("device", [None, "cpu"])
 @pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("resumed_at", [None, 2])
 def test_a_change_after_an_epochs_last_batch_applies_from_the_next_epoch(
-    device: str | None, num_workers: int
+    device: str | None, num_workers: int, resumed_at: int | None
 ) -> None:
     """With drop_last, an epoch's last batch leaves a position unread. A change made once the
     loop has every batch (before StopIteration) applies from where the next epoch starts, the
     pass's end past that position, as a state taken then says: the live run, the schedule set
-    up front and a resumed run give the same next epoch."""
+    up front and a resumed run give the same next epoch. Also in an epoch that was itself
+    resumed mid-way (``resumed_at`` batches), whose pass counts only the rest."""
     later = {"a": 0.1, "b": 0.9}
 
     def make() -> tuple[ThreadDataLoader[Any], MixtureSampler]:
@@ -974,7 +1026,14 @@ def test_a_change_after_an_epochs_last_batch_applies_from_the_next_epoch(
 
     loader, sampler = make()
     it = iter(loader)
-    first = [next(it).tolist() for _ in range(5)]
+    first = [next(it).tolist() for _ in range(resumed_at or 0)]
+    if resumed_at is not None:
+        cut = loader.state_dict()
+        del it
+        loader, sampler = make()
+        loader.load_state_dict(cut)
+        it = iter(loader)
+    first += [next(it).tolist() for _ in range(5 - len(first))]
     assert loader.set_mixture_weights(later) == 21
     state = loader.state_dict()
     assert list(it) == []
@@ -991,3 +1050,45 @@ def test_a_change_after_an_epochs_last_batch_applies_from_the_next_epoch(
     resumed.load_state_dict(state)
     resumed_sampler.set_epoch(1)
     assert [b.tolist() for b in resumed] == live
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_change_in_an_epoch_of_no_batch_applies_from_the_next_epoch(num_workers: int) -> None:
+    """An epoch shorter than a batch (drop_last) has every batch delivered at once: a change
+    made in it applies from where the next epoch starts, also before the sampler began the
+    pass (without workers, torch's batch sampler starts it at the first next())."""
+    later = {"a": 0.05, "b": 0.95}
+
+    def next_epoch(at: int | None) -> tuple[int | None, list[Any]]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        if at is not None:
+            mixture.set_weights(later, at_position=at)
+        sampler = MixtureSampler(mixture, samples_per_epoch=6)
+        loader = ThreadDataLoader(
+            mixture, batch_size=8, sampler=sampler, drop_last=True, num_workers=num_workers
+        )
+        it = iter(loader)
+        position = loader.set_mixture_weights(later) if at is None else None
+        assert list(it) == []
+        sampler.set_epoch(1)
+        return position, list(sampler)
+
+    position, live = next_epoch(None)
+    assert position == 6
+    assert live == next_epoch(6)[1]
+
+
+def test_a_finished_epochs_state_not_named_again_counts_a_whole_epoch() -> None:
+    """A state saved at its epoch's end starts that epoch over unless set_epoch names it
+    (point 3): len() and remaining() count what iter() then yields."""
+    mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+    sampler = MixtureSampler(mixture, samples_per_epoch=20)
+    assert len(list(sampler)) == 20
+    state = sampler.state_dict()
+    again = MixtureSampler(mixture, samples_per_epoch=20)
+    again.load_state_dict(state)
+    assert len(again) == again.remaining() == 20 == len(list(again))
+    rest = MixtureSampler(mixture, samples_per_epoch=20)
+    rest.load_state_dict(state)
+    rest.set_epoch(state["epoch"])
+    assert len(rest) == rest.remaining() == 0 == len(list(rest))

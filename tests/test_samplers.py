@@ -523,6 +523,29 @@ def test_remaining_is_the_resumed_share_and_len_the_whole_epochs() -> None:
     assert len(list(sampler)) == 17
 
 
+def test_a_shuffle_samplers_remaining_is_its_resumed_rest() -> None:
+    """ShuffleSampler.remaining() counts what the pending or running pass yields, as the
+    distributed one's: the rest after a resume, else the epoch; a finished epoch's state that
+    set_epoch does not name starts over, and counts a whole epoch."""
+    sampler = ShuffleSampler(30, seed=4)
+    it = iter(sampler)
+    _ = [next(it) for _ in range(12)]
+    state = sampler.state_dict()
+    resumed = ShuffleSampler(30, seed=4)
+    resumed.load_state_dict(state)
+    assert resumed.remaining() == 18 and len(resumed) == 30
+    rest = iter(resumed)
+    assert resumed.remaining() == 18
+    assert len(list(rest)) == 18
+    assert resumed.remaining() == 30
+    ended = ShuffleSampler(30, seed=4)
+    ended.load_state_dict({**state, "cursor": 30})
+    assert ended.remaining() == 30 == len(list(ended))
+    ended.load_state_dict({**state, "cursor": 30})
+    ended.set_epoch(state["epoch"])
+    assert ended.remaining() == 0 == len(list(ended))
+
+
 def test_shuffle_false_resumes_in_dataset_order() -> None:
     """Without shuffling the global stream is 0..N-1 and a resume continues it on the new ranks."""
     before, state = _run_in_lockstep(_ranks(10, 2, False, shuffle=False), 2, epoch=0)

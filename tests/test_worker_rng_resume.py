@@ -427,3 +427,47 @@ def test_the_empty_rest_of_a_finished_epoch_draws_no_base_seed(
     assert list(resumed) == []
     resumed_sampler.set_epoch(1)
     assert [b.tolist() for b in resumed] == expected
+
+
+@pytest.mark.parametrize("kind", ["shuffle", "distributed", "mixture"])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_at_the_last_step_of_a_resumed_epoch_starts_the_next(
+    kind: str, persistent: bool
+) -> None:
+    """An epoch resumed after its first batch, checkpointed again at its last step: that state
+    is a finished epoch's, as it is for an epoch that was not resumed, so the run resumed from
+    it gives the next epochs the uninterrupted run gave, their augmentations included."""
+
+    def make() -> tuple[ThreadDataLoader[Any], Any]:
+        sampler = _epoch_keyed_sampler(kind)
+        loader = ThreadDataLoader(
+            DrawsPerItem(), batch_size=5, sampler=sampler, num_workers=2,
+            generator=torch.Generator().manual_seed(2), persistent_workers=persistent,
+            save_worker_rng=True,
+        )  # fmt: skip
+        return loader, sampler
+
+    def epochs(loader: ThreadDataLoader[Any], sampler: Any, first: int) -> list[Any]:
+        out = []
+        for epoch in range(first, 3):
+            sampler.set_epoch(epoch)
+            out.append([b.tolist() for b in loader])
+        return out
+
+    expected = epochs(*make(), 0)[1:]
+    loader, sampler = make()
+    sampler.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    cut = roundtrip(loader.state_dict())
+    del it
+    loader, sampler = make()
+    loader.load_state_dict(cut)
+    sampler.set_epoch(0)
+    it = iter(loader)
+    _ = [next(it) for _ in range(2)]  # the epoch's last batch; no StopIteration yet
+    state = roundtrip(loader.state_dict())
+    assert state["in_progress"] is False
+    resumed, resumed_sampler = make()
+    resumed.load_state_dict(state)
+    assert epochs(resumed, resumed_sampler, 0) == [[], *expected]

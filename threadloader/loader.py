@@ -403,9 +403,10 @@ class ThreadDataLoader(DataLoader[T_co]):
             TypeError: the loader's sampler is not a ``MixtureSampler``.
             ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
                 workers and ``in_order=False`` is running (nothing changed).
-            RuntimeError: with ``device=``, the running epoch was closed (``close()``, Ctrl-C),
-                or this is called from the transfer thread (the dataset's code, with
-                ``num_workers=0``), which the change would wait for.
+            RuntimeError: this is called from a worker (the dataset's code), which draws from
+                the stream the change rewinds; with ``device=``, the running epoch was closed
+                (``close()``, Ctrl-C), or this is called from the transfer thread (the
+                dataset's code, with ``num_workers=0``), which the change would wait for.
         """
         from threadloader.streams import MixtureSampler
         from threadloader.streams.mixing import check_weights
@@ -415,6 +416,13 @@ class ThreadDataLoader(DataLoader[T_co]):
             raise TypeError(
                 f"set_mixture_weights needs a MixtureSampler, this loader samples with "
                 f"{type(sampler).__name__}"
+            )
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            raise RuntimeError(
+                f"set_mixture_weights was called from worker {worker.id} (the dataset's code): "
+                "the change rewinds the stream its batches come from. Call it from the thread "
+                "that iterates the loader"
             )
         mixture: Any = self.dataset
         check_weights(weights, mixture.names)  # before anything stops: nothing changes then

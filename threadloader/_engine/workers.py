@@ -203,13 +203,14 @@ class WorkerPool:
 
         def restart(dropped: list[Task | NewEpoch]) -> NewEpoch:
             # The control messages the worker has not read yet come first, merged into one: it
-            # makes nothing between them. Rewinds up to the first new epoch go back to the
-            # earliest of them; from a new epoch on, the worker has made nothing to go back
-            # past, and that epoch starts from the state the rewinds left.
+            # makes nothing between them. Rewinds up to the first new epoch (its own included:
+            # a merged message rewinds, then begins) go back to the earliest of them; from a
+            # new epoch on, the worker has made nothing to go back past, and that epoch starts
+            # from the state the rewinds left.
             messages = [m for m in dropped if isinstance(m, NewEpoch)]
             messages.append(NewEpoch(generation, seed, rewind, begins=rewind is None))
             begin = next((i for i, m in enumerate(messages) if m.begins), len(messages))
-            rewinds = [m.rewind for m in messages[:begin] if m.rewind is not None]
+            rewinds = [m.rewind for m in messages[: begin + 1] if m.rewind is not None]
             seeds = [m.seed for m in messages if m.seed is not None]
             return NewEpoch(
                 generation,

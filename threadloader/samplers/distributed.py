@@ -115,16 +115,6 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         """
         return self.num_samples
 
-    def remaining(self) -> int:
-        """How many indices this rank's pending or current pass yields in all: ``num_samples``,
-        or after a resume what remains of the epoch for this rank (see the class docstring)."""
-        pending, current = self._pending, self._pass
-        if pending is not None and pending[0] == self.epoch:
-            return self._pass_length(pending[1])
-        if current is not None and current.epoch == self.epoch and not current.done:
-            return current.stop
-        return self.num_samples
-
     def __iter__(self) -> Iterator[int]:
         """Start this rank's pass over the current epoch: from the loaded position once, else 0."""
         start, self._pending = self._start(), None

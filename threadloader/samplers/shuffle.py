@@ -157,6 +157,7 @@ class _EpochResume:
     epoch: int
     _pending: tuple[int, int] | None
     _kept: bool
+    _pass: _Pass | None
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the order of the next ``iter()``: each epoch has its own permutation.
@@ -184,6 +185,16 @@ class _EpochResume:
         ``set_epoch`` named again (point 3)."""
         start = self._start()
         return start > 0 and self._rest_length(start) == 0
+
+    def remaining(self) -> int:
+        """How many indices the pending or running pass of the current epoch yields in all: a
+        whole epoch's, or after a resume what is left of it from the loaded cursor. ``len()``
+        stays the whole epoch's, as trainers count epochs with it."""
+        current = self._pass
+        running = current is not None and current.epoch == self.epoch and not current.done
+        if current is not None and running and self._pending is None:
+            return current.stop - current.first
+        return self._rest_length(self._start())
 
     def _rest_length(self, cursor: int) -> int:
         """Indices a pass of the current epoch resumed at ``cursor`` yields."""

@@ -109,8 +109,20 @@ class MixtureSampler(Sampler[int]):
         current = self._pass
         if self._pending is None and current is not None and not current.done:
             return current.count
+        return self._next_pass()[1]
+
+    def _next_pass(self) -> tuple[int, int]:
+        """The global position the next ``iter()`` starts at, and how many indices it yields
+        on this rank: the epoch from its start, or once the rest from a loaded position."""
         first = self._start if self._pending is None else self._pending
-        return max(self._end - first, 0) // self.num_replicas
+        if self._pending is not None and first >= self._end and not self._kept:
+            first = self._start  # a finished epoch's state without set_epoch: read it again
+        return first, max(self._end - first, 0) // self.num_replicas
+
+    def remaining(self) -> int:
+        """Indices the next (or current) pass of this epoch yields on this rank: ``len()``, which
+        for this sampler already counts what is left after a resume."""
+        return len(self)
 
     def _resumes_a_finished_epoch(self) -> bool:
         """Whether the next ``iter()`` is the empty rest of a loaded finished epoch, which
@@ -119,11 +131,8 @@ class MixtureSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Read the epoch from its start, or once from the loaded position (point 3)."""
-        first = self._start if self._pending is None else self._pending
-        if self._pending is not None and first >= self._end and not self._kept:
-            first = self._start  # a finished epoch's state without set_epoch: read it again
+        first, count = self._next_pass()
         self._pending = None
-        count = max(self._end - first, 0) // self.num_replicas
         self._end = first + count * self.num_replicas  # the next epoch starts right after
         mixture = self.mixture
         with mixture._lock:
@@ -199,10 +208,12 @@ class MixtureSampler(Sampler[int]):
     def pass_end(self) -> int:
         """The global position after this rank's current pass: where the next epoch starts.
 
-        Before any pass, or with a loaded state waiting for its ``iter()``, the next position.
+        Before the epoch's first pass, or with a loaded state waiting for its ``iter()``, after
+        the pass that ``iter()`` will make.
         """
         if self._pending is not None or self._pass is None:
-            return self.next_position
+            first, count = self._next_pass()
+            return first + count * self.num_replicas
         return self._pass.start + self._pass.count * self.num_replicas
 
     def _prepare_change(self, position: int) -> None:

@@ -353,20 +353,25 @@ def test_resume_on_another_world_size_sees_each_sample_once(old: int, new: int, 
 
 @pytest.mark.parametrize("sampler", ["distributed", "mixture"])
 @pytest.mark.parametrize(("old", "new"), [(4, 1), (4, 2), (4, 3), (2, 1)])
+@pytest.mark.parametrize("length", [30, 10])
 def test_a_finished_epoch_resumed_on_another_world_size_has_an_empty_rest(
-    sampler: str, old: int, new: int
+    sampler: str, old: int, new: int, length: int
 ) -> None:
     """Saved at an epoch's last step with the loader's drop_last, whose ranks left a partial
     batch each unread: that epoch is over on any world size. A loop that starts again at it gets
-    an empty rest, not the left-out indices as one more batch; then the next epoch, in full."""
+    an empty rest, not the left-out indices as one more batch; then the next epoch, in full.
+    Also for an epoch of no batch on the saving ranks (2 samples a rank of 4, batch 3), whose
+    sampler pass a loader without workers never began."""
 
     def make(world: int, rank: int) -> tuple[ThreadDataLoader[Any], Any]:
-        dataset: Any = range(30)
+        dataset: Any = range(length)
         if sampler == "distributed":
-            sampler_: Any = DistributedShuffleSampler(dataset, num_replicas=world, rank=rank)
+            sampler_: Any = DistributedShuffleSampler(
+                dataset, num_replicas=world, rank=rank, drop_last=length < 30
+            )
         else:
             dataset = Mixture({"a": range(20), "b": range(20, 30)}, {"a": 0.5, "b": 0.5})
-            sampler_ = MixtureSampler(dataset, world, rank, samples_per_epoch=30)
+            sampler_ = MixtureSampler(dataset, world, rank, samples_per_epoch=length)
         loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, drop_last=True)
         return loader, sampler_
 
@@ -376,6 +381,7 @@ def test_a_finished_epoch_resumed_on_another_world_size_has_an_empty_rest(
         sampler_.set_epoch(0)
         it = iter(loader)
         _ = [next(it) for _ in range(len(loader))]  # the epoch's last batch; no StopIteration
+        del it  # a checkpoint taken outside the loop
         states.append(loader.state_dict())
     for rank in range(new):
         loader, sampler_ = make(new, rank)

@@ -546,6 +546,21 @@ def test_a_shuffle_samplers_remaining_is_its_resumed_rest() -> None:
     assert ended.remaining() == 0 == len(list(ended))
 
 
+def test_state_dict_at_before_a_pass_counts_in_the_pass_iter_will_make() -> None:
+    """Before its pass began (a loader without workers starts it at the first next()), a
+    sampler's state_dict_at(n) is the state n indices into the pass iter() will make: from the
+    epoch's start, or from a loaded cursor; 0 is state_dict()."""
+    fresh = ShuffleSampler(30, seed=4)
+    assert fresh.state_dict_at(0) == fresh.state_dict()
+    assert fresh.state_dict_at(2**62)["cursor"] == 30
+    loaded = ShuffleSampler(30, seed=4)
+    loaded.load_state_dict({**fresh.state_dict(), "cursor": 12})
+    assert loaded.state_dict_at(5)["cursor"] == 17
+    ranks = DistributedShuffleSampler(range(10), num_replicas=4, rank=1, drop_last=True)
+    assert ranks.state_dict_at(2**62)["cursor"] == 8  # 2 a rank; the 2 left over dropped
+    assert ranks.state_dict_at(1)["cursor"] == 4
+
+
 def test_shuffle_false_resumes_in_dataset_order() -> None:
     """Without shuffling the global stream is 0..N-1 and a resume continues it on the new ranks."""
     before, state = _run_in_lockstep(_ranks(10, 2, False, shuffle=False), 2, epoch=0)

@@ -182,6 +182,9 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         current = self._pass
         if current is not None and current.epoch == self.epoch and self._pending is None:
             state["cursor"] = current.start + min(consumed, current.stop) * self.num_replicas
+        elif consumed > 0:  # in the pass iter() will make
+            start = self._start()
+            state["cursor"] = start + min(consumed, self._pass_length(start)) * self.num_replicas
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -284,12 +284,16 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
 
         A loader hands indices to workers ahead of the training loop; it saves the state of the
         indices the loop actually received, which ``state_dict()`` (counting those handed out)
-        cannot know. Without a pass of the current epoch this is ``state_dict()``.
+        cannot know. Before a pass of the current epoch, or with a resume pending, it counts them
+        in the pass ``iter()`` will make (a loader without workers starts it at the first
+        ``next()``, so an epoch of no batch ends before its pass began); 0 is ``state_dict()``.
         """
         state = self.state_dict()
         current = self._pass
         if current is not None and current.epoch == self.epoch and self._pending is None:
             state["cursor"] = min(current.first + consumed, current.stop)
+        elif consumed > 0:
+            state["cursor"] = min(self._start() + consumed, self.length)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

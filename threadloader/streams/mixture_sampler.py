@@ -250,14 +250,20 @@ class MixtureSampler(Sampler[int]):
         """The state once ``consumed`` indices of this rank's latest ``iter()`` have been used.
 
         A loader hands indices to workers ahead of the training loop; this counts only those the
-        loop received. Before any pass of the epoch, or with a resume pending, it is
-        ``state_dict()``.
+        loop received. Before any pass of the epoch, or with a resume pending, it counts them
+        in the pass ``iter()`` will make (a loader without workers starts it at the first
+        ``next()``, so an epoch of no batch ends before its pass began); 0 is ``state_dict()``.
         """
         if self._pending is not None or self._pass is None:
-            return self.state_dict()
+            if consumed <= 0:
+                return self.state_dict()
+            first, count = self._next_pass()
+            stride = self.num_replicas
+            return self._state(first + min(consumed, count) * stride, first + count * stride)
         return self._state(self.position_after(consumed))
 
-    def _state(self, position: int) -> dict[str, Any]:
+    def _state(self, position: int, end: int | None = None) -> dict[str, Any]:
+        """The state at global ``position`` of an epoch that ends at ``end`` (its end now)."""
         mixture = self.mixture
         return {
             "version": STATE_VERSION,
@@ -265,7 +271,7 @@ class MixtureSampler(Sampler[int]):
             "epoch": self.epoch,
             "start": self._start,
             "cursor": position - self._start,
-            "end": self._end,
+            "end": self._end if end is None else end,
             "num_replicas": self.num_replicas,
             "sources": dict(zip(mixture.names, mixture._lengths, strict=True)),
             "schedule": mixture._schedule.compacted(self._start).to_state(),

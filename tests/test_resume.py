@@ -1160,6 +1160,17 @@ def test_a_state_taken_before_the_first_index_was_drawn_resumes_every_later_epoc
     assert [[b.tolist() for b in resumed] for _ in range(3)] == expected
 
 
+def _first_batch_and_state_ahead(loader: ThreadDataLoader[Any]) -> tuple[list[Any], Any]:
+    """The first batch of a loader delivering as completed, and its state then, which must
+    hold a batch delivered ahead of a slow first one."""
+    it = iter(loader)
+    first = [next(it)]
+    state = loader.state_dict()
+    del it
+    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    return first, state
+
+
 def test_an_out_of_order_state_refuses_another_number_of_ranks() -> None:
     """Positions delivered ahead (in_order=False) count batches of the saving rank's share: on
     another number of ranks they name other samples (samples were read twice and others never).
@@ -1172,12 +1183,7 @@ def test_an_out_of_order_state_refuses_another_number_of_ranks() -> None:
             dataset, batch_size=2, sampler=sampler, num_workers=2, in_order=False, timeout=30
         )
 
-    loader = make(1, 0, slow=frozenset({0}))
-    it = iter(loader)
-    first = [next(it)]
-    state = loader.state_dict()
-    del it
-    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    first, state = _first_batch_and_state_ahead(make(1, 0, slow=frozenset({0})))
     with pytest.raises(ValueError, match=r"saved on 1 ranks .*in_order=False.* this run has 2"):
         make(2, 0).load_state_dict(state)
     same = make(1, 0)
@@ -1284,12 +1290,8 @@ def test_an_out_of_order_state_is_loaded_by_its_own_rank_only(sampler_kind: str)
             timeout=30,
         )
 
-    loader = make(0, slow=frozenset({0}))  # rank 0's first batch is items 0 and 2
-    it = iter(loader)
-    first = [next(it)]
-    state = loader.state_dict()
-    del it
-    assert state["delivered_ahead"], "nothing was delivered out of order: the scenario is wrong"
+    # Rank 0's first batch is items 0 and 2.
+    first, state = _first_batch_and_state_ahead(make(0, slow=frozenset({0})))
     with pytest.raises(ValueError, match=r"saved by rank 0 .*in_order=False.* this is rank 1"):
         make(1).load_state_dict(state)
     own = make(0)

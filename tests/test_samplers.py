@@ -561,6 +561,23 @@ def test_state_dict_at_before_a_pass_counts_in_the_pass_iter_will_make() -> None
     assert ranks.state_dict_at(1)["cursor"] == 4
 
 
+def test_a_mid_epoch_state_with_no_rest_on_more_ranks_is_not_an_ended_epoch() -> None:
+    """Saved on 1 rank after 9 of 10 samples (drop_last): on 2 ranks nothing is left for either,
+    yet the epoch had not ended where it was saved. The resume yields that empty rest (nothing
+    read twice), also without set_epoch; an ended epoch's state starts over without it."""
+    source = DistributedShuffleSampler(range(10), num_replicas=1, rank=0, drop_last=True)
+    it = iter(source)
+    _ = [next(it) for _ in range(9)]
+    state = source.state_dict()
+    for rank in range(2):
+        sampler = DistributedShuffleSampler(range(10), num_replicas=2, rank=rank, drop_last=True)
+        sampler.load_state_dict(state)
+        assert sampler.remaining() == 0 == len(list(sampler))
+    ended = DistributedShuffleSampler(range(10), num_replicas=2, rank=0, drop_last=True)
+    ended.load_state_dict({**state, "cursor": 10})
+    assert ended.remaining() == 5 == len(list(ended))
+
+
 def test_shuffle_false_resumes_in_dataset_order() -> None:
     """Without shuffling the global stream is 0..N-1 and a resume continues it on the new ranks."""
     before, state = _run_in_lockstep(_ranks(10, 2, False, shuffle=False), 2, epoch=0)

@@ -223,18 +223,21 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         self.seed = _state_int(state, "seed", owner)
         self.epoch = _state_int(state, "epoch", owner)
         self._pending = (self.epoch, cursor)
+        self._pending_ended = self._pass_length(cursor, saved_replicas) == 0
         self._kept = False
         self._pass = None
 
     def _rest_length(self, cursor: int) -> int:
         return self._pass_length(cursor)
 
-    def _pass_length(self, start: int) -> int:
-        """Return how many positions each rank takes from global position ``start`` to epoch end."""
+    def _pass_length(self, start: int, replicas: int | None = None) -> int:
+        """Return how many positions each rank takes from global position ``start`` to epoch end,
+        on ``replicas`` ranks (this sampler's world size by default)."""
         remaining = max(self._length - start, 0)
+        ranks = self.num_replicas if replicas is None else replicas
         if self.drop_last:
-            return remaining // self.num_replicas
-        return -(-remaining // self.num_replicas)
+            return remaining // ranks
+        return -(-remaining // ranks)
 
     def _global_cursor(self) -> int:
         pending, current = self._pending, self._pass

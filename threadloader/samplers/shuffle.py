@@ -149,13 +149,16 @@ def _check_common(state: Mapping[str, Any], owner: str, length: int) -> None:
 class _EpochResume:
     """An epoch-keyed sampler's resume of a loaded state, waiting for its ``iter()`` (point 3).
 
-    ``load_state_dict`` sets ``_pending`` to ``(epoch, cursor)``; ``set_epoch`` keeps it for that
-    epoch only, and ``_kept`` says whether it was named (a finished epoch's state then yields an
-    empty rest rather than starting over).
+    ``load_state_dict`` sets ``_pending`` to ``(epoch, cursor)`` and ``_pending_ended`` to whether
+    that epoch had ended where it was saved (on the saving world size: on another, a rest may be
+    empty that was not an end); ``set_epoch`` keeps it for that epoch only, and ``_kept`` says
+    whether it was named (a finished epoch's state then yields an empty rest rather than
+    starting over).
     """
 
     epoch: int
     _pending: tuple[int, int] | None
+    _pending_ended = False
     _kept: bool
     _pass: _Pass | None
 
@@ -176,15 +179,14 @@ class _EpochResume:
         a finished epoch's cursor only if ``set_epoch`` named that epoch (point 3)."""
         pending = self._pending
         start = pending[1] if pending is not None and pending[0] == self.epoch else 0
-        if start > 0 and self._rest_length(start) == 0 and not self._kept:
+        if start > 0 and self._pending_ended and not self._kept:
             return 0  # a finished epoch's state without set_epoch: start over
         return start
 
     def _resumes_a_finished_epoch(self) -> bool:
         """Whether the next ``iter()`` is the empty rest of a loaded finished epoch, which
         ``set_epoch`` named again (point 3)."""
-        start = self._start()
-        return start > 0 and self._rest_length(start) == 0
+        return self._start() > 0 and self._pending_ended
 
     def remaining(self) -> int:
         """How many indices the pending or running pass of the current epoch yields in all: a
@@ -315,7 +317,7 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
             raise ValueError(f"{owner} state cursor {cursor} is outside [0, {self.length}]")
         self.seed = _state_int(state, "seed", owner)
         self.epoch = _state_int(state, "epoch", owner)
-        self._pending = (self.epoch, cursor)
+        self._pending, self._pending_ended = (self.epoch, cursor), cursor >= self.length
         self._kept = False
         self._pass = None
 

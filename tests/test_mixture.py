@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import outcomes
-from torch.utils.data import BatchSampler, DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset
 
 from threadloader import ThreadDataLoader
 from threadloader.streams import Mixture, MixtureSampler, TokenWindows
@@ -857,7 +857,7 @@ def test_a_change_from_a_worker_is_refused(device: str | None) -> None:
     it = iter(loader)
     got = [str(o.error) if o.error is not None else o.batch.tolist() for o in outcomes(it, 100)]
     errors = [o for o in got if isinstance(o, str)]
-    assert len(errors) == 1 and "called from worker" in errors[0]
+    assert len(errors) == 1 and "one of this loader's workers" in errors[0]
     source.loader = None
     expected = torch.cat(list(ThreadDataLoader(mixture, batch_size=4, sampler=sampler)))
     failed = got.index(errors[0])
@@ -865,6 +865,27 @@ def test_a_change_from_a_worker_is_refused(device: str | None) -> None:
     assert [x for b in got[:failed] + got[failed + 1 :] for x in b] == (
         expected[: 4 * failed].tolist() + expected[4 * failed + 4 :].tolist()
     )
+
+
+class IteratesAnotherLoader(IterableDataset[Any]):
+    """Iterates a mixture loader of its own, changing its weights after the first batch."""
+
+    def __iter__(self) -> Iterator[Any]:
+        mixture = Mixture({"a": range(100), "b": range(100, 200)}, {"a": 0.5, "b": 0.5})
+        sampler = MixtureSampler(mixture, samples_per_epoch=40)
+        inner = ThreadDataLoader(mixture, batch_size=4, sampler=sampler)
+        it = iter(inner)
+        yield next(it).tolist()
+        yield inner.set_mixture_weights({"a": 1.0, "b": 0.0})
+        yield from (b.tolist() for b in it)
+
+
+def test_a_worker_changes_the_weights_of_a_loader_it_iterates() -> None:
+    """Only a loader's own workers are refused: a worker of another loader that iterates this
+    one changes its weights from the thread that iterates it, from the next batch."""
+    got = list(ThreadDataLoader(IteratesAnotherLoader(), batch_size=None, num_workers=1))
+    assert got[1] == 4
+    assert all(x < 100 for b in got[2:] for x in b) and len(got) == 2 + 9
 
 
 def _small_mixture() -> Mixture:
@@ -1092,3 +1113,20 @@ def test_a_finished_epochs_state_not_named_again_counts_a_whole_epoch() -> None:
     rest.load_state_dict(state)
     rest.set_epoch(state["epoch"])
     assert len(rest) == rest.remaining() == 0 == len(list(rest))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_change_after_set_epoch_of_the_next_epoch_applies_from_its_start(
+    num_workers: int,
+) -> None:
+    """The loop took the epoch's last batch (no StopIteration), moved the sampler on with
+    set_epoch, then changed the weights: the next epoch is drawn with them from its start."""
+    mixture = Mixture({"a": range(100), "b": range(1000, 1100)}, {"a": 0.5, "b": 0.5})
+    sampler = MixtureSampler(mixture, samples_per_epoch=12)
+    loader = ThreadDataLoader(mixture, batch_size=3, sampler=sampler, num_workers=num_workers)
+    it = iter(loader)
+    _ = [next(it) for _ in range(len(loader))]
+    sampler.set_epoch(1)
+    assert loader.set_mixture_weights({"a": 1.0, "b": 0.0}) == 12
+    del it
+    assert all(int(x) < 100 for b in loader for x in b)

@@ -395,6 +395,38 @@ def test_a_finished_epoch_resumed_on_another_world_size_has_an_empty_rest(
             assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]
 
 
+@pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
+    sampler: str, num_workers: int
+) -> None:
+    """A loop that checkpoints at the top of an epoch, after set_epoch and before iter(): the
+    resumed run reads that whole epoch, as the uninterrupted one does."""
+
+    def make() -> tuple[ThreadDataLoader[Any], Any]:
+        dataset: Any = range(12)
+        if sampler == "shuffle":
+            sampler_: Any = ShuffleSampler(dataset, seed=1)
+        elif sampler == "distributed":
+            sampler_ = DistributedShuffleSampler(dataset, num_replicas=1, rank=0, seed=1)
+        else:
+            dataset = Mixture({"a": range(8), "b": range(8, 12)}, {"a": 0.5, "b": 0.5})
+            sampler_ = MixtureSampler(dataset, 1, 0, samples_per_epoch=12)
+        loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, num_workers=num_workers)
+        return loader, sampler_
+
+    loader, sampler_ = make()
+    assert len(list(loader)) == 4
+    sampler_.set_epoch(1)
+    state = loader.state_dict()
+    expected = [b.tolist() for b in loader]
+    resumed, resumed_sampler = make()
+    resumed.load_state_dict(state)
+    resumed_sampler.set_epoch(1)
+    assert len(expected) == 4
+    assert [b.tolist() for b in resumed] == expected
+
+
 def test_bad_states_raise_naming_the_mismatch() -> None:
     """Malformed, foreign or mismatched states raise ValueError naming the problem."""
     loader = ThreadDataLoader(Ids(20), batch_size=4)
@@ -1305,6 +1337,31 @@ def test_an_out_of_order_state_is_loaded_by_its_own_rank_only(sampler_kind: str)
     other = make(1, in_order=True)
     other.load_state_dict(state)
     assert _items(list(other)) == list(range(5, 12, 2))
+
+
+def test_an_out_of_order_state_without_a_batch_or_a_sampler_rank_loads_on_any_rank() -> None:
+    """Refused only where ranks can differ: a state taken before any batch was delivered (ranks
+    in lockstep delivered none) loads on any rank; a state that names torch.distributed's rank
+    only (no sampler_rank) is compared with torch.distributed's."""
+
+    def make(rank: int, slow: frozenset[int] = frozenset()) -> Any:
+        dataset = SlowItems(slow, n=12)
+        sampler = DistributedShuffleSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+        return ThreadDataLoader(
+            dataset, batch_size=2, sampler=sampler, num_workers=2, in_order=False, timeout=30
+        )
+
+    loader = make(0)
+    it = iter(loader)
+    unstarted = loader.state_dict()
+    del it
+    assert unstarted["in_progress"] and unstarted["batches_yielded"] == 0
+    other = make(1)
+    other.load_state_dict(unstarted)
+    assert sorted(_items(list(other))) == list(range(1, 12, 2))
+    _, ahead = _first_batch_and_state_ahead(make(0, slow=frozenset({0})))
+    del ahead["sampler_rank"]
+    make(1).load_state_dict(ahead)  # torch.distributed's rank: 0 here as there
 
 
 class UnevenStartsAtLoaded(StartsAtLoaded):

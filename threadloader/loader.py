@@ -32,6 +32,7 @@ from threadloader._engine.state import (
     build_state,
     epoch_complete,
     resumes_a_finished_epoch,
+    sampler_moved_on,
     stream_ended,
 )
 from threadloader._engine.state_check import parse_state
@@ -417,23 +418,25 @@ class ThreadDataLoader(DataLoader[T_co]):
                 f"set_mixture_weights needs a MixtureSampler, this loader samples with "
                 f"{type(sampler).__name__}"
             )
-        worker = torch.utils.data.get_worker_info()
-        if worker is not None:
-            raise RuntimeError(
-                f"set_mixture_weights was called from worker {worker.id} (the dataset's code): "
-                "the change rewinds the stream its batches come from. Call it from the thread "
-                "that iterates the loader"
-            )
         mixture: Any = self.dataset
         check_weights(weights, mixture.names)  # before anything stops: nothing changes then
         epoch = self._host_epoch() if self._host_epoch is not None else None
+        in_its_worker = getattr(epoch, "in_its_worker", None)
+        if in_its_worker is not None and in_its_worker():
+            raise RuntimeError(
+                "set_mixture_weights was called from one of this loader's workers (the "
+                "dataset's code): the change rewinds the stream its batches come from. Call it "
+                "from the thread that iterates the loader"
+            )
         progress = self._progress  # the loop's: with device=, behind the host epoch's
         if epoch is None or progress is None or progress.exhausted:
             return int(mixture.set_weights(weights))
         if epoch_complete(self, progress):
             # The loop has every batch of the epoch: the next it asks for is the next epoch's,
             # which starts at this pass's end, past what drop_last left out (as a state then
-            # says); nothing in flight is drawn from there.
+            # says), or where set_epoch moved the sampler; nothing in flight is drawn from there.
+            if sampler_moved_on(self, progress):
+                return int(mixture.set_weights(weights))
             return int(mixture.set_weights(weights, at_position=sampler.pass_end()))
         if not self.in_order and self.num_workers > 0:
             raise ValueError("a live change of the index stream needs in_order=True")

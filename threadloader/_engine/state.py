@@ -198,6 +198,8 @@ class Progress:
     pass_skips: tuple[int, ...] = ()
     # Batches a positional sampler's resumed pass yields (its remaining() as the pass began).
     pass_total: int | None = None
+    # The sampler's epoch as this iterator began (``sampler_moved_on``).
+    pass_epoch: int | None = None
     # Point 11: a sampler with its own state, the batches this pass drew, its state after each
     # drawn batch not yet behind the loop (by the position after it), and the latest state
     # at or before ``done`` with the position it resumes at.
@@ -425,6 +427,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.done = progress.pass_start = 0
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
+    progress.pass_epoch = sampler_epoch(loader)
     progress.indices_drawn = False
     progress.last_index_state = None
     progress.own_sampler = (
@@ -581,6 +584,12 @@ def undo_seed_draw(it: Any, loader: Any) -> None:
     it._base_seed = saved[1]
 
 
+def sampler_moved_on(loader: Any, progress: Progress) -> bool:
+    """Whether ``set_epoch`` moved the sampler to another epoch since ``progress`` began: its
+    pass, begun or not, is then the next epoch's, and nothing of it is behind the loop."""
+    return sampler_epoch(loader) != progress.pass_epoch
+
+
 def epoch_complete(loader: Any, progress: Progress) -> bool:
     """Every batch of this map-style epoch was delivered, though ``next()`` may not have raised
     ``StopIteration`` yet (Lightning checkpoints at the epoch's last step so).
@@ -678,8 +687,12 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         done = progress.done if ended and progress is not None else position
         this_pass = done - (progress.resumed_batches if progress is not None else 0)
         # A finished epoch's end includes the indices drop_last left out of a batch: on another
-        # world size they would make one more batch of that epoch. The sampler stops at its end.
-        consumed = sys.maxsize if ended else max(this_pass, 0) * per_batch
+        # world size they would make one more batch of that epoch. The sampler stops at its end;
+        # once set_epoch moved it to the next epoch, that one's start is where it stands.
+        if ended and progress is not None and sampler_moved_on(loader, progress):
+            consumed = 0
+        else:
+            consumed = sys.maxsize if ended else max(this_pass, 0) * per_batch
         sampler_state = sampler.state_dict_at(consumed)
     live = not fresh and progress is not None
     sampler_ended = False
@@ -730,7 +743,8 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "dataset_length": length_of(loader.dataset) if kind == "map" else None,
         "num_workers": loader.num_workers,
         "world_size": world_size,
-        "rank": sampler_rank(loader, rank),
+        "rank": rank,
+        "sampler_rank": sampler_rank(loader, rank),
         "worker_states": worker_states,
         "worker_state_form": dataset_state.FORM,
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]

@@ -248,8 +248,20 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
                 "where the other ranks got to. Resume on the same number of ranks, or save from "
                 "a loader with in_order=True to resume on another"
             )
-    saved_rank, rank = state.get("rank"), sampler_rank(loader, dist_rank)
-    if out_of_order and state["in_progress"] and type(saved_rank) is int and saved_rank != rank:
+    # The rank whose share the state's positions are in: its sampler's where it has one (a
+    # state without that key holds torch.distributed's only).
+    if "sampler_rank" in state:
+        saved_rank, rank = state["sampler_rank"], sampler_rank(loader, dist_rank)
+    else:
+        saved_rank, rank = state.get("rank"), dist_rank
+    delivered = batches > 0 or bool(skips)  # ranks in lockstep: none delivered any before
+    if (
+        out_of_order
+        and state["in_progress"]
+        and delivered
+        and type(saved_rank) is int
+        and saved_rank != rank
+    ):
         # Ranks in lockstep reach the same position, so in order any rank's state resumes any
         # rank; as completed, each rank's delivered batches (and position) are its own.
         raise ValueError(

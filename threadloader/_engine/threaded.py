@@ -182,6 +182,10 @@ class ThreadedDataLoaderIter(DispatchingIter):
         else:
             self._generation = self._pool.new_epoch(self._shared_seed)
 
+    def in_its_worker(self) -> bool:
+        """Whether the calling thread runs one of this epoch's workers (the dataset's code)."""
+        return self._pool.serves_current_thread()
+
     def _new_stats(self) -> None:
         super()._new_stats()
         pool = getattr(self, "_pool", None)  # absent on the first call, from __init__

@@ -21,6 +21,8 @@ from __future__ import annotations
 import threading
 import time
 
+from torch.utils.data import get_worker_info as current_worker_info
+
 from threadloader._engine.tasks import NOTHING, NewEpoch, Result, Task, WorkerSpec
 from threadloader._engine.worker import Worker, current_context, leave
 from threadloader._primitives import exit_hook, worker_globals
@@ -174,6 +176,12 @@ class WorkerPool:
         if error is not None:
             self.close()  # joins the threads that did start
             raise error
+
+    def serves_current_thread(self) -> bool:
+        """Whether the calling thread runs one of this pool's workers now: one of its threads,
+        or the training thread making a batch as one of them (``current_context``)."""
+        info = current_worker_info()
+        return info is not None and any(info is w.info for w in self.workers)
 
     @property
     def alive_threads(self) -> int:

@@ -25,7 +25,8 @@ Where Lightning and a stateful loader meet, and what follows:
 - Lightning writes checkpoints on rank 0, so every rank resumes from rank 0's loader state. That
   is right for map-style datasets (ranks advance in lockstep, and each rank re-derives its own
   indices from its own sampler) and wrong for an IterableDataset that shards by rank: save each
-  rank's ``state_dict()`` yourself then.
+  rank's ``state_dict()`` yourself then. So with ``in_order=False``: another rank loading rank
+  0's mid-epoch state raises ``ValueError``, as the batches it delivered ahead are rank 0's.
 - An IterableDataset without ``__len__``: Lightning fetches one batch ahead of ``training_step``
   to know which batch is the last, so a checkpoint's loader state already counts that batch, and
   a resume skips it.

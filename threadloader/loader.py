@@ -404,10 +404,11 @@ class ThreadDataLoader(DataLoader[T_co]):
             TypeError: the loader's sampler is not a ``MixtureSampler``.
             ValueError: the weights are invalid (see ``Mixture.set_weights``), or an epoch with
                 workers and ``in_order=False`` is running (nothing changed).
-            RuntimeError: this is called from a worker (the dataset's code), which draws from
-                the stream the change rewinds; with ``device=``, the running epoch was closed
-                (``close()``, Ctrl-C), or this is called from the transfer thread (the
-                dataset's code, with ``num_workers=0``), which the change would wait for.
+            RuntimeError: this is called from one of this loader's workers (the dataset's
+                code), which draw from the stream the change rewinds; with ``device=``, the
+                running epoch was closed (``close()``, Ctrl-C), or this is called from the
+                transfer thread (the dataset's code, with ``num_workers=0``), which the change
+                would wait for.
         """
         from threadloader.streams import MixtureSampler
         from threadloader.streams.mixing import check_weights

@@ -258,8 +258,8 @@ class MixtureSampler(Sampler[int]):
             if consumed <= 0:
                 return self.state_dict()
             first, count = self._next_pass()
-            stride = self.num_replicas
-            return self._state(first + min(consumed, count) * stride, first + count * stride)
+            position = first + min(consumed, count) * self.num_replicas
+            return self._state(position, end=self.pass_end())
         return self._state(self.position_after(consumed))
 
     def _state(self, position: int, end: int | None = None) -> dict[str, Any]:

@@ -7,8 +7,9 @@ sends SIGINT to the process at a random moment, from the loader's construction t
 in. One line per trial on stdout: ``ok SECONDS`` when ``KeyboardInterrupt`` reached the loop
 within ``LIMIT_S`` of the signal and, once the loop let go of the loader, no threadloader thread
 or helper process was left; else a word naming what went wrong. The last trial lets its
-``KeyboardInterrupt`` end the interpreter (``exit SENT_AT`` printed first, on the monotonic
-clock), so the parent checks the exit status, stderr and the time the process took to end.
+``KeyboardInterrupt`` end the interpreter (``exit SENT_AT CAUGHT_AT PIDS...`` printed first, on
+the monotonic clock), so the parent checks the exit status, stderr, how long the interrupt took
+to reach the loop and how long the interpreter then took to end.
 """
 
 from __future__ import annotations
@@ -111,10 +112,11 @@ def trial(config: str, rng: random.Random, last: bool) -> str:
         loader = ThreadDataLoader(Images(), batch_size=16, num_workers=2, **CONFIGS[config])
         _train(loader, rng, sent, pids)
     except KeyboardInterrupt:
+        caught = time.monotonic()
         if last:
-            print("exit", sent[0], *pids, flush=True)
+            print("exit", sent[0], caught, *pids, flush=True)
             raise
-        took = time.monotonic() - sent[0] if sent else float("nan")
+        took = caught - sent[0] if sent else float("nan")
         outcome = f"ok {took:.3f}" if took <= LIMIT_S else f"late {took:.3f}"
     except Lost:
         outcome = "lost"

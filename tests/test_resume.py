@@ -427,6 +427,88 @@ def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
     assert [b.tolist() for b in resumed] == expected
 
 
+def _resumed_mid_epoch(
+    sampler: str, num_workers: int, saved_on: int, world: int, length: int, drop_last: bool
+) -> Any:
+    """A loader on rank 0 of ``world`` that loaded a state saved one batch into epoch 0 on
+    ``saved_on`` ranks (a resumed pass starting past the epoch's start), and a maker of fresh
+    loaders of the same kind."""
+
+    def make(ranks: int) -> tuple[ThreadDataLoader[Any], Any]:
+        dataset: Any = range(length)
+        if sampler == "shuffle":
+            sampler_: Any = ShuffleSampler(dataset, seed=1)
+        elif sampler == "distributed":
+            sampler_ = DistributedShuffleSampler(dataset, ranks, 0, seed=1, drop_last=drop_last)
+        else:
+            half = length // 2
+            dataset = Mixture({"a": range(half), "b": range(half, length)}, {"a": 0.5, "b": 0.5})
+            sampler_ = MixtureSampler(dataset, ranks, 0, samples_per_epoch=length)
+        loader = ThreadDataLoader(
+            dataset, batch_size=2, sampler=sampler_, num_workers=num_workers, drop_last=drop_last
+        )
+        return loader, sampler_
+
+    saving, _ = make(saved_on)
+    it = iter(saving)
+    next(it)
+    state = saving.state_dict()
+    del it
+    loader, _ = make(world)
+    loader.load_state_dict(state)
+    return loader, make
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_before_the_first_batch_of_an_epochs_second_pass_resumes_that_pass(
+    sampler: str, num_workers: int
+) -> None:
+    """After a resumed pass, iter() again without set_epoch reads the epoch from its start (as
+    torch's samplers do); a state taken before that pass's first batch resumes it in full, not
+    at the resumed pass's start."""
+    loader, make = _resumed_mid_epoch(sampler, num_workers, 2, 1, length=13, drop_last=False)
+    list(loader)  # the resumed rest of epoch 0
+    it = iter(loader)
+    state = loader.state_dict()
+    expected = [b.tolist() for b in it]
+    assert expected  # a whole pass
+    resumed, _ = make(1)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == expected
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_weight_change_before_the_first_batch_of_an_epochs_second_pass_applies_to_all_of_it(
+    num_workers: int,
+) -> None:
+    """After a resumed pass, iter() again reads the epoch from its start; a weight change before
+    its first batch applies from that start, as to a mixture that had those weights all along."""
+    loader, _ = _resumed_mid_epoch("mixture", num_workers, 2, 1, length=13, drop_last=False)
+    list(loader)  # the resumed rest of epoch 0: positions 4 to 11
+    weights = {"a": 0.9, "b": 0.1}
+    it = iter(loader)
+    assert loader.set_mixture_weights(weights) == 0
+    mixture = Mixture({"a": range(6), "b": range(6, 13)}, {"a": 0.5, "b": 0.5})
+    mixture.set_weights(weights)
+    reference = ThreadDataLoader(
+        mixture, batch_size=2, sampler=MixtureSampler(mixture, 1, 0, samples_per_epoch=12)
+    )
+    assert [b.tolist() for b in it] == [b.tolist() for b in reference]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_of_no_batch_after_a_resumed_pass_saves_its_own_end(num_workers: int) -> None:
+    """A second pass of the epoch with no batch on this rank (drop_last) saves where that pass
+    ends, as a loader that never resumed saves after the same whole epoch."""
+    loader, make = _resumed_mid_epoch("distributed", num_workers, 1, 4, length=6, drop_last=True)
+    assert list(loader) == []  # positions 2-5 of the epoch on 4 ranks: 1 index each
+    assert list(loader) == []  # the epoch again from its start: 1 index each
+    fresh, _ = make(4)
+    assert list(fresh) == []
+    assert loader.state_dict()["sampler"] == fresh.state_dict()["sampler"]
+
+
 def test_bad_states_raise_naming_the_mismatch() -> None:
     """Malformed, foreign or mismatched states raise ValueError naming the problem."""
     loader = ThreadDataLoader(Ids(20), batch_size=4)

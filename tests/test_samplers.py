@@ -561,6 +561,29 @@ def test_state_dict_at_before_a_pass_counts_in_the_pass_iter_will_make() -> None
     assert ranks.state_dict_at(1)["cursor"] == 4
 
 
+@pytest.mark.parametrize("world", [None, 3])
+def test_state_dict_at_since_counts_in_the_pass_a_later_iter_begins(world: int | None) -> None:
+    """With ``since`` (``passes_begun`` read before a loader made its iterator), a pass begun
+    no later is an earlier one of the epoch: the indices count in the pass that iterator will
+    begin, from the epoch's start, not in the resumed pass before it."""
+    sampler: Any = (
+        ShuffleSampler(30, seed=4)
+        if world is None
+        else DistributedShuffleSampler(range(30), num_replicas=world, rank=0, seed=4)
+    )
+    stride = world or 1
+    sampler.load_state_dict({**sampler.state_dict(), "cursor": 12})
+    list(sampler)  # the resumed rest of the epoch
+    since = sampler.passes_begun
+    assert sampler.state_dict_at(0)["cursor"] == 12  # the latest pass: the resumed one
+    assert sampler.state_dict_at(0, since=since)["cursor"] == 0
+    assert sampler.state_dict_at(2, since=since)["cursor"] == 2 * stride
+    it = iter(sampler)  # the iterator's pass begins
+    next(it)
+    assert sampler.passes_begun == since + 1
+    assert sampler.state_dict_at(1, since=since)["cursor"] == stride
+
+
 def test_a_mid_epoch_state_with_no_rest_on_more_ranks_is_not_an_ended_epoch() -> None:
     """Saved on 1 rank after 9 of 10 samples (drop_last): on 2 ranks nothing is left for either,
     yet the epoch had not ended where it was saved. The resume yields that empty rest (nothing

@@ -438,7 +438,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             # says), or where set_epoch moved the sampler; nothing in flight is drawn from there.
             if sampler_moved_on(self, progress):
                 return int(mixture.set_weights(weights))
-            return int(mixture.set_weights(weights, at_position=sampler.pass_end()))
+            end = sampler.pass_end(since=progress.sampler_passes)
+            return int(mixture.set_weights(weights, at_position=end))
         if not self.in_order and self.num_workers > 0:
             raise ValueError("a live change of the index stream needs in_order=True")
         if progress.ahead:
@@ -450,6 +451,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         consumed = progress.pass_positions() * (self.batch_size or 1)
 
         def change() -> int:
+            if progress.sampler_passes is not None:  # a pass this iterator has not begun yet
+                sampler.leave_earlier_pass(progress.sampler_passes)
             ended = sampler.pass_ended
             position = mixture.set_weights(weights, at_position=sampler.position_after(consumed))
             # A pass that had handed out its last index restarts at the position: a new one.

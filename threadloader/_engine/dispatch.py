@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import torch
 from torch._utils import ExceptionWrapper, KeyErrorMessage
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.worker import _IterableDatasetStopIteration
@@ -49,6 +48,7 @@ from threadloader._engine.state import (
     Progress,
     ProgressMixin,
     Resume,
+    before_sampler_iter,
     begin_pass,
     mixture_sampled,
     start_new_pass,
@@ -116,7 +116,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         a ``resume``), with the options every dispatching epoch reads; the workers are the
         subclass's to start."""
         self._progress = Progress()
-        self._iter_rng_state = torch.get_rng_state()  # before iter(sampler) (_state point 2)
+        before_sampler_iter(self, loader)
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (datapipes point 5)
             super().__init__(loader)
         undo_seed_draw(self, loader)
@@ -254,7 +254,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
             # __iter__ counts its calls or draws eagerly can tell. Not when resuming: a second
             # iter() would restart a positional sampler's resumed pass.
-            self._iter_rng_state = torch.get_rng_state()  # _state point 2
+            before_sampler_iter(self, loader)
             with graph_walks(loader.dataset):  # a DataPipe is reseeded (_datapipes point 5)
                 super()._reset(loader, first_iter)
         if not first_iter:

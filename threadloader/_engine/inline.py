@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from torch.utils.data import _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
@@ -18,6 +17,7 @@ from threadloader._engine.state import (
     Progress,
     ProgressMixin,
     Resume,
+    before_sampler_iter,
     begin_pass,
     start_new_pass,
     undo_seed_draw,
@@ -53,7 +53,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         form = resume.worker_state_form if resume is not None else 1
         dataset_state.restore_dataset(dataset, state, form)  # before iter(), as StatefulDataLoader
         self._progress = Progress()
-        self._iter_rng_state = torch.get_rng_state()  # before iter(sampler) (_state point 2)
+        before_sampler_iter(self, loader)
         # torch's _SingleProcessDataLoaderIter.__init__ would build its own fetcher, calling an
         # IterableDataset's __iter__ once more than torch does: skip to the base class.
         with graph_walks(loader.dataset):  # torch seeds a DataPipe here (_datapipes point 5)

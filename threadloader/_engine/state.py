@@ -21,8 +21,10 @@ How state works; where the code disagrees with this, the code is wrong.
    sampler makes its iterator again under that state (the resumed process's own ``iter()``
    drew from its RNG as torch's does, and that iterator is dropped).
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
-   offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size. Any other
-   sampler is replayed: its indices for the batches already delivered are drawn and dropped.
+   offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size; the cursor
+   counts in the pass this iterator begins (at its first draw), never in an earlier pass of the
+   same epoch, though that one is still the sampler's latest. Any other sampler is replayed:
+   its indices for the batches already delivered are drawn and dropped.
 4. A dataset with ``state_dict``/``load_state_dict`` (map-style or iterable), and an
    IterableDataset's stateful iterator, resume each worker's copy from the state it had when
    its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``). Any
@@ -200,6 +202,8 @@ class Progress:
     pass_total: int | None = None
     # The sampler's epoch as this iterator began (``sampler_moved_on``).
     pass_epoch: int | None = None
+    # A positional sampler's ``passes_begun`` as this iterator began: a later pass is its own.
+    sampler_passes: int | None = None
     # Point 11: a sampler with its own state, the batches this pass drew, its state after each
     # drawn batch not yet behind the loop (by the position after it), and the latest state
     # at or before ``done`` with the position it resumes at.
@@ -408,6 +412,14 @@ def sampler_generator(loader: Any) -> torch.Generator | None:
     return None
 
 
+def before_sampler_iter(it: Any, loader: Any) -> None:
+    """Note on iterator ``it`` what the ``iter()`` of ``loader``'s sampler it is about to make
+    changes: the global RNG (point 2) and a positional sampler's count of passes (point 3)."""
+    it._iter_rng_state = torch.get_rng_state()
+    positional = positional_sampler(loader)
+    it._passes_before = getattr(positional[0], "passes_begun", None) if positional else None
+
+
 def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     """Start an epoch's index stream, resuming it if asked; returns the stream to draw from.
 
@@ -428,6 +440,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     progress.ahead = progress.pass_skips = ()
     progress.pass_total = None
     progress.pass_epoch = sampler_epoch(loader)
+    progress.sampler_passes = getattr(it, "_passes_before", None)
     progress.indices_drawn = False
     progress.last_index_state = None
     progress.own_sampler = (
@@ -693,7 +706,11 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
             consumed = 0
         else:
             consumed = sys.maxsize if ended else max(this_pass, 0) * per_batch
-        sampler_state = sampler.state_dict_at(consumed)
+        since = progress.sampler_passes if progress is not None else None
+        if since is None:
+            sampler_state = sampler.state_dict_at(consumed)
+        else:  # this iterator's pass, not an earlier one of the same epoch (point 3)
+            sampler_state = sampler.state_dict_at(consumed, since=since)
     live = not fresh and progress is not None
     sampler_ended = False
     if live and progress.own_sampler is not None:  # type: ignore[union-attr]

@@ -19,7 +19,6 @@ from threadloader.samplers.shuffle import (
     _check_common,
     _EpochResume,
     _length_of,
-    _Pass,
     _state_int,
 )
 
@@ -104,7 +103,7 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         self.total_size = self.num_samples * self.num_replicas
         self._pending: tuple[int, int] | None = None  # (epoch, global start) from load_state_dict
         self._kept = False  # set_epoch named the pending resume's epoch (shuffle point 3)
-        self._pass: _Pass | None = None
+        self._pass = None
 
     def __len__(self) -> int:
         """Return ``num_samples``: this rank's share of a whole epoch, as torch's sampler does.
@@ -117,9 +116,8 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Start this rank's pass over the current epoch: from the loaded position once, else 0."""
-        start, self._pending = self._start(), None
-        pass_ = _Pass(self.epoch, start, 0, self._pass_length(start))
-        self._pass = pass_
+        start = self._start()
+        pass_ = self._new_pass(start, 0, self._pass_length(start))
         stream = self._stream(self.epoch)
         offset, stride = start + self.rank, self.num_replicas
 
@@ -172,18 +170,17 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
             "shuffle": self.shuffle,
         }
 
-    def state_dict_at(self, consumed: int) -> dict[str, int | bool]:
-        """This rank's state once ``consumed`` indices of its latest ``iter()`` have been *used*.
+    def state_dict_at(self, consumed: int, since: int | None = None) -> dict[str, int | bool]:
+        """This rank's state once ``consumed`` indices of its latest pass have been *used*.
 
-        See ``ShuffleSampler.state_dict_at``: the global cursor is computed from the indices the
-        training loop received, not those a loader prefetched.
+        See ``ShuffleSampler.state_dict_at`` (``since`` too): the global cursor is computed from
+        the indices the training loop received, not those a loader prefetched.
         """
         state = self.state_dict()
-        current = self._pass
-        if current is not None and current.epoch == self.epoch and self._pending is None:
+        current, start, pending = self._counted(since)
+        if current is not None:
             state["cursor"] = current.start + min(consumed, current.stop) * self.num_replicas
-        elif consumed > 0:  # in the pass iter() will make
-            start = self._start()
+        elif consumed > 0 or not pending:  # in the pass iter() will make
             state["cursor"] = start + min(consumed, self._pass_length(start)) * self.num_replicas
         return state
 

@@ -65,13 +65,14 @@ class _Pass:
     many of the block's indices are still unread: the consumer's position costs nothing per index.
     """
 
-    __slots__ = ("_progress", "done", "epoch", "first", "start", "stop")
+    __slots__ = ("_progress", "done", "epoch", "first", "serial", "start", "stop")
 
-    def __init__(self, epoch: int, start: int, first: int, stop: int) -> None:
+    def __init__(self, epoch: int, start: int, first: int, stop: int, serial: int) -> None:
         self.epoch = epoch
         self.start = start  # the global stream position this pass resumed from
         self.first = first
         self.stop = stop
+        self.serial = serial  # how many passes of its sampler began before it, plus one
         self.done = False
         self._progress: tuple[int, Iterator[int]] = (first, iter(()))
 
@@ -161,6 +162,43 @@ class _EpochResume:
     _pending_ended = False
     _kept: bool
     _pass: _Pass | None
+    _passes = 0  # passes begun so far
+
+    @property
+    def passes_begun(self) -> int:
+        """How many passes (``iter()`` calls) began. A loader reads it before it makes its
+        iterator and gives it to ``state_dict_at``, to tell that iterator's pass from an
+        earlier one of the same epoch (torch's ``BatchSampler`` calls ``iter()`` at its first
+        draw)."""
+        return self._passes
+
+    def _new_pass(self, start: int, first: int, stop: int) -> _Pass:
+        """Begin a pass of the current epoch from global position ``start``, using up a pending
+        resume."""
+        pass_ = _Pass(self.epoch, start, first, stop, self._passes + 1)
+        self._passes = pass_.serial
+        self._pass = pass_
+        self._pending = None
+        return pass_
+
+    def _counted(self, since: int | None) -> tuple[_Pass | None, int, bool]:
+        """What ``state_dict_at`` counts indices in: ``(pass, start, pending)``.
+
+        ``pass`` is the current pass, or None for the one ``iter()`` will make, which starts at
+        ``start``; ``pending``: a loaded resume waits for it. With ``since`` (``passes_begun``
+        read before the caller made its iterator), only a pass begun after that is the current
+        one. The reads repeat until neither the pass nor the resume changed meanwhile: a
+        loader's transfer thread may begin a pass while the training thread saves a state.
+        """
+        while True:
+            current, pending = self._pass, self._pending
+            start = self._start()
+            if self._pass is current and self._pending == pending:
+                break
+        if current is None or current.epoch != self.epoch:
+            return None, start, pending is not None
+        mine = pending is None and (since is None or current.serial > since)
+        return (current if mine else None), start, pending is not None
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the order of the next ``iter()``: each epoch has its own permutation.
@@ -236,10 +274,9 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         """Start a pass over the current epoch: from the loaded cursor once, else from 0."""
-        start, self._pending = self._start(), None
+        start = self._start()
         permutation = self._permutation(self.epoch)
-        pass_ = _Pass(self.epoch, start, start, self.length)
-        self._pass = pass_
+        pass_ = self._new_pass(start, start, self.length)
         return pass_.iterate(lambda lo, hi: permutation(np.arange(lo, hi, dtype=np.uint64)))
 
     def index_at(self, positions: npt.ArrayLike, epoch: int | None = None) -> npt.NDArray[np.int64]:
@@ -281,21 +318,27 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
             "length": self.length,
         }
 
-    def state_dict_at(self, consumed: int) -> dict[str, int]:
-        """The state once ``consumed`` indices of the latest ``iter()`` have been *used*.
+    def state_dict_at(self, consumed: int, since: int | None = None) -> dict[str, int]:
+        """The state once ``consumed`` indices of the latest pass have been *used*.
 
         A loader hands indices to workers ahead of the training loop; it saves the state of the
         indices the loop actually received, which ``state_dict()`` (counting those handed out)
         cannot know. Before a pass of the current epoch, or with a resume pending, it counts them
         in the pass ``iter()`` will make (a loader without workers starts it at the first
-        ``next()``, so an epoch of no batch ends before its pass began); 0 is ``state_dict()``.
+        ``next()``, so an epoch of no batch ends before its pass began).
+
+        Args:
+            consumed: indices of the pass the loop received.
+            since: ``passes_begun`` read before the loader made its iterator: a pass begun
+                no later is an earlier one, and the indices count in the pass that iterator
+                will begin.
         """
         state = self.state_dict()
-        current = self._pass
-        if current is not None and current.epoch == self.epoch and self._pending is None:
+        current, start, pending = self._counted(since)
+        if current is not None:
             state["cursor"] = min(current.first + consumed, current.stop)
-        elif consumed > 0:
-            state["cursor"] = min(self._start() + consumed, self.length)
+        elif consumed > 0 or not pending:
+            state["cursor"] = min(start + consumed, self.length)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

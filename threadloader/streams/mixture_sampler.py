@@ -24,11 +24,12 @@ class _StreamPass:
     length hint: nothing is counted per index.
     """
 
-    __slots__ = ("count", "done", "progress", "start")
+    __slots__ = ("count", "done", "progress", "serial", "start")
 
-    def __init__(self, start: int, count: int) -> None:
+    def __init__(self, start: int, count: int, serial: int) -> None:
         self.start = start
         self.count = count
+        self.serial = serial  # how many passes of its sampler began before it, plus one
         self.done = False
         self.progress: tuple[int, Iterator[int]] = (0, iter(()))
 
@@ -54,7 +55,7 @@ class MixtureSampler(Sampler[int]):
        ``end``, ``num_replicas``, ``sources`` (name -> length) and ``schedule``. ``cursor`` counts
        the epoch's positions handed out by all ranks together (ranks advance in lockstep, so every
        rank saves the same state, without communication); ``state_dict_at(consumed)`` counts only
-       the first ``consumed`` indices of this rank's latest ``iter()``, for a loader that saves
+       the first ``consumed`` indices of this rank's latest pass, for a loader that saves
        what its training loop received rather than what it prefetched.
     2. ``schedule`` lists the weight regimes ``{position, weights, quotas, counts}`` from the
        epoch's ``start`` on: O(#sources), plus one entry per change made during the epoch.
@@ -99,6 +100,7 @@ class MixtureSampler(Sampler[int]):
         self._pending: int | None = None  # global position to resume at, from load_state_dict
         self._kept = False
         self._pass: _StreamPass | None = None
+        self._passes = 0  # passes begun so far
         mixture._sampler = weakref.ref(self)
 
     def _epoch_span(self) -> int:
@@ -129,17 +131,43 @@ class MixtureSampler(Sampler[int]):
         ``set_epoch`` named again (point 3)."""
         return self._kept and self._pending is not None and self._pending >= self._end
 
+    @property
+    def passes_begun(self) -> int:
+        """How many passes (``iter()`` calls) began. A loader reads it before it makes its
+        iterator and gives it to ``state_dict_at``, ``pass_end`` and ``leave_earlier_pass``, to
+        tell that iterator's pass from an earlier one of the same epoch (torch's
+        ``BatchSampler`` calls ``iter()`` at its first draw)."""
+        return self._passes
+
     def __iter__(self) -> Iterator[int]:
         """Read the epoch from its start, or once from the loaded position (point 3)."""
         first, count = self._next_pass()
-        self._pending = None
         self._end = first + count * self.num_replicas  # the next epoch starts right after
         mixture = self.mixture
         with mixture._lock:
             mixture._schedule = mixture._schedule.compacted(self._start)
-        pass_ = _StreamPass(first, count)
+        pass_ = _StreamPass(first, count, self._passes + 1)
+        self._passes = pass_.serial
         self._pass = pass_
+        self._pending = None
         return self._generate(pass_)
+
+    def _counted(self, since: int | None) -> tuple[_StreamPass | None, int, int]:
+        """The pass a consumer's count refers to: ``(pass, first, count)``, where ``pass`` is the
+        current one, or None for the one ``iter()`` will make, which starts at global position
+        ``first`` and yields ``count`` indices. With ``since`` (``passes_begun`` read before the
+        consumer made its iterator), only a pass begun after that is the current one. The reads
+        repeat until neither the pass nor the pending position changed meanwhile: a loader's
+        transfer thread may begin a pass while the training thread saves a state."""
+        while True:
+            current, pending = self._pass, self._pending
+            first, count = self._next_pass()
+            if self._pass is current and self._pending == pending:
+                break
+        if current is None:
+            return None, first, count
+        mine = pending is None and (since is None or current.serial > since)
+        return (current if mine else None), first, count
 
     def _generate(self, pass_: _StreamPass) -> Iterator[int]:
         mixture, stride, offset = self.mixture, self.num_replicas, pass_.start + self.rank
@@ -195,26 +223,36 @@ class MixtureSampler(Sampler[int]):
         return current.start + current.next_local() * self.num_replicas
 
     def position_after(self, consumed: int) -> int:
-        """The global position after the first ``consumed`` indices of this rank's latest ``iter()``.
+        """The global position after the first ``consumed`` indices of this rank's latest pass.
 
         With ``consumed`` = the indices in the batches the training loop received, this is where
         the loop stands: the position a loader passes to ``Mixture.set_weights`` so that a change
-        takes effect from the next batch the loop requests.
+        takes effect from the next batch the loop requests. Before a pass of the epoch, or with
+        a loaded state waiting for its ``iter()``, in the pass ``iter()`` will make.
         """
         if self._pending is not None or self._pass is None:
             return self.next_position + consumed * self.num_replicas
         return self._pass.start + min(consumed, self._pass.count) * self.num_replicas
 
-    def pass_end(self) -> int:
+    def leave_earlier_pass(self, since: int) -> None:
+        """Let go of the current pass if it began no later than ``since`` (``passes_begun`` read
+        before the caller made its iterator): that iterator, which has not begun its pass yet,
+        will begin the one ``iter()`` makes, and a weight change before its first draw applies
+        from that pass's start rather than rewinding the pass it left."""
+        current = self._pass
+        if current is not None and current.serial <= since and self._pending is None:
+            self._pass = None
+
+    def pass_end(self, since: int | None = None) -> int:
         """The global position after this rank's current pass: where the next epoch starts.
 
         Before the epoch's first pass, or with a loaded state waiting for its ``iter()``, after
-        the pass that ``iter()`` will make.
+        the pass that ``iter()`` will make; ``since`` as for ``state_dict_at``.
         """
-        if self._pending is not None or self._pass is None:
-            first, count = self._next_pass()
+        current, first, count = self._counted(since)
+        if current is None:
             return first + count * self.num_replicas
-        return self._pass.start + self._pass.count * self.num_replicas
+        return current.start + current.count * self.num_replicas
 
     def _prepare_change(self, position: int) -> None:
         """Check a weight change at ``position``; rewind the current pass if it handed that out.
@@ -246,21 +284,27 @@ class MixtureSampler(Sampler[int]):
         """Return this rank's state (point 1); the same on every rank in lockstep training."""
         return self._state(self.next_position)
 
-    def state_dict_at(self, consumed: int) -> dict[str, Any]:
-        """The state once ``consumed`` indices of this rank's latest ``iter()`` have been used.
+    def state_dict_at(self, consumed: int, since: int | None = None) -> dict[str, Any]:
+        """The state once ``consumed`` indices of this rank's latest pass have been used.
 
         A loader hands indices to workers ahead of the training loop; this counts only those the
         loop received. Before any pass of the epoch, or with a resume pending, it counts them
         in the pass ``iter()`` will make (a loader without workers starts it at the first
-        ``next()``, so an epoch of no batch ends before its pass began); 0 is ``state_dict()``.
+        ``next()``, so an epoch of no batch ends before its pass began).
+
+        Args:
+            consumed: indices of the pass the loop received.
+            since: ``passes_begun`` read before the loader made its iterator: a pass begun
+                no later is an earlier one, and the indices count in the pass that iterator
+                will begin.
         """
-        if self._pending is not None or self._pass is None:
-            if consumed <= 0:
-                return self.state_dict()
-            first, count = self._next_pass()
-            position = first + min(consumed, count) * self.num_replicas
-            return self._state(position, end=self.pass_end())
-        return self._state(self.position_after(consumed))
+        current, first, count = self._counted(since)
+        if current is not None:
+            return self._state(current.start + min(consumed, current.count) * self.num_replicas)
+        if consumed <= 0 and (self._pending is not None or self._pass is None):
+            return self.state_dict()
+        position = first + min(consumed, count) * self.num_replicas
+        return self._state(position, end=first + count * self.num_replicas)
 
     def _state(self, position: int, end: int | None = None) -> dict[str, Any]:
         """The state at global ``position`` of an epoch that ends at ``end`` (its end now)."""

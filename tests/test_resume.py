@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 import torch
 from helpers import assert_resumes_exactly, cut_and_resume
-from torch.utils.data import Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
 
 from threadloader import DistributedShuffleSampler, ShuffleSampler, ThreadDataLoader
 from threadloader.streams import Mixture, MixtureSampler
@@ -1382,26 +1388,26 @@ def test_an_out_of_order_state_without_batches_ahead_refuses_another_number_of_r
     make(2, 0).load_state_dict(state)  # the same number of ranks resumes
 
 
-@pytest.mark.parametrize("sampler_kind", ["ours", "torch"])
+@pytest.mark.parametrize("sampler_kind", ["ours", "torch", "batch_sampler"])
 def test_an_out_of_order_state_is_loaded_by_its_own_rank_only(sampler_kind: str) -> None:
     """Rank 0 delivered batch 1 before batch 0 (in_order=False); rank 1, loading rank 0's state
     (a checkpoint written by rank 0 alone), would skip its own batch 1 and read its batch 0
     again. It is refused, naming why; rank 0 resumes its rest, and a state saved in order
-    resumes any rank of the same world."""
-    samplers = {
-        "ours": lambda d, r: DistributedShuffleSampler(d, num_replicas=2, rank=r, shuffle=False),
-        "torch": lambda d, r: DistributedSampler(d, num_replicas=2, rank=r, shuffle=False),
-    }
+    resumes any rank of the same world. The rank is the sampler's, also inside a batch sampler
+    the user built."""
+
+    def batching(dataset: Any, rank: int) -> dict[str, Any]:
+        ranks = DistributedShuffleSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
+        if sampler_kind == "batch_sampler":
+            return {"batch_sampler": BatchSampler(ranks, batch_size=2, drop_last=False)}
+        if sampler_kind == "torch":
+            return {"batch_size": 2, "sampler": DistributedSampler(dataset, 2, rank, shuffle=False)}
+        return {"batch_size": 2, "sampler": ranks}
 
     def make(rank: int, slow: frozenset[int] = frozenset(), in_order: bool = False) -> Any:
         dataset = SlowItems(slow, n=12)
         return ThreadDataLoader(
-            dataset,
-            batch_size=2,
-            sampler=samplers[sampler_kind](dataset, rank),
-            num_workers=2,
-            in_order=in_order,
-            timeout=30,
+            dataset, num_workers=2, in_order=in_order, timeout=30, **batching(dataset, rank)
         )
 
     # Rank 0's first batch is items 0 and 2.

@@ -434,7 +434,13 @@ def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
 
 
 def _resumed_mid_epoch(
-    sampler: str, num_workers: int, saved_on: int, world: int, length: int, drop_last: bool
+    sampler: str,
+    num_workers: int,
+    saved_on: int,
+    world: int,
+    length: int,
+    drop_last: bool,
+    device: str | None = None,
 ) -> Any:
     """A loader on rank 0 of ``world`` that loaded a state saved one batch into epoch 0 on
     ``saved_on`` ranks (a resumed pass starting past the epoch's start), and a maker of fresh
@@ -451,7 +457,12 @@ def _resumed_mid_epoch(
             dataset = Mixture({"a": range(half), "b": range(half, length)}, {"a": 0.5, "b": 0.5})
             sampler_ = MixtureSampler(dataset, ranks, 0, samples_per_epoch=length)
         loader = ThreadDataLoader(
-            dataset, batch_size=2, sampler=sampler_, num_workers=num_workers, drop_last=drop_last
+            dataset,
+            batch_size=2,
+            sampler=sampler_,
+            num_workers=num_workers,
+            drop_last=drop_last,
+            device=device,
         )
         return loader, sampler_
 
@@ -465,15 +476,16 @@ def _resumed_mid_epoch(
     return loader, make
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
 @pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_state_before_the_first_batch_of_an_epochs_second_pass_resumes_that_pass(
-    sampler: str, num_workers: int
+    sampler: str, num_workers: int, device: str | None
 ) -> None:
     """After a resumed pass, iter() again without set_epoch reads the epoch from its start (as
     torch's samplers do); a state taken before that pass's first batch resumes it in full, not
-    at the resumed pass's start."""
-    loader, make = _resumed_mid_epoch(sampler, num_workers, 2, 1, length=13, drop_last=False)
+    at the resumed pass's start (device=: the transfer thread may have begun that pass)."""
+    loader, make = _resumed_mid_epoch(sampler, num_workers, 2, 1, 13, False, device)
     list(loader)  # the resumed rest of epoch 0
     it = iter(loader)
     state = loader.state_dict()

@@ -1406,12 +1406,14 @@ def test_an_out_of_order_state_is_loaded_by_its_own_rank_only(sampler_kind: str)
     (a checkpoint written by rank 0 alone), would skip its own batch 1 and read its batch 0
     again. It is refused, naming why; rank 0 resumes its rest, and a state saved in order
     resumes any rank of the same world. The rank is the sampler's, also inside a batch sampler
-    the user built."""
+    the user built, whose own ``rank`` means something else."""
 
     def batching(dataset: Any, rank: int) -> dict[str, Any]:
         ranks = DistributedShuffleSampler(dataset, num_replicas=2, rank=rank, shuffle=False)
         if sampler_kind == "batch_sampler":
-            return {"batch_sampler": BatchSampler(ranks, batch_size=2, drop_last=False)}
+            bucketed = BatchSampler(ranks, batch_size=2, drop_last=False)
+            bucketed.rank = 0  # type: ignore[attr-defined]  # a length bucket, not a process
+            return {"batch_sampler": bucketed}
         if sampler_kind == "torch":
             return {"batch_size": 2, "sampler": DistributedSampler(dataset, 2, rank, shuffle=False)}
         return {"batch_size": 2, "sampler": ranks}

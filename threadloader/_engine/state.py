@@ -313,15 +313,14 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
 
 def sampler_rank(loader: Any, default: int) -> int:
     """The rank whose share of the epoch the loader reads: its sampler's ``rank`` where it has
-    one (it may be given apart from torch.distributed), also inside a batch sampler of the
-    user's, else ``default``."""
+    one (it may be given apart from torch.distributed), also the sampler inside a batch sampler
+    of the user's, else ``default``. A batch sampler's own ``rank`` may mean anything (a length
+    bucket): it is not read."""
     positional = positional_sampler(loader)
-    batch_sampler = loader.batch_sampler
     candidates = (
         positional[0] if positional is not None else None,
         loader.sampler,
-        batch_sampler,
-        getattr(batch_sampler, "sampler", None),
+        getattr(loader.batch_sampler, "sampler", None),
     )
     for sampler in candidates:
         rank = getattr(sampler, "rank", None)

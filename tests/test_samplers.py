@@ -12,6 +12,7 @@ import json
 import math
 import pickle
 import re
+import sys
 import tracemalloc
 import warnings
 from collections import Counter
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from threadloader import ThreadDataLoader
 from threadloader.samplers.distributed import DistributedShuffleSampler
 from threadloader.samplers.shuffle import BLOCK_SIZE, ShuffleSampler
+from threadloader.streams import Mixture, MixtureSampler
 
 
 def _take(sampler: ShuffleSampler | DistributedShuffleSampler, k: int) -> list[int]:
@@ -582,6 +584,66 @@ def test_state_dict_at_since_counts_in_the_pass_a_later_iter_begins(world: int |
     next(it)
     assert sampler.passes_begun == since + 1
     assert sampler.state_dict_at(1, since=since)["cursor"] == stride
+
+
+def _with_a_pass_begun_after_the_snapshot(sampler: Any, lines: int, action: Any) -> Any:
+    """Run ``action()``; ``lines`` lines after the sampler's snapshot of its pass and pending
+    resume was read, begin a pass and draw 6 indices (as a loader's transfer thread may, in
+    between), via a line trace: a thread switch at a chosen moment, deterministic."""
+    snapshots = {"_counted", "_snapshot"}
+    state = {"read": False, "done": False, "lines": lines}
+
+    def local(frame: Any, event: str, _arg: Any) -> Any:
+        if event == "return" and frame.f_code.co_name in snapshots:
+            state["read"] = True
+        elif event == "line" and state["read"] and not state["done"]:
+            state["lines"] -= 1
+            if state["lines"] >= 0:
+                return local
+            state["done"] = True
+            other = iter(sampler)
+            _ = [next(other) for _ in range(6)]
+        return local
+
+    def calls(frame: Any, event: str, _arg: Any) -> Any:
+        owner = frame.f_locals.get("self")
+        return local if owner is sampler and not state["done"] else None
+
+    sys.settrace(calls)
+    try:
+        result = action()
+    finally:
+        sys.settrace(None)
+    assert state["done"]
+    return result
+
+
+@pytest.mark.parametrize("lines", [0, 1, 2])
+@pytest.mark.parametrize("kind", ["shuffle", "distributed", "mixture"])
+def test_state_dict_at_is_not_mixed_up_by_a_pass_begun_while_it_runs(kind: str, lines: int) -> None:
+    """A loaded state waits for its pass; another thread begins that pass and draws ahead right
+    after state_dict_at(0) read where the sampler stands: the state is still the loaded one,
+    not the position of the indices drawn ahead."""
+
+    def make() -> Any:
+        if kind == "shuffle":
+            return ShuffleSampler(12, seed=2)
+        if kind == "distributed":
+            return DistributedShuffleSampler(range(12), num_replicas=1, rank=0, seed=2)
+        mixture = Mixture({"a": range(6), "b": range(6, 13)}, {"a": 0.5, "b": 0.5})
+        return MixtureSampler(mixture, 1, 0, samples_per_epoch=12)
+
+    source = make()
+    it = iter(source)
+    _ = [next(it) for _ in range(4)]
+    saved = source.state_dict_at(4)
+    sampler = make()
+    sampler.load_state_dict(saved)
+    since = sampler.passes_begun
+    state = _with_a_pass_begun_after_the_snapshot(
+        sampler, lines, lambda: sampler.state_dict_at(0, since=since)
+    )
+    assert state["cursor"] == saved["cursor"] == 4
 
 
 def test_a_mid_epoch_state_with_no_rest_on_more_ranks_is_not_an_ended_epoch() -> None:

@@ -451,7 +451,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         consumed = progress.pass_positions() * (self.batch_size or 1)
 
         def change() -> int:
-            if progress.sampler_passes is not None:  # a pass this iterator has not begun yet
+            if progress.sampler_passes is not None:  # the sampler's pass may be an earlier one
                 sampler.leave_earlier_pass(progress.sampler_passes)
             ended = sampler.pass_ended
             position = mixture.set_weights(weights, at_position=sampler.position_after(consumed))

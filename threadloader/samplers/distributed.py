@@ -171,7 +171,7 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         }
 
     def state_dict_at(self, consumed: int, since: int | None = None) -> dict[str, int | bool]:
-        """This rank's state once ``consumed`` indices of its latest pass have been *used*.
+        """This rank's state once ``consumed`` indices of its latest ``iter()`` have been *used*.
 
         See ``ShuffleSampler.state_dict_at`` (``since`` too): the global cursor is computed from
         the indices the training loop received, not those a loader prefetched.
@@ -180,8 +180,10 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         current, start, pending = self._counted(since)
         if current is not None:
             state["cursor"] = current.start + min(consumed, current.stop) * self.num_replicas
-        elif consumed > 0 or not pending:  # in the pass iter() will make
+        elif consumed > 0 or pending is None:  # in the pass iter() will make
             state["cursor"] = start + min(consumed, self._pass_length(start)) * self.num_replicas
+        else:
+            state["cursor"] = pending  # as loaded
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

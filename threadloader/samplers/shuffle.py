@@ -181,11 +181,12 @@ class _EpochResume:
         self._pending = None
         return pass_
 
-    def _counted(self, since: int | None) -> tuple[_Pass | None, int, bool]:
+    def _counted(self, since: int | None) -> tuple[_Pass | None, int, int | None]:
         """What ``state_dict_at`` counts indices in: ``(pass, start, pending)``.
 
         ``pass`` is the current pass, or None for the one ``iter()`` will make, which starts at
-        ``start``; ``pending``: a loaded resume waits for it. With ``since`` (``passes_begun``
+        ``start``; ``pending``: the cursor of a loaded resume waiting for that ``iter()``, else
+        None (a finished epoch's cursor, where ``start`` is 0). With ``since`` (``passes_begun``
         read before the caller made its iterator), only a pass begun after that is the current
         one. The reads repeat until neither the pass nor the resume changed meanwhile: a
         loader's transfer thread may begin a pass while the training thread saves a state.
@@ -195,10 +196,11 @@ class _EpochResume:
             start = self._start()
             if self._pass is current and self._pending == pending:
                 break
+        cursor = pending[1] if pending is not None else None
         if current is None or current.epoch != self.epoch:
-            return None, start, pending is not None
+            return None, start, cursor
         mine = pending is None and (since is None or current.serial > since)
-        return (current if mine else None), start, pending is not None
+        return (current if mine else None), start, cursor
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the order of the next ``iter()``: each epoch has its own permutation.
@@ -319,7 +321,7 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
         }
 
     def state_dict_at(self, consumed: int, since: int | None = None) -> dict[str, int]:
-        """The state once ``consumed`` indices of the latest pass have been *used*.
+        """The state once ``consumed`` indices of the latest ``iter()`` have been *used*.
 
         A loader hands indices to workers ahead of the training loop; it saves the state of the
         indices the loop actually received, which ``state_dict()`` (counting those handed out)
@@ -337,8 +339,10 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
         current, start, pending = self._counted(since)
         if current is not None:
             state["cursor"] = min(current.first + consumed, current.stop)
-        elif consumed > 0 or not pending:
+        elif consumed > 0 or pending is None:
             state["cursor"] = min(start + consumed, self.length)
+        else:
+            state["cursor"] = pending  # as loaded
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -55,7 +55,7 @@ class MixtureSampler(Sampler[int]):
        ``end``, ``num_replicas``, ``sources`` (name -> length) and ``schedule``. ``cursor`` counts
        the epoch's positions handed out by all ranks together (ranks advance in lockstep, so every
        rank saves the same state, without communication); ``state_dict_at(consumed)`` counts only
-       the first ``consumed`` indices of this rank's latest pass, for a loader that saves
+       the first ``consumed`` indices of this rank's latest ``iter()``, for a loader that saves
        what its training loop received rather than what it prefetched.
     2. ``schedule`` lists the weight regimes ``{position, weights, quotas, counts}`` from the
        epoch's ``start`` on: O(#sources), plus one entry per change made during the epoch.
@@ -152,22 +152,25 @@ class MixtureSampler(Sampler[int]):
         self._pending = None
         return self._generate(pass_)
 
-    def _counted(self, since: int | None) -> tuple[_StreamPass | None, int, int]:
-        """The pass a consumer's count refers to: ``(pass, first, count)``, where ``pass`` is the
-        current one, or None for the one ``iter()`` will make, which starts at global position
-        ``first`` and yields ``count`` indices. With ``since`` (``passes_begun`` read before the
-        consumer made its iterator), only a pass begun after that is the current one. The reads
-        repeat until neither the pass nor the pending position changed meanwhile: a loader's
-        transfer thread may begin a pass while the training thread saves a state."""
+    def _snapshot(self) -> tuple[_StreamPass | None, int | None, int, int, int]:
+        """``(pass, pending, first, count, end)`` read together: the current pass, the pending
+        position, where the pass ``iter()`` will make starts and how many indices it yields, and
+        the epoch's end. The reads repeat until none changed meanwhile: a loader's transfer
+        thread may begin a pass while the training thread saves a state."""
         while True:
-            current, pending = self._pass, self._pending
+            current, pending, end = self._pass, self._pending, self._end
             first, count = self._next_pass()
-            if self._pass is current and self._pending == pending:
-                break
-        if current is None:
-            return None, first, count
-        mine = pending is None and (since is None or current.serial > since)
-        return (current if mine else None), first, count
+            if self._pass is current and self._pending == pending and self._end == end:
+                return current, pending, first, count, end
+
+    @staticmethod
+    def _counts_in(
+        current: _StreamPass | None, pending: int | None, since: int | None
+    ) -> TypeGuard[_StreamPass]:
+        """Whether a consumer's count is in ``current``, not in the pass ``iter()`` will make:
+        no position is pending, and with ``since`` (``passes_begun`` read before the consumer
+        made its iterator) the pass began after that."""
+        return current is not None and pending is None and (since is None or current.serial > since)
 
     def _generate(self, pass_: _StreamPass) -> Iterator[int]:
         mixture, stride, offset = self.mixture, self.num_replicas, pass_.start + self.rank
@@ -223,7 +226,7 @@ class MixtureSampler(Sampler[int]):
         return current.start + current.next_local() * self.num_replicas
 
     def position_after(self, consumed: int) -> int:
-        """The global position after the first ``consumed`` indices of this rank's latest pass.
+        """The global position after the first ``consumed`` indices of this rank's latest ``iter()``.
 
         With ``consumed`` = the indices in the batches the training loop received, this is where
         the loop stands: the position a loader passes to ``Mixture.set_weights`` so that a change
@@ -236,9 +239,10 @@ class MixtureSampler(Sampler[int]):
 
     def leave_earlier_pass(self, since: int) -> None:
         """Let go of the current pass if it began no later than ``since`` (``passes_begun`` read
-        before the caller made its iterator): that iterator, which has not begun its pass yet,
-        will begin the one ``iter()`` makes, and a weight change before its first draw applies
-        from that pass's start rather than rewinding the pass it left."""
+        before the caller made its iterator) and no position is pending: that iterator, which has
+        not begun its pass yet, will begin the one ``iter()`` makes, and a weight change before
+        its first draw applies from that pass's start rather than rewinding the pass it left.
+        A pending position already stands for the pass ``iter()`` will make."""
         current = self._pass
         if current is not None and current.serial <= since and self._pending is None:
             self._pass = None
@@ -249,10 +253,10 @@ class MixtureSampler(Sampler[int]):
         Before the epoch's first pass, or with a loaded state waiting for its ``iter()``, after
         the pass that ``iter()`` will make; ``since`` as for ``state_dict_at``.
         """
-        current, first, count = self._counted(since)
-        if current is None:
-            return first + count * self.num_replicas
-        return current.start + current.count * self.num_replicas
+        current, pending, first, count, _ = self._snapshot()
+        if self._counts_in(current, pending, since):
+            return current.start + current.count * self.num_replicas
+        return first + count * self.num_replicas
 
     def _prepare_change(self, position: int) -> None:
         """Check a weight change at ``position``; rewind the current pass if it handed that out.
@@ -285,7 +289,7 @@ class MixtureSampler(Sampler[int]):
         return self._state(self.next_position)
 
     def state_dict_at(self, consumed: int, since: int | None = None) -> dict[str, Any]:
-        """The state once ``consumed`` indices of this rank's latest pass have been used.
+        """The state once ``consumed`` indices of this rank's latest ``iter()`` have been used.
 
         A loader hands indices to workers ahead of the training loop; this counts only those the
         loop received. Before any pass of the epoch, or with a resume pending, it counts them
@@ -298,11 +302,12 @@ class MixtureSampler(Sampler[int]):
                 no later is an earlier one, and the indices count in the pass that iterator
                 will begin.
         """
-        current, first, count = self._counted(since)
-        if current is not None:
-            return self._state(current.start + min(consumed, current.count) * self.num_replicas)
-        if consumed <= 0 and (self._pending is not None or self._pass is None):
-            return self.state_dict()
+        current, pending, first, count, end = self._snapshot()
+        if self._counts_in(current, pending, since):
+            position = current.start + min(consumed, current.count) * self.num_replicas
+            return self._state(position, end=end)
+        if consumed <= 0 and (pending is not None or current is None):  # as state_dict()
+            return self._state(first if pending is None else pending, end=end)
         position = first + min(consumed, count) * self.num_replicas
         return self._state(position, end=first + count * self.num_replicas)
 

@@ -9,7 +9,8 @@ within ``LIMIT_S`` of the signal and, once the loop let go of the loader, no thr
 or helper process was left; else a word naming what went wrong. The last trial lets its
 ``KeyboardInterrupt`` end the interpreter (``exit SENT_AT CAUGHT_AT PIDS...`` printed first, on
 the monotonic clock), so the parent checks the exit status, stderr, how long the interrupt took
-to reach the loop and how long the interpreter then took to end.
+to reach the loop, how long the exit handlers took (the parent's wrapper prints
+``atexit-done TIME`` after the last one) and how long the interpreter then took to end.
 """
 
 from __future__ import annotations

@@ -294,13 +294,8 @@ class MixtureSampler(Sampler[int]):
         A loader hands indices to workers ahead of the training loop; this counts only those the
         loop received. Before any pass of the epoch, or with a resume pending, it counts them
         in the pass ``iter()`` will make (a loader without workers starts it at the first
-        ``next()``, so an epoch of no batch ends before its pass began).
-
-        Args:
-            consumed: indices of the pass the loop received.
-            since: ``passes_begun`` read before the loader made its iterator: a pass begun
-                no later is an earlier one, and the indices count in the pass that iterator
-                will begin.
+        ``next()``, so an epoch of no batch ends before its pass began). ``consumed`` and
+        ``since`` are as for ``ShuffleSampler.state_dict_at``.
         """
         current, pending, first, count, end = self._snapshot()
         if self._counts_in(current, pending, since):

@@ -1115,18 +1115,22 @@ def test_a_finished_epochs_state_not_named_again_counts_a_whole_epoch() -> None:
     assert len(rest) == rest.remaining() == 0 == len(list(rest))
 
 
+@pytest.mark.parametrize("taken", [None, 2])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_change_after_set_epoch_of_the_next_epoch_applies_from_its_start(
-    num_workers: int,
+    num_workers: int, taken: int | None
 ) -> None:
-    """The loop took the epoch's last batch (no StopIteration), moved the sampler on with
-    set_epoch, then changed the weights: the next epoch is drawn with them from its start."""
+    """The loop took the epoch's last batch (no StopIteration), or left the epoch after
+    ``taken`` batches, moved the sampler on with set_epoch, then changed the weights: the next
+    epoch is drawn with them from its start, every batch of it."""
     mixture = Mixture({"a": range(100), "b": range(1000, 1100)}, {"a": 0.5, "b": 0.5})
     sampler = MixtureSampler(mixture, samples_per_epoch=12)
     loader = ThreadDataLoader(mixture, batch_size=3, sampler=sampler, num_workers=num_workers)
     it = iter(loader)
-    _ = [next(it) for _ in range(len(loader))]
+    _ = [next(it) for _ in range(len(loader) if taken is None else taken)]
     sampler.set_epoch(1)
     assert loader.set_mixture_weights({"a": 1.0, "b": 0.0}) == 12
     del it
-    assert all(int(x) < 100 for b in loader for x in b)
+    batches = list(loader)
+    assert len(batches) == 4
+    assert all(int(x) < 100 for b in batches for x in b)

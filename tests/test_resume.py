@@ -401,13 +401,15 @@ def test_a_finished_epoch_resumed_on_another_world_size_has_an_empty_rest(
             assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]
 
 
-@pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture"])
+@pytest.mark.parametrize("left_after", [None, 2])
+@pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture", "torch"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
-    sampler: str, num_workers: int
+    sampler: str, num_workers: int, left_after: int | None
 ) -> None:
     """A loop that checkpoints at the top of an epoch, after set_epoch and before iter(): the
-    resumed run reads that whole epoch, as the uninterrupted one does."""
+    resumed run reads that whole epoch, as the uninterrupted one does; also when the loop left
+    the epoch before with ``break`` (Lightning's ``limit_train_batches``)."""
 
     def make() -> tuple[ThreadDataLoader[Any], Any]:
         dataset: Any = range(12)
@@ -415,6 +417,8 @@ def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
             sampler_: Any = ShuffleSampler(dataset, seed=1)
         elif sampler == "distributed":
             sampler_ = DistributedShuffleSampler(dataset, num_replicas=1, rank=0, seed=1)
+        elif sampler == "torch":
+            sampler_ = DistributedSampler(dataset, num_replicas=1, rank=0, seed=1)
         else:
             dataset = Mixture({"a": range(8), "b": range(8, 12)}, {"a": 0.5, "b": 0.5})
             sampler_ = MixtureSampler(dataset, 1, 0, samples_per_epoch=12)
@@ -422,7 +426,12 @@ def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
         return loader, sampler_
 
     loader, sampler_ = make()
-    assert len(list(loader)) == 4
+    if left_after is None:
+        assert len(list(loader)) == 4
+    else:
+        it = iter(loader)
+        _ = [next(it) for _ in range(left_after)]
+        del it  # break
     sampler_.set_epoch(1)
     state = loader.state_dict()
     expected = [b.tolist() for b in loader]

@@ -31,6 +31,7 @@ from threadloader._engine.state import (
     SamplerSnapshot,
     build_state,
     epoch_complete,
+    epoch_left_for_the_next,
     resumes_a_finished_epoch,
     sampler_moved_on,
     stream_ended,
@@ -432,6 +433,10 @@ class ThreadDataLoader(DataLoader[T_co]):
         progress = self._progress  # the loop's: with device=, behind the host epoch's
         if epoch is None or progress is None or progress.exhausted:
             return int(mixture.set_weights(weights))
+        if epoch_left_for_the_next(self, progress):
+            # The loop left the epoch (break) and set_epoch moved the sampler on: the next batch
+            # it asks for is the start of the epoch it set.
+            return int(mixture.set_weights(weights))
         if epoch_complete(self, progress):
             # The loop has every batch of the epoch: the next it asks for is the next epoch's,
             # which starts at this pass's end, past what drop_last left out (as a state then
@@ -480,12 +485,15 @@ class ThreadDataLoader(DataLoader[T_co]):
             The state of the current (or last) epoch; a state taken after an epoch ended makes
             the next ``iter()`` start the following epoch, and so does one taken after the
             epoch's last batch was delivered, before ``next()`` raised ``StopIteration``
-            (Lightning checkpoints at the last step of an epoch so). While a loaded state is
-            waiting for ``iter()``, that state.
+            (Lightning checkpoints at the last step of an epoch so), or after ``set_epoch``
+            moved the sampler on (a loop that left its epoch with ``break`` and set the next
+            one). While a loaded state is waiting for ``iter()``, that state.
         """
         if self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
         progress = self._progress
+        if progress is not None and epoch_left_for_the_next(self, progress):
+            return build_state(self, progress, complete=True)  # as after the epoch's end
         complete = progress is not None and epoch_complete(self, progress)
         if complete and self.device is None:  # with device=, the transfer thread drains it
             epoch = self._host_epoch() if self._host_epoch is not None else None

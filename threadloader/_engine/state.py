@@ -90,7 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, _DatasetKind
+from torch.utils.data import BatchSampler, DistributedSampler, _DatasetKind
 from torch.utils.data.dataloader import _get_distributed_settings
 
 from threadloader._engine import dataset_state
@@ -610,6 +610,20 @@ def sampler_moved_on(loader: Any, progress: Progress) -> bool:
     return sampler_epoch(loader) != progress.pass_epoch
 
 
+def epoch_left_for_the_next(loader: Any, progress: Progress) -> bool:
+    """Whether the loop left this unfinished epoch and ``set_epoch`` moved the sampler on since
+    it began (a ``break``, then the next epoch set): the next ``iter()`` starts that epoch.
+
+    Only samplers whose epoch ``set_epoch`` alone changes are read so: positional ones and
+    torch's ``DistributedSampler``. Others may move their own epoch on as their pass ends
+    (Accelerate's ``SeedableRandomSampler``), which workers drawing ahead of the loop reach
+    before the loop has the epoch's last batch.
+    """
+    if progress.exhausted or not sampler_moved_on(loader, progress):
+        return False
+    return positional_sampler(loader) is not None or type(loader.sampler) is DistributedSampler
+
+
 def epoch_complete(loader: Any, progress: Progress) -> bool:
     """Every batch of this map-style epoch was delivered, though ``next()`` may not have raised
     ``StopIteration`` yet (Lightning checkpoints at the epoch's last step so).
@@ -682,7 +696,8 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
     """The state of ``loader`` as of the batches its training loop received (point 1).
 
     ``complete``: every batch of the epoch was delivered, though ``next()`` has not raised
-    ``StopIteration`` yet; the state then starts the next epoch, as after the end.
+    ``StopIteration`` yet, or ``set_epoch`` moved the sampler on since the epoch began; the
+    state then starts the next epoch, as after the end.
     """
     world_size, rank = _get_distributed_settings()
     kind = KINDS[loader._dataset_kind]

@@ -442,6 +442,49 @@ def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
     assert [b.tolist() for b in resumed] == expected
 
 
+class SelfAdvancingOrder(torch.utils.data.Sampler[int]):
+    """A sampler that moves its own epoch on as its pass ends, as Accelerate's
+    ``SeedableRandomSampler`` does; no state of its own."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        order = list(range(self.n))
+        __import__("random").Random(self.epoch).shuffle(order)
+        yield from order
+        self.epoch += 1
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def test_a_sampler_moving_its_own_epoch_on_as_workers_draw_its_end_keeps_the_epoch() -> None:
+    """Workers draw the pass to its end ahead of the loop, and the sampler's epoch moves on then:
+    the loop has not left the epoch, and a state taken after its first batch resumes its rest."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            list(range(7)), batch_size=2, sampler=SelfAdvancingOrder(7), num_workers=2
+        )
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    deadline = time.monotonic() + 10
+    while loader.sampler.epoch == 0 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    assert loader.sampler.epoch == 1  # type: ignore[attr-defined]
+    state = loader.state_dict()
+    rest = [b.tolist() for b in it]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == rest
+
+
 def _resumed_mid_epoch(
     sampler: str,
     num_workers: int,

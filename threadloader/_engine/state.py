@@ -777,7 +777,9 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "sampler_type": type_name(loader.sampler),
         "sampler": sampler_state,
         "sampler_ended": sampler_ended,
-        "sampler_epoch": sampler_epoch(loader),
+        # Mid-epoch, the epoch of the pass the loop is in: a sampler may have moved its own
+        # epoch on as workers drew its pass to the end (Accelerate's SeedableRandomSampler).
+        "sampler_epoch": progress.pass_epoch if live else sampler_epoch(loader),  # type: ignore[union-attr]
         "dataset_kind": kind,
         "dataset_length": length_of(loader.dataset) if kind == "map" else None,
         "num_workers": loader.num_workers,

@@ -1134,3 +1134,57 @@ def test_a_change_after_set_epoch_of_the_next_epoch_applies_from_its_start(
     batches = list(loader)
     assert len(batches) == 4
     assert all(int(x) < 100 for b in batches for x in b)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_change_before_the_first_batch_after_a_finished_epochs_state_applies_from_its_start(
+    num_workers: int,
+) -> None:
+    """A state taken at an epoch's last batch, loaded without set_epoch: iter() reads the epoch
+    again from its start, as the loader that saved it does; a weight change before its first
+    batch applies from that start in both, and both read the same batches."""
+    weights = {"a": 0.0, "b": 1.0}
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(6), "b": range(100, 106)}, {"a": 1.0, "b": 0.5})
+        sampler = MixtureSampler(mixture, 1, 0, samples_per_epoch=6)
+        return ThreadDataLoader(mixture, batch_size=2, sampler=sampler, num_workers=num_workers)
+
+    saving = make()
+    it = iter(saving)
+    _ = [next(it) for _ in range(len(saving))]  # the last batch; no StopIteration
+    state = saving.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    runs = []
+    for loader in (saving, resumed):
+        it = iter(loader)
+        runs.append((loader.set_mixture_weights(weights), [b.tolist() for b in it]))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == 0
+    assert all(x >= 100 for batch in runs[0][1] for x in batch)
+
+
+@pytest.mark.parametrize(("num_workers", "device"), [(0, None), (0, "cpu"), (1, None), (2, None)])
+def test_a_change_after_the_loop_left_an_epoch_applies_from_the_next_passs_start(
+    num_workers: int, device: str | None
+) -> None:
+    """iter(), then break before the first batch (workers or the transfer thread drew ahead),
+    then a weight change: the next iter() reads the epoch from its start with the new weights,
+    whatever was drawn ahead, as a mixture that had them from the start."""
+    weights = {"a": 1.0, "b": 0.0}
+
+    def make(start: dict[str, float]) -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(6), "b": range(100, 106)}, start)
+        sampler = MixtureSampler(mixture, 1, 0, samples_per_epoch=8)
+        return ThreadDataLoader(
+            mixture, batch_size=2, sampler=sampler, num_workers=num_workers, device=device
+        )
+
+    loader = make({"a": 0.5, "b": 0.5})
+    it = iter(loader)
+    time.sleep(0.05)  # the workers draw ahead
+    del it  # break
+    assert loader.set_mixture_weights(weights) == 0
+    assert [b.tolist() for b in loader] == [b.tolist() for b in make(weights)]

@@ -431,6 +431,11 @@ class ThreadDataLoader(DataLoader[T_co]):
                 "from the thread that iterates the loader"
             )
         progress = self._progress  # the loop's: with device=, behind the host epoch's
+        if epoch is None and progress is not None and not progress.exhausted:
+            # The loop left the epoch (break): the next batch it asks for is the first of the
+            # pass the next iter() makes, not where the pass it left had drawn to.
+            sampler.leave_earlier_pass(sampler.passes_begun)
+            return int(mixture.set_weights(weights))
         if epoch is None or progress is None or progress.exhausted:
             return int(mixture.set_weights(weights))
         if epoch_left_for_the_next(self, progress):

@@ -231,10 +231,11 @@ class MixtureSampler(Sampler[int]):
         With ``consumed`` = the indices in the batches the training loop received, this is where
         the loop stands: the position a loader passes to ``Mixture.set_weights`` so that a change
         takes effect from the next batch the loop requests. Before a pass of the epoch, or with
-        a loaded state waiting for its ``iter()``, in the pass ``iter()`` will make.
+        a loaded state waiting for its ``iter()``, in the pass ``iter()`` will make (from the
+        epoch's start for a finished epoch's state that ``set_epoch`` did not name again).
         """
         if self._pending is not None or self._pass is None:
-            return self.next_position + consumed * self.num_replicas
+            return self._next_pass()[0] + consumed * self.num_replicas
         return self._pass.start + min(consumed, self._pass.count) * self.num_replicas
 
     def leave_earlier_pass(self, since: int) -> None:
@@ -267,6 +268,8 @@ class MixtureSampler(Sampler[int]):
         """
         if position >= self.next_position:
             return
+        if (self._pending is not None or self._pass is None) and position >= self._next_pass()[0]:
+            return  # in the pass iter() will make: nothing of it was handed out
         current = self._pass
         if self._pending is not None or current is None or position < current.start:
             raise ValueError(

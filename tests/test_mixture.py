@@ -1188,3 +1188,23 @@ def test_a_change_after_the_loop_left_an_epoch_applies_from_the_next_passs_start
     del it  # break
     assert loader.set_mixture_weights(weights) == 0
     assert [b.tolist() for b in loader] == [b.tolist() for b in make(weights)]
+
+
+def test_a_change_between_a_load_and_iter_is_in_the_state_taken_then() -> None:
+    """load_state_dict(), then a weight change before iter(), then state_dict(): the state holds
+    the change, so a loader resumed from it reads what the first one reads."""
+
+    def make() -> ThreadDataLoader[Any]:
+        mixture = Mixture({"a": range(4), "b": range(100, 104)}, {"a": 0.5, "b": 0.5})
+        sampler = MixtureSampler(mixture, 1, 0, samples_per_epoch=6)
+        return ThreadDataLoader(mixture, batch_size=2, sampler=sampler)
+
+    loaded = make()
+    loaded.load_state_dict(make().state_dict())
+    loaded.set_mixture_weights({"a": 1.0, "b": 0.0})
+    state = loaded.state_dict()
+    expected = [b.tolist() for b in loaded]
+    assert all(x < 100 for batch in expected for x in batch)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == expected

@@ -437,7 +437,12 @@ class ThreadDataLoader(DataLoader[T_co]):
             sampler.leave_earlier_pass(sampler.passes_begun)
             return int(mixture.set_weights(weights))
         if epoch is None or progress is None or progress.exhausted:
-            return int(mixture.set_weights(weights))
+            position = int(mixture.set_weights(weights))
+            loaded = self._pending_state  # waiting for iter(): the change is part of it now
+            saved = loaded.get("sampler") if loaded is not None else None
+            if loaded is not None and saved is not None and saved.get("epoch") == sampler.epoch:
+                loaded["sampler"] = sampler.state_dict()
+            return position
         if epoch_left_for_the_next(self, progress):
             # The loop left the epoch (break) and set_epoch moved the sampler on: the next batch
             # it asks for is the start of the epoch it set.

@@ -548,6 +548,23 @@ def test_a_state_before_the_first_batch_of_an_epochs_second_pass_resumes_that_pa
     assert [b.tolist() for b in resumed] == expected
 
 
+@pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture"])
+def test_a_resumed_iterator_dropped_before_its_first_batch_uses_the_resume_up(
+    sampler: str,
+) -> None:
+    """load_state_dict(), iter() dropped before its first batch, iter() again: the resume was
+    the first iterator's, and the second reads the whole epoch from its start, whether workers
+    drew ahead or not (a mixture's epoch ends where the saving world size ended it: 12)."""
+    passes = []
+    for num_workers in (0, 2):
+        loader, _ = _resumed_mid_epoch(sampler, num_workers, 2, 1, length=13, drop_last=False)
+        it = iter(loader)
+        del it
+        passes.append([b.tolist() for b in loader])
+    assert passes[0] == passes[1]
+    assert sum(map(len, passes[0])) == (12 if sampler == "mixture" else 13)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_weight_change_before_the_first_batch_of_an_epochs_second_pass_applies_to_all_of_it(
     num_workers: int,

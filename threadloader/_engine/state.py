@@ -537,6 +537,13 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     if positional_sampler(loader) is not None:
         progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
         progress.pass_total = _resumed_pass_batches(loader)
+        if type(index_sampler) is BatchSampler:
+            # Begin the resumed pass now, as workers do at iter() (torch's batching would at the
+            # first next()): an iterator dropped before its first batch has used the resume up,
+            # and the next iter() reads the epoch from its start whatever num_workers is.
+            sampler_iter = _batches(
+                iter(loader.sampler), index_sampler.batch_size, index_sampler.drop_last
+            )
     if resume.skips:
         sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
     return sampler_iter
@@ -673,6 +680,14 @@ def stream_ended(it: Any) -> bool:
         return True
     it._sampler_iter = Predrawn([head], stream)
     return False
+
+
+def _batches(indices: Iterator[Any], size: int, drop_last: bool) -> Iterator[list[Any]]:
+    """torch's ``BatchSampler`` batching over an iterator already made."""
+    while batch := list(itertools.islice(indices, size)):
+        if drop_last and len(batch) < size:
+            return
+        yield batch
 
 
 def _skipping(stream: Iterator[Any], offsets: list[int]) -> Iterator[Any]:

@@ -566,6 +566,33 @@ def test_a_resumed_iterator_dropped_before_its_first_batch_uses_the_resume_up(
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_finished_epochs_state_used_up_by_an_iterator_dropped_unstarted_resumes_as_the_original(
+    num_workers: int,
+) -> None:
+    """A state taken at an epoch's end; the loader that saved it and one that loaded it each
+    make an iterator and drop it before its first batch, set the same epoch, and iterate: both
+    read the epoch again in full (the dropped iterator used the loaded state up)."""
+
+    def make() -> tuple[ThreadDataLoader[Any], ShuffleSampler]:
+        sampler = ShuffleSampler(range(6), seed=1)
+        loader = ThreadDataLoader(range(6), batch_size=2, sampler=sampler, num_workers=num_workers)
+        return loader, sampler
+
+    saving, saving_sampler = make()
+    list(saving)
+    resumed, resumed_sampler = make()
+    resumed.load_state_dict(saving.state_dict())
+    runs = []
+    for loader, sampler in ((saving, saving_sampler), (resumed, resumed_sampler)):
+        it = iter(loader)
+        del it
+        sampler.set_epoch(0)
+        runs.append([b.tolist() for b in loader])
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_weight_change_before_the_first_batch_of_an_epochs_second_pass_applies_to_all_of_it(
     num_workers: int,
 ) -> None:

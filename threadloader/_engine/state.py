@@ -486,7 +486,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
         )
         progress.sampler_rng_state = own.get_state() if own is not None else None
         progress.iter_rng_state = getattr(it, "_iter_rng_state", None)
-        return sampler_iter
+        return _begin_positional_pass(loader, sampler_iter)
     progress.base_seed = resume.base_seed
     progress.rng_source, progress.rng_state = resume.rng_source, resume.rng_state
     progress.global_rng_state = resume.global_rng_state
@@ -537,13 +537,7 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     if positional_sampler(loader) is not None:
         progress.resumed_batches = resume.position  # the sampler resumes at its own cursor
         progress.pass_total = _resumed_pass_batches(loader)
-        if type(index_sampler) is BatchSampler:
-            # Begin the resumed pass now, as workers do at iter() (torch's batching would at the
-            # first next()): an iterator dropped before its first batch has used the resume up,
-            # and the next iter() reads the epoch from its start whatever num_workers is.
-            sampler_iter = _batches(
-                iter(loader.sampler), index_sampler.batch_size, index_sampler.drop_last
-            )
+        sampler_iter = _begin_positional_pass(loader, sampler_iter)
     if resume.skips:
         sampler_iter = _skipping(sampler_iter, [s - resume.position for s in resume.skips])
     return sampler_iter
@@ -680,6 +674,19 @@ def stream_ended(it: Any) -> bool:
         return True
     it._sampler_iter = Predrawn([head], stream)
     return False
+
+
+def _begin_positional_pass(loader: Any, sampler_iter: Iterator[Any]) -> Iterator[Any]:
+    """A positional sampler's pass, begun now, batched as torch's ``BatchSampler`` batches it.
+
+    Workers draw at ``iter()``; without them torch's batching would call ``iter()`` on the
+    sampler at the first ``next()``. Begun here either way, an iterator dropped before its first
+    batch has used a loaded resume up, and the next ``iter()`` reads what it reads with workers.
+    """
+    index_sampler = loader._index_sampler
+    if type(index_sampler) is not BatchSampler or positional_sampler(loader) is None:
+        return sampler_iter
+    return _batches(iter(loader.sampler), index_sampler.batch_size, index_sampler.drop_last)
 
 
 def _batches(indices: Iterator[Any], size: int, drop_last: bool) -> Iterator[list[Any]]:

@@ -33,7 +33,6 @@ from threadloader._engine.state import (
     epoch_complete,
     epoch_left_for_the_next,
     resumes_a_finished_epoch,
-    sampler_moved_on,
     stream_ended,
 )
 from threadloader._engine.state_check import parse_state
@@ -444,15 +443,13 @@ class ThreadDataLoader(DataLoader[T_co]):
                 loaded["sampler"] = sampler.state_dict()
             return position
         if epoch_left_for_the_next(self, progress):
-            # The loop left the epoch (break) and set_epoch moved the sampler on: the next batch
-            # it asks for is the start of the epoch it set.
+            # set_epoch moved the sampler on since this epoch began (after its last batch, or
+            # after a break): the next batch the loop asks for is the start of the epoch it set.
             return int(mixture.set_weights(weights))
         if epoch_complete(self, progress):
             # The loop has every batch of the epoch: the next it asks for is the next epoch's,
             # which starts at this pass's end, past what drop_last left out (as a state then
-            # says), or where set_epoch moved the sampler; nothing in flight is drawn from there.
-            if sampler_moved_on(self, progress):
-                return int(mixture.set_weights(weights))
+            # says); nothing in flight is drawn from there.
             end = sampler.pass_end(since=progress.sampler_passes)
             return int(mixture.set_weights(weights, at_position=end))
         if not self.in_order and self.num_workers > 0:

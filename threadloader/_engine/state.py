@@ -22,9 +22,9 @@ How state works; where the code disagrees with this, the code is wrong.
    drew from its RNG as torch's does, and that iterator is dropped).
 3. Map-style resume never re-reads data. Positional samplers (``threadloader.samplers``: they
    offer ``state_dict_at``) resume at their cursor in O(1), also on a new world size; the cursor
-   counts in the pass this iterator begins (at its first draw), never in an earlier pass of the
-   same epoch, though that one is still the sampler's latest. Any other sampler is replayed:
-   its indices for the batches already delivered are drawn and dropped.
+   counts in the pass this iterator begins (when it is made, with or without workers), never in
+   an earlier pass of the same epoch. Any other sampler is replayed: its indices for the
+   batches already delivered are drawn and dropped.
 4. A dataset with ``state_dict``/``load_state_dict`` (map-style or iterable), and an
    IterableDataset's stateful iterator, resume each worker's copy from the state it had when
    its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``). Any

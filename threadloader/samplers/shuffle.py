@@ -185,11 +185,12 @@ class _EpochResume:
         """What ``state_dict_at`` counts indices in: ``(pass, start, pending)``.
 
         ``pass`` is the current pass, or None for the one ``iter()`` will make, which starts at
-        ``start``; ``pending``: the cursor of a loaded resume waiting for that ``iter()``, else
-        None (a finished epoch's cursor, where ``start`` is 0). With ``since`` (``passes_begun``
-        read before the caller made its iterator), only a pass begun after that is the current
-        one. The reads repeat until neither the pass nor the resume changed meanwhile: a
-        loader's transfer thread may begin a pass while the training thread saves a state.
+        ``start``; ``pending``: the cursor of a loaded resume waiting for that ``iter()`` (a
+        finished epoch's cursor too, though that pass then starts at 0), else None. With
+        ``since`` (``passes_begun`` read before the caller made its iterator), only a pass begun
+        after that is the current one. The reads repeat until neither the pass nor the resume
+        changed meanwhile: a loader's transfer thread may begin a pass while the training thread
+        saves a state.
         """
         while True:
             current, pending = self._pass, self._pending

@@ -623,6 +623,49 @@ def test_an_epoch_of_no_batch_after_a_resumed_pass_saves_its_own_end(num_workers
     assert loader.state_dict()["sampler"] == fresh.state_dict()["sampler"]
 
 
+@pytest.mark.parametrize("sampler", ["torch", "shuffle", "mixture"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_of_another_epoch_after_loading_a_mid_epoch_state_starts_that_epoch(
+    sampler: str, num_workers: int
+) -> None:
+    """A mid-epoch state loaded, then set_epoch(next epoch) before iter() (a loop that goes on
+    at the next epoch): the loaded epoch is left, and that epoch is read in full, as without
+    the load; a state taken before iter() says so too."""
+
+    def make() -> tuple[ThreadDataLoader[Any], Any]:
+        dataset: Any = range(12)
+        if sampler == "torch":
+            sampler_: Any = DistributedSampler(dataset, num_replicas=1, rank=0, seed=1)
+        elif sampler == "shuffle":
+            sampler_ = ShuffleSampler(dataset, seed=1)
+        else:
+            dataset = Mixture({"a": range(8), "b": range(8, 12)}, {"a": 0.5, "b": 0.5})
+            sampler_ = MixtureSampler(dataset, 1, 0, samples_per_epoch=12)
+        loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, num_workers=num_workers)
+        return loader, sampler_
+
+    saving, _ = make()
+    it = iter(saving)
+    next(it)
+    state = saving.state_dict()
+    del it
+    uninterrupted, uninterrupted_sampler = make()
+    list(uninterrupted)
+    uninterrupted_sampler.set_epoch(1)
+    expected = [b.tolist() for b in uninterrupted]
+    assert len(expected) == 4
+    for take_state in (False, True):
+        loaded, loaded_sampler = make()
+        loaded.load_state_dict(state)
+        loaded_sampler.set_epoch(1)
+        if take_state:
+            again, again_sampler = make()
+            again.load_state_dict(loaded.state_dict())
+            again_sampler.set_epoch(1)
+            loaded = again
+        assert [b.tolist() for b in loaded] == expected
+
+
 def test_bad_states_raise_naming_the_mismatch() -> None:
     """Malformed, foreign or mismatched states raise ValueError naming the problem."""
     loader = ThreadDataLoader(Ids(20), batch_size=4)

@@ -32,6 +32,7 @@ from threadloader._engine.state import (
     build_state,
     epoch_complete,
     epoch_left_for_the_next,
+    loaded_epoch_left,
     resumes_a_finished_epoch,
     stream_ended,
 )
@@ -255,6 +256,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             hook(self)
 
     def __iter__(self) -> Any:
+        if loaded_epoch_left(self, self._pending_state):
+            self._resume = None  # set_epoch left the loaded epoch: this one starts afresh
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
         # be done pulling from it (and a timeout it hits meanwhile is seen by the check below).
         if self._transfer_thread is not None:
@@ -494,8 +497,11 @@ class ThreadDataLoader(DataLoader[T_co]):
             epoch's last batch was delivered, before ``next()`` raised ``StopIteration``
             (Lightning checkpoints at the last step of an epoch so), or after ``set_epoch``
             moved the sampler on (a loop that left its epoch with ``break`` and set the next
-            one). While a loaded state is waiting for ``iter()``, that state.
+            one). While a loaded state is waiting for ``iter()``, that state, unless
+            ``set_epoch`` moved the sampler to another epoch than the one it was taken in.
         """
+        if loaded_epoch_left(self, self._pending_state):
+            return build_state(self, None)  # set_epoch left the loaded epoch: the next starts
         if self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
         progress = self._progress

@@ -85,7 +85,7 @@ import itertools
 import pickle
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -615,13 +615,28 @@ def epoch_left_for_the_next(loader: Any, progress: Progress) -> bool:
     """Whether the loop left this unfinished epoch and ``set_epoch`` moved the sampler on since
     it began (a ``break``, then the next epoch set): the next ``iter()`` starts that epoch.
 
-    Only samplers whose epoch ``set_epoch`` alone changes are read so: positional ones and
-    torch's ``DistributedSampler``. Others may move their own epoch on as their pass ends
-    (Accelerate's ``SeedableRandomSampler``), which workers drawing ahead of the loop reach
-    before the loop has the epoch's last batch.
+    Only samplers whose epoch ``set_epoch`` alone changes are read so (``_epoch_set_only``).
     """
     if progress.exhausted or not sampler_moved_on(loader, progress):
         return False
+    return _epoch_set_only(loader)
+
+
+def loaded_epoch_left(loader: Any, loaded: Mapping[str, Any] | None) -> bool:
+    """Whether a mid-epoch state was loaded and ``set_epoch`` then moved the sampler to another
+    epoch (a loop that goes on at the next epoch): the loaded epoch was left, and the next
+    ``iter()`` starts the epoch set, as after a ``break`` and ``set_epoch``."""
+    if loaded is None or not loaded.get("in_progress") or not _epoch_set_only(loader):
+        return False
+    saved = loaded.get("sampler_epoch")
+    return saved is not None and sampler_epoch(loader) != saved
+
+
+def _epoch_set_only(loader: Any) -> bool:
+    """Whether ``set_epoch`` alone changes the epoch of the loader's sampler: positional ones
+    and torch's ``DistributedSampler``. Others may move their own epoch on as their pass ends
+    (Accelerate's ``SeedableRandomSampler``), which workers drawing ahead of the loop reach
+    before the loop has the epoch's last batch."""
     return positional_sampler(loader) is not None or type(loader.sampler) is DistributedSampler
 
 

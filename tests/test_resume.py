@@ -401,6 +401,23 @@ def test_a_finished_epoch_resumed_on_another_world_size_has_an_empty_rest(
             assert [b.tolist() for b in loader] == [b.tolist() for b in fresh]
 
 
+def _twelve_in_threes(sampler: str, num_workers: int) -> tuple[ThreadDataLoader[Any], Any]:
+    """A loader of 12 samples in batches of 3 on one rank, and its sampler: ``shuffle``,
+    ``distributed`` (ours), ``torch`` (``DistributedSampler``) or ``mixture``."""
+    dataset: Any = range(12)
+    if sampler == "shuffle":
+        sampler_: Any = ShuffleSampler(dataset, seed=1)
+    elif sampler == "distributed":
+        sampler_ = DistributedShuffleSampler(dataset, num_replicas=1, rank=0, seed=1)
+    elif sampler == "torch":
+        sampler_ = DistributedSampler(dataset, num_replicas=1, rank=0, seed=1)
+    else:
+        dataset = Mixture({"a": range(8), "b": range(8, 12)}, {"a": 0.5, "b": 0.5})
+        sampler_ = MixtureSampler(dataset, 1, 0, samples_per_epoch=12)
+    loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, num_workers=num_workers)
+    return loader, sampler_
+
+
 @pytest.mark.parametrize("left_after", [None, 2])
 @pytest.mark.parametrize("sampler", ["shuffle", "distributed", "mixture", "torch"])
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -412,18 +429,7 @@ def test_a_state_taken_after_set_epoch_of_the_next_epoch_resumes_it_in_full(
     the epoch before with ``break`` (Lightning's ``limit_train_batches``)."""
 
     def make() -> tuple[ThreadDataLoader[Any], Any]:
-        dataset: Any = range(12)
-        if sampler == "shuffle":
-            sampler_: Any = ShuffleSampler(dataset, seed=1)
-        elif sampler == "distributed":
-            sampler_ = DistributedShuffleSampler(dataset, num_replicas=1, rank=0, seed=1)
-        elif sampler == "torch":
-            sampler_ = DistributedSampler(dataset, num_replicas=1, rank=0, seed=1)
-        else:
-            dataset = Mixture({"a": range(8), "b": range(8, 12)}, {"a": 0.5, "b": 0.5})
-            sampler_ = MixtureSampler(dataset, 1, 0, samples_per_epoch=12)
-        loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, num_workers=num_workers)
-        return loader, sampler_
+        return _twelve_in_threes(sampler, num_workers)
 
     loader, sampler_ = make()
     if left_after is None:
@@ -633,16 +639,7 @@ def test_set_epoch_of_another_epoch_after_loading_a_mid_epoch_state_starts_that_
     the load; a state taken before iter() says so too."""
 
     def make() -> tuple[ThreadDataLoader[Any], Any]:
-        dataset: Any = range(12)
-        if sampler == "torch":
-            sampler_: Any = DistributedSampler(dataset, num_replicas=1, rank=0, seed=1)
-        elif sampler == "shuffle":
-            sampler_ = ShuffleSampler(dataset, seed=1)
-        else:
-            dataset = Mixture({"a": range(8), "b": range(8, 12)}, {"a": 0.5, "b": 0.5})
-            sampler_ = MixtureSampler(dataset, 1, 0, samples_per_epoch=12)
-        loader = ThreadDataLoader(dataset, batch_size=3, sampler=sampler_, num_workers=num_workers)
-        return loader, sampler_
+        return _twelve_in_threes(sampler, num_workers)
 
     saving, _ = make()
     it = iter(saving)

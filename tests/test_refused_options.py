@@ -58,7 +58,7 @@ def test_a_disk_cache_bound_without_a_disk_cache_is_refused() -> None:
 
 
 def test_storage_options_that_http_reads_ignore_are_refused() -> None:
-    """HTTP(S) objects are read with the standard library, which takes only ``headers``:
+    """HTTP(S) objects are read by threadloader's own HTTP client, which takes only ``headers``:
     other ``storage_options`` would be ignored."""
     with pytest.raises(ValueError, match=r"\['client_kwargs'\] would be ignored"):
         RemoteFiles(["https://example.invalid/a"], storage_options={"client_kwargs": {}})

@@ -27,9 +27,9 @@ How a read behaves; where the code disagrees with this, the code is wrong.
    current try. Using the dataset afterwards starts a new pool. A forked child (DataLoader worker
    process) starts with its own empty pool, connections and counters.
 
-HTTP(S) is read with the standard library (``http``); every other scheme (``s3://``, ``gs://``,
-``file://``, ...) goes through fsspec, whose async backends run on fsspec's own event-loop
-thread. The read pool, connections, counters and caches of a dataset in one process live in
+HTTP(S) is read by a small HTTP/1.1 client on the standard library's sockets (``http``); every
+other scheme (``s3://``, ``gs://``, ``file://``, ...) goes through fsspec, whose async backends
+run on fsspec's own event-loop thread. The read pool, connections, counters and caches of a dataset in one process live in
 ``state``.
 """
 
@@ -159,8 +159,8 @@ class RemoteFiles(Dataset[Any]):
         unused = sorted(set(options) - {"headers"})
         if unused and self.urls and all(u.startswith(_HTTP) for u in self.urls):
             raise ValueError(
-                f"storage_options {unused} would be ignored: HTTP(S) URLs are read with the "
-                "standard library, which takes only 'headers'"
+                f"storage_options {unused} would be ignored: HTTP(S) URLs are read by "
+                "threadloader's own HTTP client, which takes only 'headers'"
             )
         self.decode = decode
         self._headers: dict[str, str] = dict(options.get("headers") or {})

@@ -327,6 +327,58 @@ def test_a_batch_reads_its_objects_concurrently_within_max_concurrency(
     assert 6 <= server.peak_in_flight <= 8  # at most 7 pool threads and the calling thread
 
 
+def _readers(names: list[str]) -> Any:
+    """A decode that records the name of the thread that read each object (decode runs there)."""
+
+    def decode(data: bytes) -> bytes:
+        names.append(threading.current_thread().name)
+        return data
+
+    return decode
+
+
+def test_the_calling_thread_and_the_pool_share_a_batchs_reads(server: FaultyHTTPServer) -> None:
+    """16 reads, 4 pool threads and the caller: each takes the next read when free, so none
+    reads more than a few (one read per thread and the rest queued would leave the caller 8)."""
+    server.faults = Faults(latency_s=0.05)
+    urls = [server.url(f"obj/{i}") for i in range(16)]
+    names: list[str] = []
+    with RemoteFiles(urls, max_concurrency=4, retry=FAST, decode=_readers(names)) as ds:
+        assert ds.__getitems__(list(range(16))) == [OBJECTS[f"obj/{i}"] for i in range(16)]
+    counts = Counter(names)
+    assert len(counts) == 5 and max(counts.values()) <= 6, counts
+
+
+def test_a_batch_that_found_the_pool_busy_gets_its_threads_once_they_free_up(
+    server: FaultyHTTPServer,
+) -> None:
+    """Batch A takes both pool threads and fills the queue; batch B, asked for meanwhile,
+    starts alone, and the pool threads join it when A is done: B's caller reads fewer than all 8."""
+    server.faults = Faults(latency_s=0.05)
+    urls = [server.url(f"obj/{i}") for i in range(16)]
+    names: list[str] = []
+    with RemoteFiles(urls, max_concurrency=2, retry=FAST, decode=_readers(names)) as ds:
+        got: dict[str, list[Any]] = {}
+
+        def read(name: str, indices: list[int]) -> None:
+            threading.current_thread().name = name
+            got[name] = ds.__getitems__(indices)
+
+        a = threading.Thread(target=read, args=("batch-a", list(range(8))))
+        a.start()
+        while server.peak_in_flight < 3:  # A's caller and both pool threads are reading
+            time.sleep(0.001)
+        b = threading.Thread(target=read, args=("batch-b", list(range(8, 16))))
+        b.start()
+        a.join(30)
+        b.join(30)
+    assert got == {
+        "batch-a": [OBJECTS[f"obj/{i}"] for i in range(8)],
+        "batch-b": [OBJECTS[f"obj/{i}"] for i in range(8, 16)],
+    }
+    assert 1 <= Counter(names)["batch-b"] < 8, names
+
+
 def test_max_concurrency_zero_reads_in_the_calling_thread(server: FaultyHTTPServer) -> None:
     """With max_concurrency=0 a batch is read one object after another and no thread starts."""
     urls = [server.url(f"obj/{i}") for i in range(4)]

@@ -8,10 +8,11 @@ retries, a skip budget for bad objects, and a local cache.
 How a read behaves; where the code disagrees with this, the code is wrong.
 
 1. Caches first: the memory cache, then the disk cache. A hit is served by the calling thread.
-2. The misses of one ``__getitems__`` (one batch) are read concurrently: all but one go to the
-   dataset's read pool (``max_concurrency`` threads, shared by every loader worker, started on
-   first use), the calling thread reads the last one itself. The pool's queue is bounded: with
-   ``2 * max_concurrency`` reads already queued or running, the caller reads the rest itself.
+2. The misses of one ``__getitems__`` (one batch) are read concurrently: the calling thread and
+   the dataset's read pool (``max_concurrency`` threads, shared by every loader worker, started
+   on first use) take them one at a time until none is left (``batch_reads``), so a batch gets
+   every pool thread free while it is read. The pool's queue is bounded: with
+   ``2 * max_concurrency`` helper tasks queued or running, no more are offered.
 3. A read is retried on transient failures (HTTP 500/502/503/504/408/425/429, reset or refused
    connections, truncated bodies, timeouts) with exponential backoff and jitter; each try has a
    deadline (``RetryPolicy``). A good read fills the caches, then is decoded in the thread that read it.
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import Dataset
 
 from threadloader._primitives.finalizers import Finalizer
+from threadloader.remote.batch_reads import SharedBatch
 from threadloader.remote.cache import ByteCache
 from threadloader.remote.errors import (
     RemoteDecodeError,
@@ -249,22 +251,30 @@ class RemoteFiles(Dataset[Any]):
         misses = [pos for pos, r in enumerate(results) if r is _MISS]
         if misses:
             runtime = self._state.runtime()
-            queued: list[tuple[int, Future[Any]]] = []
-            mine = []
-            for pos in misses[:-1]:
-                future = runtime.submit(self._fetch, urls[pos], runtime, caches)
-                if future is None:
-                    mine.append(pos)
-                else:
-                    queued.append((pos, future))
-            mine.append(misses[-1])
-            for pos in mine:  # the calling thread would only wait: it reads too
-                results[pos] = self._fetch(urls[pos], runtime, caches)
-            for pos, future in queued:
-                try:
-                    results[pos] = future.result()
-                except CancelledError as e:  # closed while queued
-                    results[pos] = _Failure(RemoteReadError._of(urls[pos], 0, e, gave_up=True))
+            shared = SharedBatch([(pos, urls[pos]) for pos in misses], runtime.stop)
+
+            def read(url: str) -> Any:
+                return self._fetch(url, runtime, caches)
+
+            helpers: list[Future[Any]] = []
+
+            def offer() -> None:
+                # One helper per miss left but the one the caller takes next, while the pool's
+                # queue has room; tried again before each of the caller's reads, as room frees up.
+                while len(helpers) < shared.left() - 1:
+                    future = runtime.submit(shared.read_all, read)
+                    if future is None:
+                        return
+                    helpers.append(future)
+
+            shared.read_all(read, offer)  # the calling thread would only wait: it reads too
+            for future in helpers:
+                future.cancel()  # a helper not started yet would find nothing left to read
+            for pos, url in shared.wait():
+                gave_up = CancelledError("the dataset was closed before this object was read")
+                shared.results[pos] = _Failure(RemoteReadError._of(url, 0, gave_up, gave_up=True))
+            for pos, out in shared.results.items():
+                results[pos] = out
         items = []
         for url, out in zip(urls, results, strict=True):
             if isinstance(out, _Failure):

@@ -10,8 +10,9 @@ process) that answers every request after 10 ms; batch 16. With 32 reads in flig
 limit is 32 / 10 ms = 3,200 samples/s. Loaders, each in a fresh interpreter so memory and threads
 never carry over, measured in interleaved rounds (the order rotates each round):
 
-- ``thread32``: ``ThreadDataLoader(num_workers=32)`` over ``RemoteFiles(urls)`` (each batch's
-  reads issued concurrently through the dataset's 32-thread pool).
+- ``thread32``: ``ThreadDataLoader(num_workers=32)`` over ``RemoteFiles(urls)``: each batch is
+  read by its worker and the free threads of the dataset's 32-thread pool, so up to 64 reads are
+  in flight, and it can pass the limit that 32 set.
 - ``thread32_serial``: the same with ``RemoteFiles(max_concurrency=0)``: each worker reads its
   batch one object after another, so exactly 32 reads are in flight, as with 32 processes.
 - ``dl32``: ``torch.utils.data.DataLoader(num_workers=32)`` (32 worker processes) over
@@ -23,8 +24,8 @@ memory is the peak PSS of the process tree (``threadloader.compare.memory_probe`
 process counts the pages it shares with the others; PSS splits them). The short case times a
 1,024-object epoch from the loader's constructor to its last batch, start-up included, the first
 loader of the interpreter (samples/s and the first batch), next to ``bare32``: 32 plain threads
-reading the same objects over ``http.client`` with no loader, the most a loader keeping 32 reads
-in flight could reach on this machine and server. The cache case runs two epochs of
+reading the same objects over ``http.client`` with no loader, what 32 reads in flight reach with
+the standard library's client on this machine and server. The cache case runs two epochs of
 ``thread32`` with ``cache_dir=``: the second reads local files only. The per-thread case
 compares the memory of 8 and 64 worker threads on 64-byte
 objects (so batches in flight weigh nothing) and divides by the 56 extra threads: at the peak,
@@ -63,10 +64,10 @@ LABELS = {
     "thread32_serial": "ThreadDataLoader(32) + RemoteFiles(max_concurrency=0)",
     "dl32": "DataLoader(32 processes) + RemoteFiles(max_concurrency=0)",
 }
-#: The short case also times this floor: no loader and no dataset, 32 plain threads each reading
-#: its 32 objects one after another over one keep-alive connection (``http.client``).
+#: The short case also times this reference: no loader and no dataset, 32 plain threads each
+#: reading its 32 objects one after another over one keep-alive connection (``http.client``).
 SHORT_LOADERS = (*LOADERS, "bare32")
-LABELS["bare32"] = "32 plain threads + http.client, no loader (the floor)"
+LABELS["bare32"] = "32 plain threads + http.client, no loader"
 LIMIT = WORKERS / (LATENCY_MS / 1e3)  # samples/s with exactly 32 reads in flight
 SERVER = Path(__file__).resolve().parents[1] / "tests" / "remote_servers.py"
 
@@ -331,7 +332,7 @@ def _short(loader_name: str, port: int) -> dict[str, Any]:
 
 
 def _bare_reads(port: int) -> dict[str, Any]:
-    """``SHORT`` objects read by 32 plain threads, no loader: the floor a loader adds to."""
+    """``SHORT`` objects read by 32 plain threads over ``http.client``, no loader (a reference)."""
     import http.client
     import threading
 

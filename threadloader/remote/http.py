@@ -41,7 +41,13 @@ _MAX_REDIRECTS = 5
 _MAX_IDLE_PER_HOST = 256  # keep-alive connections kept per host; more are closed on release
 _MAX_HEAD = 65536 + 100 * 1024  # status line and headers; http.client allows 100 lines of 64 KiB
 _MAX_ERROR_BODY = 65536  # an error page up to this size is read to keep the connection
-_RECV = 1 << 16
+#: Bytes asked of one receive while looking for the end of a head or a chunk-size line: enough
+#: for a head and the start of a small body. A body of known size is received straight into its
+#: own buffer; only a body read to the close takes receives of ``_RECV_BODY``. Receiving 64 KiB
+#: for every head left each reading thread's malloc arena holding the unused rest: with 64
+#: worker threads and a 32-thread pool, 15 MB above the dataset against 10 MB with 8 KiB.
+_RECV_HEAD = 1 << 13
+_RECV_BODY = 1 << 16
 #: A connected socket's timeout is set again only once it exceeds what is left of the deadline
 #: by more than this factor, so one blocking call ends at most 10% of the time then left past
 #: the deadline. ``settimeout`` releases and takes back the GIL (two ``fcntl`` calls); set before
@@ -92,10 +98,10 @@ class _Connection:
             self.timeout = remaining
             self.sock.settimeout(remaining)
 
-    def receive(self, deadline: float) -> bool:
+    def receive(self, deadline: float, size: int = _RECV_HEAD) -> bool:
         """Append what the next receive brings to ``pending``; False when the server closed."""
         self.set_timeout(deadline)
-        chunk = self.sock.recv(_RECV)
+        chunk = self.sock.recv(size)
         self.pending += chunk
         return bool(chunk)
 
@@ -141,7 +147,7 @@ class _Connection:
         return bytes(buffer)
 
     def read_to_close(self, deadline: float) -> bytes:
-        while self.receive(deadline):
+        while self.receive(deadline, _RECV_BODY):
             pass
         out = bytes(self.pending)
         self.pending.clear()
@@ -350,13 +356,13 @@ def _content_length(value: str) -> int:
 def _read_chunked(conn: _Connection, deadline: float) -> bytes:
     chunks: list[bytes] = []
     while True:
-        line = conn.read_line(deadline, _RECV)
+        line = conn.read_line(deadline, _RECV_HEAD)
         size_text = line.split(b";", 1)[0].strip()  # extensions after ';' are ignored
         if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
             raise http.client.HTTPException(f"invalid chunk size line {line!r}")
         size = int(size_text, 16)
         if size == 0:
-            while conn.read_line(deadline, _RECV):  # trailer fields, up to an empty line
+            while conn.read_line(deadline, _RECV_HEAD):  # trailer fields, up to an empty line
                 pass
             return b"".join(chunks)
         chunks.append(conn.read_exactly(size, deadline))

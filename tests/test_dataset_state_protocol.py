@@ -316,3 +316,42 @@ def test_a_state_taken_after_an_iterable_epochs_last_batch_resumes_its_empty_res
     uninterrupted = ThreadDataLoader(EndsAndRestarts(5), batch_size=2, **kwargs)
     expected = [[_plain(b) for b in uninterrupted] for _ in range(3)]
     assert _epochs_after_a_cut(ThreadDataLoader, len(expected[0]), 3, **kwargs) == expected
+
+
+def _break_then_state_at_the_next_epochs_start(loader_cls: Any, num_workers: int) -> Any:
+    """Epoch 0 left after 2 batches; ``state_dict()`` right after the next ``iter()``: the rest
+    of that epoch and one more, from the original loader and from a resumed one."""
+    make = functools.partial(
+        loader_cls,
+        EndsAndRestarts(16),
+        batch_size=2,
+        num_workers=num_workers,
+        persistent_workers=True,
+        collate_fn=list,
+    )
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(2)]
+    del it  # break: each persistent worker drops its iterator where it stood
+    it = iter(loader)
+    state = loader.state_dict()
+    original = [list(it), list(loader)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    return head, original, [list(resumed), list(resumed)]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_state_at_the_start_of_the_epoch_after_a_break_resumes_where_each_worker_left_its_copy(
+    num_workers: int,
+) -> None:
+    """The workers had read ahead of the break, and their copies kept those positions: the
+    resumed epoch starts there, as the original did, without asking the dropped iterators for
+    one more item (running them to their end is for an epoch that ended)."""
+    head, original, resumed = _break_then_state_at_the_next_epochs_start(
+        ThreadDataLoader, num_workers
+    )
+    assert resumed == original
+    assert original[0][0][0][0] > head[-1][-1][0] + 1  # the epoch starts past what was read ahead
+    reference = _break_then_state_at_the_next_epochs_start(StatefulDataLoader, num_workers)
+    assert (head, original, resumed) == reference

@@ -11,8 +11,9 @@ where the code disagrees with these points, the code is wrong:
    epoch's ``iter(dataset)`` is called, then the iterator's state is loaded. So a dataset that
    resets its position inside ``__iter__`` gets it back afterwards.
 3. A state is ``{"dataset": ..., "iterator": ...}`` per worker (either may be None), with
-   ``"finished": True`` when it is where a finished epoch left a persistent worker's copy (the
-   worker has delivered nothing in the current epoch yet), and ``"ended": True`` when the
+   ``"finished": True`` when it is where the last epoch left a persistent worker's copy (the
+   worker has delivered nothing in the current epoch yet; ``"left": True`` too when the loop
+   left that epoch before the worker's iterator ended), and ``"ended": True`` when the
    iterator raised ``StopIteration`` while its batch was filled (a last, partial batch): it
    already ran to its end, as StatefulDataLoader's ``fetcher_ended``. A loader state saved before this
    form held the dataset's raw state per worker, loaded before ``iter()``; ``restore_dataset``
@@ -23,7 +24,8 @@ where the code disagrees with these points, the code is wrong:
    StatefulDataLoader starts a new epoch after resuming a finished one. So does each
    persistent worker's copy, from a state taken between epochs of persistent workers, whose
    restored iterator is then run to its end (``run_to_end``), as StatefulDataLoader's
-   persistent workers do; and the copy of a worker whose IterableDataset had ended when a
+   persistent workers do, unless the loop left that epoch first (``"left"``): the worker
+   dropped that iterator where it stood, so it is only restored; and the copy of a worker whose IterableDataset had ended when a
    mid-epoch state was taken, whose next epoch must not start where the loaded state left it.
 """
 
@@ -100,12 +102,23 @@ def settle_dataset(dataset: Any, state: Any, form: int, iterable: bool, run_out:
         run_to_end(iterator, run_out)
 
 
-def finished(state: Any) -> Any:
-    """``state``, marked as where a finished epoch left the copy (point 3): a resume settles
-    it (``settle_dataset``) instead of restoring an iterator of the current epoch."""
+def finished(state: Any, left: bool = False) -> Any:
+    """``state``, marked as where the last epoch left the copy (point 3): a resume settles it
+    (``settle_dataset``) instead of restoring an iterator of the current epoch.
+
+    Args:
+        state: the worker's last state in that epoch.
+        left: the loop left that epoch before the worker's iterator ended (a ``break``): the
+            worker dropped the iterator where it stood, so a resume must not run it to its end.
+    """
     if state is None or not isinstance(state, dict):
         return state
-    return {**state, "finished": True}
+    return {**state, "finished": True, "left": True} if left else {**state, "finished": True}
+
+
+def was_left(state: Any) -> bool:
+    """Whether ``state`` is marked by ``finished(left=True)``."""
+    return isinstance(state, dict) and state.get("left") is True
 
 
 def is_finished(state: Any) -> bool:

@@ -287,6 +287,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         # (worker_id, in_flight, result) while parked behind an earlier batch
         self._task_info: dict[int, tuple[Any, ...]] = {}
         self._tasks_outstanding = 0
+        ran_on = getattr(self, "_workers_status", None)  # the last epoch's; True: not ended
         self._workers_status = [True] * self._num_workers  # False: its IterableDataset ran out
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
@@ -296,9 +297,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         elif self._dataset_kind == _DatasetKind.Iterable:
             # Persistent workers keep their dataset copies, and a new epoch restarts their
             # iterators: until a worker delivers in this epoch, its state is where the last
-            # epoch left its copy, which a resume settles before iterating anew.
+            # epoch left its copy, which a resume settles before iterating anew. A worker
+            # still running when the loop left that epoch dropped its iterator unfinished.
             progress.dataset_states = [
-                dataset_state.finished(state) for state in progress.dataset_states
+                dataset_state.finished(state, left=bool(ran_on and ran_on[w]))
+                for w, state in enumerate(progress.dataset_states)
             ]
         progress.next_worker = 0
         self._round_robin_start = 0  # the worker of this iterator's batch 0

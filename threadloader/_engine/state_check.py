@@ -54,7 +54,7 @@ def _check_worker_fields(state: Mapping[str, Any]) -> None:
         for entry in states:
             if entry is not None and not (
                 isinstance(entry, Mapping)
-                and set(entry) <= {"dataset", "iterator", "finished", "ended"}
+                and set(entry) <= {"dataset", "iterator", "finished", "left", "ended"}
             ):
                 raise ValueError(
                     "loader state worker_states entries must be None or "

@@ -187,9 +187,8 @@ class Worker:
             form = self.spec.resume_state_form
             if self.spec.resume_finished_epoch or dataset_state.is_finished(state):
                 iterable = self.spec.dataset_kind == _DatasetKind.Iterable
-                dataset_state.settle_dataset(
-                    self.info.dataset, state, form, iterable, self.spec.tail_items
-                )
+                run_out = 0 if dataset_state.was_left(state) else self.spec.tail_items
+                dataset_state.settle_dataset(self.info.dataset, state, form, iterable, run_out)
                 state = None  # the epoch's own iterator starts afresh
             else:
                 dataset_state.restore_dataset(self.info.dataset, state, form)

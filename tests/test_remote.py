@@ -379,6 +379,29 @@ def test_a_batch_that_found_the_pool_busy_gets_its_threads_once_they_free_up(
     assert 1 <= Counter(names)["batch-b"] < 8, names
 
 
+class _Abort(BaseException):
+    """Not an Exception: what a read lets through rather than turning into a failure."""
+
+
+def test_what_a_pool_threads_read_raises_reaches_the_batchs_caller(
+    server: FaultyHTTPServer,
+) -> None:
+    """A decode raising a BaseException on a pool thread: the batch raises it, as when the
+    caller had read that object itself, instead of giving a None item."""
+    caller = threading.current_thread()
+
+    def decode(data: bytes) -> bytes:
+        if threading.current_thread() is not caller:
+            raise _Abort("decode gave up")
+        return data
+
+    server.faults = Faults(latency_s=0.02)
+    urls = [server.url(f"obj/{i}") for i in range(8)]
+    with RemoteFiles(urls, max_concurrency=4, retry=FAST, decode=decode) as ds:
+        with pytest.raises(_Abort, match="decode gave up"):
+            ds.__getitems__(list(range(8)))
+
+
 def test_max_concurrency_zero_reads_in_the_calling_thread(server: FaultyHTTPServer) -> None:
     """With max_concurrency=0 a batch is read one object after another and no thread starts."""
     urls = [server.url(f"obj/{i}") for i in range(4)]

@@ -60,6 +60,9 @@ class SharedBatch:
             out: Any = None
             try:
                 out = read(url)
+            except BaseException as e:  # the caller raises it (``wait``)
+                out = _Raised(e)
+                raise
             finally:
                 with self._cond:
                     self.results[position] = out
@@ -72,10 +75,27 @@ class SharedBatch:
 
         Returns:
             The misses nobody took (``stop`` was set), in batch order.
+
+        Raises:
+            BaseException: the first (in batch order) that a ``read`` in a pool thread raised
+                instead of returning: the caller's own, as it would be had it read that miss.
         """
         with self._cond:
             while self._reading:
                 self._cond.wait()
             left = list(self._todo)
             self._todo.clear()
-            return left
+        for position in sorted(self.results):
+            out = self.results[position]
+            if isinstance(out, _Raised):
+                raise out.error
+        return left
+
+
+class _Raised:
+    """What a ``read`` raised, kept in place of its result."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error

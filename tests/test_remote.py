@@ -13,6 +13,7 @@ import http.client
 import logging
 import pickle
 import socket
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -397,9 +398,9 @@ def test_what_a_pool_threads_read_raises_reaches_the_batchs_caller(
 
     server.faults = Faults(latency_s=0.02)
     urls = [server.url(f"obj/{i}") for i in range(8)]
-    with RemoteFiles(urls, max_concurrency=4, retry=FAST, decode=decode) as ds:
-        with pytest.raises(_Abort, match="decode gave up"):
-            ds.__getitems__(list(range(8)))
+    ds = RemoteFiles(urls, max_concurrency=4, retry=FAST, decode=decode)
+    with ds, pytest.raises(_Abort, match="decode gave up"):
+        ds.__getitems__(list(range(8)))
 
 
 def test_max_concurrency_zero_reads_in_the_calling_thread(server: FaultyHTTPServer) -> None:
@@ -573,6 +574,9 @@ def _wrapped(cause: BaseException) -> OSError:
         (ValueError("bad"), False),
         (http.client.InvalidURL("URL can't contain control characters"), False),
         (http.client.IncompleteRead(b"", 10), True),
+        (ssl.SSLEOFError(8, "EOF occurred in violation of protocol"), True),  # a TLS reset
+        (ssl.SSLZeroReturnError(6, "TLS/SSL connection has been closed"), True),
+        (ssl.SSLCertVerificationError(1, "certificate verify failed"), False),
     ],
 )
 def test_transient_failures_are_told_from_permanent_ones(

@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -284,7 +285,8 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_without_an_error(
         ),
         (b"SPDY/3 200 OK\r\n\r\n", http.client.BadStatusLine),
         (b"HTTP/1.1 2000 OK\r\n\r\n", http.client.BadStatusLine),
-        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", http.client.HTTPException),
+        (b"HTTP/1.1 2\xb20 OK\r\n\r\n", http.client.BadStatusLine),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", http.client.HTTPException),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", http.client.HTTPException),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", http.client.HTTPException),
         (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 30000, http.client.LineTooLong),
@@ -298,7 +300,8 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_without_an_error(
         "chunk-size-not-hex",
         "not-http",
         "four-digit-status",
-        "header-without-colon",
+        "superscript-status",
+        "superscript-length",
         "two-lengths",
         "negative-length",
         "endless-head",
@@ -382,3 +385,131 @@ def test_https_reads_verify_the_certificate_and_keep_the_connection(
     finally:
         trusting.close()
     assert server.connections == 2  # the refused handshake, then one connection for both reads
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1  200  OK\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nContent-Length : 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\ncontent-length:2   \r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\no\n1\r\nk\n0\n\n",
+    ],
+    ids=[
+        "no-reason",
+        "runs-of-spaces",
+        "bare-lf",
+        "line-without-colon",
+        "space-before-colon",
+        "lower-case-padded",
+        "identity-coding",
+        "chunked-bare-lf",
+    ],
+)
+def test_responses_http_client_reads_are_read_and_keep_their_connection(
+    script: Callable[..., ScriptedServer], client: HTTPConnections, answer: bytes
+) -> None:
+    """Heads servers send that are not quite RFC 9112 but that ``http.client`` reads."""
+    server = script([answer, answer])
+    assert client.get(server.url(), 5.0, {}) == b"ok"
+    assert client.get(server.url(), 5.0, {}) == b"ok"
+    assert server.connections == 1
+
+
+def test_a_retry_after_that_is_not_a_number_of_seconds_is_ignored(
+    script: Callable[..., ScriptedServer], client: HTTPConnections
+) -> None:
+    busy = "HTTP/1.1 503 Busy\r\nRetry-After: \u00b9\r\nContent-Length: 0\r\n\r\n".encode("latin-1")
+    server = script([busy])
+    with pytest.raises(HTTPStatusError) as info:
+        client.get(server.url(), 5.0, {})
+    assert info.value.status == 503 and info.value.retry_after_s is None
+
+
+def test_an_error_page_of_unknown_size_is_not_read(
+    script: Callable[..., ScriptedServer], client: HTTPConnections
+) -> None:
+    """A chunked 500 page could be endless: the error is answered at once, the connection
+    dropped unread."""
+    endless = b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n" + b"5\r\nerror\r\n" * 9
+    server = script([endless, ok(b"x")])
+    with pytest.raises(HTTPStatusError, match="HTTP 500 Oops"):
+        client.get(server.url(), 5.0, {})
+    assert client.get(server.url(), 5.0, {}) == b"x"
+    assert server.connections == 2
+
+
+def test_a_host_beyond_ascii_is_sent_in_its_idna_form(
+    script: Callable[..., ScriptedServer], client: HTTPConnections, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = script([ok(b"a")])
+    connect = socket.create_connection
+    monkeypatch.setattr(
+        socket, "create_connection", lambda _, timeout: connect(("127.0.0.1", server.port), timeout)
+    )
+    assert client.get("http://b\u00fccher.example/obj", 5.0, {}) == b"a"
+    assert b"\r\nHost: xn--bcher-kva.example\r\n" in server.requests[0] + b"\r\n"
+
+
+def test_header_names_must_be_tokens_and_numbers_are_sent_as_text(
+    script: Callable[..., ScriptedServer], client: HTTPConnections
+) -> None:
+    with pytest.raises(ValueError, match="not an HTTP token"):
+        client.get("http://127.0.0.1:9/a", 5.0, {"X Bad": "1"})
+    server = script([ok(b"a")])
+    assert client.get(server.url(), 5.0, {"X-Count": 3}) == b"a"  # type: ignore[dict-item]
+    assert b"\r\nX-Count: 3" in server.requests[0]
+
+
+def test_idle_connections_the_server_closed_are_dropped_before_a_request(
+    script: Callable[..., ScriptedServer], client: HTTPConnections
+) -> None:
+    """Three reads at once leave three idle connections, which the server then closes (its
+    keep-alive timeout): the next read goes out on a new connection and succeeds, without
+    spending its one quiet second try on another dead connection."""
+    closers: list[socket.socket] = []
+    ready = threading.Barrier(3)
+
+    def answer_then_close_later(conn: socket.socket) -> None:
+        ready.wait(5)  # all three connections are open before any answer
+        conn.sendall(ok(b"a"))
+        closers.append(conn)
+
+    server = script([answer_then_close_later] * 3 + [ok(b"fresh")])
+    readers = [threading.Thread(target=client.get, args=(server.url(), 5.0, {})) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join(10)
+    assert server.connections == 3
+    time.sleep(0.1)  # the server side has closed all three (each _serve returned)
+    assert client.get(server.url(), 5.0, {}) == b"fresh"
+    assert server.connections == 4 and len(server.requests) == 4
+
+
+def test_the_tls_handshake_gets_only_what_the_connect_left_of_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connect that takes 1 s (SYN retransmits), then a server that never answers the
+    handshake: the read still ends at its 1.5 s deadline, not 1 s + 1.5 s."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    connect = socket.create_connection
+
+    def slow(address: tuple[str, int], timeout: float) -> socket.socket:
+        time.sleep(1.0)
+        return connect(silent.getsockname(), timeout)
+
+    monkeypatch.setattr(socket, "create_connection", slow)
+    client = HTTPConnections()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.get("https://127.0.0.1:9/obj", 1.5, {})
+        assert time.monotonic() - start < 2.1
+    finally:
+        client.close()
+        silent.close()

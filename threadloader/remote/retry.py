@@ -18,6 +18,7 @@ import dataclasses
 import errno
 import http.client
 import random
+import ssl
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -144,6 +145,8 @@ def _transient_here(exc: BaseException) -> bool | None:
         return False
     if isinstance(exc, (TimeoutError, ConnectionError, http.client.HTTPException)):
         return True  # includes IncompleteRead, RemoteDisconnected, socket timeouts
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return True  # a TLS connection cut or closed mid-exchange, as a reset is
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     if any(t.__name__ in _TRANSIENT_TYPE_NAMES for t in type(exc).__mro__):

@@ -403,6 +403,28 @@ def test_what_a_pool_threads_read_raises_reaches_the_batchs_caller(
         ds.__getitems__(list(range(8)))
 
 
+def test_a_batch_whose_caller_stopped_is_not_read_on_by_the_pool(
+    server: FaultyHTTPServer,
+) -> None:
+    """A Ctrl-C (here: another BaseException) in the caller's own read ends the batch: the pool
+    threads finish the reads they began and take no more of its 16 objects."""
+    caller = threading.current_thread()
+
+    def decode(data: bytes) -> bytes:
+        if threading.current_thread() is caller:
+            raise _Abort("stopped")
+        return data
+
+    server.faults = Faults(latency_s=0.05)
+    urls = [server.url(f"obj/{i}") for i in range(16)]
+    ds = RemoteFiles(urls, max_concurrency=2, retry=FAST, decode=decode)
+    with ds:
+        with pytest.raises(_Abort):
+            ds.__getitems__(list(range(16)))
+        time.sleep(0.5)  # the rest would take 0.35 s on two threads
+        assert sum(server.requests.values()) <= 6, server.requests
+
+
 def test_max_concurrency_zero_reads_in_the_calling_thread(server: FaultyHTTPServer) -> None:
     """With max_concurrency=0 a batch is read one object after another and no thread starts."""
     urls = [server.url(f"obj/{i}") for i in range(4)]

@@ -70,6 +70,12 @@ class SharedBatch:
                     if not self._reading:
                         self._cond.notify_all()
 
+    def abandon(self) -> None:
+        """Leave the misses not taken yet to nobody: the caller stopped (a Ctrl-C in its read),
+        and helpers would read for a batch nobody will ask for."""
+        with self._cond:
+            self._todo.clear()
+
     def wait(self) -> list[tuple[int, str]]:
         """Block until no read is in progress, after ``read_all`` returned in the caller.
 

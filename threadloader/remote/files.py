@@ -267,9 +267,14 @@ class RemoteFiles(Dataset[Any]):
                         return
                     helpers.append(future)
 
-            shared.read_all(read, offer)  # the calling thread would only wait: it reads too
-            for future in helpers:
-                future.cancel()  # a helper not started yet would find nothing left to read
+            try:
+                shared.read_all(read, offer)  # the calling thread would only wait: it reads too
+            except BaseException:
+                shared.abandon()
+                raise
+            finally:
+                for future in helpers:
+                    future.cancel()  # a helper not started yet would find nothing left to read
             for pos, url in shared.wait():
                 gave_up = CancelledError("the dataset was closed before this object was read")
                 shared.results[pos] = _Failure(RemoteReadError._of(url, 0, gave_up, gave_up=True))

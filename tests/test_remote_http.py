@@ -169,6 +169,21 @@ def test_a_body_of_16_mib_arrives_whole(
     assert server.connections == 1
 
 
+def test_a_body_larger_than_one_buffer_arrives_whole_in_parts(
+    script: Callable[..., ScriptedServer],
+    client: HTTPConnections,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Above ``_WHOLE_MAX`` a body is received in parts (here 1 MiB, for a 3.5 MiB body)."""
+    import threadloader.remote.http as client_module
+
+    monkeypatch.setattr(client_module, "_WHOLE_MAX", 1 << 20)
+    body = bytes(range(256)) * (7 << 11)
+    server = script([ok(body), ok(b"next")])
+    assert client.get(server.url(), 30.0, {}) == body
+    assert client.get(server.url(), 5.0, {}) == b"next"
+
+
 def test_interim_1xx_answers_are_skipped(
     script: Callable[..., ScriptedServer], client: HTTPConnections
 ) -> None:
@@ -283,6 +298,10 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_without_an_error(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\n",
             http.client.HTTPException,
         ),
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000000\r\n\r\nabc",
+            http.client.IncompleteRead,
+        ),
         (b"SPDY/3 200 OK\r\n\r\n", http.client.BadStatusLine),
         (b"HTTP/1.1 2000 OK\r\n\r\n", http.client.BadStatusLine),
         (b"HTTP/1.1 2\xb20 OK\r\n\r\n", http.client.BadStatusLine),
@@ -298,6 +317,7 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_without_an_error(
         "cut-in-chunk",
         "chunk-without-crlf",
         "chunk-size-not-hex",
+        "a-terabyte-announced",
         "not-http",
         "four-digit-status",
         "superscript-status",

@@ -53,6 +53,9 @@ _MAX_ERROR_BODY = 65536  # an error page up to this size is read to keep the con
 #: own buffer; only a body read to the close takes receives of ``_RECV_BODY``. Receiving 64 KiB
 #: for every head left each reading thread's malloc arena holding the unused rest: with 64
 #: worker threads and a 32-thread pool, 15 MB above the dataset against 10 MB with 8 KiB.
+#: A body of known size up to this is received into one buffer of its size; a larger one in
+#: parts of it, so a ``Content-Length`` no body will fill allocates no more than this at once.
+_WHOLE_MAX = 1 << 26
 _RECV_HEAD = 1 << 13
 _RECV_BODY = 1 << 16
 #: A connected socket's timeout is set again only once it exceeds what is left of the deadline
@@ -134,6 +137,14 @@ class _Connection:
         Raises:
             http.client.IncompleteRead: the server closed first (with the bytes that came).
         """
+        if n > _WHOLE_MAX:  # in parts: a length that is a lie must not allocate all of it
+            parts: list[bytes] = []
+            while (got := sum(map(len, parts))) < n:
+                try:
+                    parts.append(self.read_exactly(min(n - got, _WHOLE_MAX), deadline))
+                except http.client.IncompleteRead as e:
+                    raise http.client.IncompleteRead(b"".join(parts) + e.partial, n - got) from None
+            return b"".join(parts)
         if len(self.pending) >= n:
             out = bytes(self.pending[:n])
             del self.pending[:n]

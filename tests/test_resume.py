@@ -15,6 +15,7 @@ import torch
 from helpers import assert_resumes_exactly, cut_and_resume
 from torch.utils.data import (
     BatchSampler,
+    DataLoader,
     Dataset,
     DistributedSampler,
     IterableDataset,
@@ -1133,6 +1134,38 @@ def test_state_dict_reads_nothing_ahead(num_workers: int) -> None:
         return out
 
     assert batches(save_each=True) == batches(save_each=False)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_state_taken_at_the_last_batch_leaves_the_next_epoch_of_a_loop_that_breaks_as_torchs(
+    num_workers: int, drop_last: bool
+) -> None:
+    """``state_dict()`` after the epoch's last batch ends the sampler's pass, and torch's
+    ``RandomSampler`` draws from the loader's generator as it ends; a loop that then leaves the
+    epoch with ``break`` never made that draw in torch, so its next epoch must not see it
+    (without workers it did: another order). A loop that goes on to ``StopIteration`` does."""
+
+    def run(cls: Any, take_state: bool, leave: bool) -> list[list[list[int]]]:
+        loader = cls(
+            list(range(9)),
+            batch_size=4,
+            drop_last=drop_last,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(631),
+        )
+        it = iter(loader)
+        first = [next(it).tolist() for _ in range(len(loader))]
+        if take_state:
+            loader.state_dict()
+        if not leave:
+            assert next(it, None) is None
+        del it
+        return [first, [b.tolist() for b in loader]]
+
+    for leave in (True, False):
+        assert run(ThreadDataLoader, True, leave) == run(DataLoader, False, leave), leave
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

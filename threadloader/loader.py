@@ -29,6 +29,7 @@ from threadloader._engine.state import (
     Progress,
     Resume,
     SamplerSnapshot,
+    as_ended,
     build_state,
     epoch_complete,
     epoch_left_for_the_next,
@@ -508,14 +509,17 @@ class ThreadDataLoader(DataLoader[T_co]):
         if progress is not None and epoch_left_for_the_next(self, progress):
             return build_state(self, progress, complete=True)  # as after the epoch's end
         complete = progress is not None and epoch_complete(self, progress)
+        epoch = None
         if complete and self.device is None:  # with device=, the transfer thread drains it
             epoch = self._host_epoch() if self._host_epoch is not None else None
             if epoch is not None and epoch._progress is progress:
                 # Counted complete: let the sampler's iterator end now, as the next next() would
-                # (torch's RandomSampler draws once more from the loader's generator then). A
-                # batch drawn and not delivered yet says the sampler's len() fell short.
-                complete = not getattr(epoch, "_task_info", None) and stream_ended(epoch)
-        return build_state(self, progress, complete=complete)
+                # (torch's RandomSampler draws once more from the loader's generator then; the
+                # draw waits for that next(), and the state is built as after it). A batch
+                # drawn and not delivered yet says the sampler's len() fell short.
+                complete = not getattr(epoch, "_task_info", None) and stream_ended(epoch, self)
+        with as_ended(epoch):
+            return build_state(self, progress, complete=complete)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).

@@ -80,6 +80,7 @@ How state works; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import pickle
@@ -673,22 +674,85 @@ def _resumed_pass_batches(loader: Any) -> int | None:
     return indices // per_batch if loader._index_sampler.drop_last else -(-indices // per_batch)
 
 
-def stream_ended(it: Any) -> bool:
+def stream_ended(it: Any, loader: Any) -> bool:
     """Whether the iterator's index stream ``it._sampler_iter`` is at its end, ending it.
 
     Called only once every batch was counted delivered (``epoch_complete``): the draw runs what
-    the sampler does when it ends. A stream that still yields keeps that item for its turn
+    the sampler does when it ends, and what that did to the sampler's generators waits for the
+    loop (``EndedEarly``). A stream that still yields keeps that item for its turn
     (``Predrawn``), and is asked no more while it holds one.
     """
     stream = it._sampler_iter
+    if isinstance(stream, EndedEarly):
+        return True
     if isinstance(stream, Predrawn) and stream.head:
         return False
+    generators = _sampler_generators(loader)
+    before = [g.get_state() for g in generators]
     try:
         head = next(stream)
     except StopIteration:
+        after = [g.get_state() for g in generators]
+        if any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)):
+            it._sampler_iter = EndedEarly(generators, before, after)
         return True
     it._sampler_iter = Predrawn([head], stream)
     return False
+
+
+def _sampler_generators(loader: Any) -> list[torch.Generator]:
+    """The generators a sampler's end may draw from: the loader's, and the sampler's own."""
+    found = [loader.generator, sampler_generator(loader)]
+    return [g for g in found if g is not None]
+
+
+class EndedEarly(Iterator[Any]):
+    """An index stream whose end ``state_dict()`` ran before the loop asked for it.
+
+    torch's ``RandomSampler`` draws one more permutation from its generator as it ends, which
+    the loop's next ``next()`` after the epoch's last batch would make; a loop that leaves the
+    epoch then (``break``) never makes it. So what the end did to the generators is undone at
+    once, and done again when the loop asks the stream past its end, if the generators are
+    still as the end found them; ``as_ended`` shows them as the end leaves them, to build the
+    state that starts the next epoch.
+    """
+
+    def __init__(
+        self, generators: list[torch.Generator], before: list[torch.Tensor], after: list[Any]
+    ) -> None:
+        self._generators, self._before, self._after = generators, before, after
+        self._redone = False
+        self._set(before)
+
+    def _set(self, states: list[torch.Tensor]) -> None:
+        for generator, state in zip(self._generators, states, strict=True):
+            generator.set_state(state)
+
+    def __next__(self) -> Any:
+        if not self._redone:
+            self._redone = True
+            now = [g.get_state() for g in self._generators]
+            if all(torch.equal(n, b) for n, b in zip(now, self._before, strict=True)):
+                self._set(self._after)
+        raise StopIteration
+
+    @contextlib.contextmanager
+    def as_ended(self) -> Iterator[None]:
+        """The generators as the stream's end leaves them, for the ``with`` block."""
+        if self._redone:
+            yield
+            return
+        self._set(self._after)
+        try:
+            yield
+        finally:
+            self._set(self._before)
+
+
+def as_ended(it: Any) -> contextlib.AbstractContextManager[None]:
+    """``EndedEarly.as_ended`` for the iterator's index stream, or nothing to do."""
+    stream = getattr(it, "_sampler_iter", None)
+    return stream.as_ended() if isinstance(stream, EndedEarly) else contextlib.nullcontext()
 
 
 def _begin_positional_pass(loader: Any, sampler_iter: Iterator[Any]) -> Iterator[Any]:

@@ -471,3 +471,53 @@ def test_a_state_at_the_last_step_of_a_resumed_epoch_starts_the_next(
     resumed, resumed_sampler = make()
     resumed.load_state_dict(state)
     assert epochs(resumed, resumed_sampler, 0) == [[], *expected]
+
+
+class DrawingStream(IterableDataset[tuple[int, float]]):
+    """Items ``pos`` to ``n - 1``, each with a draw from the worker's global RNG; the position is
+    the dataset's state, back to 0 at its end."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos = n, 0
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        for k in range(self.pos, self.n):
+            self.pos = k + 1
+            yield k, torch.rand(1).item()
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pos = state["pos"]
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_state_between_epochs_replays_the_draws_of_a_dropped_last_batch(
+    num_workers: int,
+) -> None:
+    """With ``drop_last`` the worker drew for items 4 and 5, then dropped their partial batch;
+    a resume runs the worker's iterator to its end again, and its generator must make those
+    draws again too, or every later item draws other numbers."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            DrawingStream(6),
+            batch_size=4,
+            drop_last=True,
+            num_workers=num_workers,
+            persistent_workers=True,
+            save_worker_rng=True,
+            collate_fn=list,
+        )
+
+    torch.manual_seed(0)
+    loader = make()
+    list(loader)
+    it = iter(loader)
+    state = loader.state_dict()
+    original = [list(it), list(loader)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [list(resumed), list(resumed)] == original

@@ -182,6 +182,11 @@ class Worker:
         try:
             if self.spec.worker_init_fn is not None:
                 self.spec.worker_init_fn(self.id)
+            # After worker_init_fn: the saved state already includes what it drew. Before the
+            # dataset is settled: running its iterator to its end draws as the worker did then.
+            rng = self.spec.resume_rng
+            if rng is not None and rng[self.id] is not None:
+                load_rng_state(self.rngs, rng[self.id])
             resume = self.spec.resume_states
             state = resume[self.id] if resume is not None else None
             form = self.spec.resume_state_form
@@ -192,10 +197,6 @@ class Worker:
                 state = None  # the epoch's own iterator starts afresh
             else:
                 dataset_state.restore_dataset(self.info.dataset, state, form)
-            # After worker_init_fn: the saved state already includes what it drew.
-            rng = self.spec.resume_rng
-            if rng is not None and rng[self.id] is not None:
-                load_rng_state(self.rngs, rng[self.id])
         except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
             self._pending_error = ExceptionWrapper(where=self._where())
         else:

@@ -19,7 +19,7 @@ from helpers import assert_batches_equal, cut_and_resume, roundtrip
 from torch.random import thread_safe_generator
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from threadloader import ThreadDataLoader
+from threadloader import DistributedShuffleSampler, ThreadDataLoader
 from threadloader._engine import threaded
 from threadloader._primitives.concurrency import ConcurrencyController
 
@@ -521,3 +521,66 @@ def test_a_state_between_epochs_replays_the_draws_of_a_dropped_last_batch(
     resumed = make()
     resumed.load_state_dict(state)
     assert [list(resumed), list(resumed)] == original
+
+
+class DrawingItems(Dataset[tuple[int, float]]):
+    """Item ``i`` with a draw from the worker's global RNG."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, float]:
+        return i, torch.rand(1).item()
+
+
+def _persistent_with_sampler(sampler_kind: str) -> ThreadDataLoader[Any]:
+    dataset = DrawingItems()
+    if sampler_kind == "torch":
+        sampler: Any = torch.utils.data.DistributedSampler(dataset, 1, 0, shuffle=False)
+    else:
+        sampler = DistributedShuffleSampler(dataset, num_replicas=1, rank=0, seed=3)
+    return ThreadDataLoader(
+        dataset,
+        batch_size=2,
+        sampler=sampler,
+        num_workers=2,
+        persistent_workers=True,
+        save_worker_rng=True,
+        collate_fn=list,
+    )
+
+
+@pytest.mark.parametrize("sampler_kind", ["torch", "threadloader"])
+def test_a_state_after_a_break_and_set_epoch_carries_the_draws_of_the_batches_in_flight(
+    sampler_kind: str,
+) -> None:
+    """Persistent workers made the batches in flight at the break, and drew for them; the next
+    epoch continues from there. A state taken after ``set_epoch`` of that epoch starts it with
+    the generators after those draws, as the workers have them (it had them as of the last
+    delivered batch: every later draw differed)."""
+    torch.manual_seed(0)
+    loader = _persistent_with_sampler(sampler_kind)
+    it = iter(loader)
+    next(it)
+    del it  # break
+    loader.sampler.set_epoch(1)
+    state = loader.state_dict()
+    original = list(loader)
+    torch.manual_seed(1)  # another process
+    resumed = _persistent_with_sampler(sampler_kind)
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(1)
+    assert list(resumed) == original
+
+
+def test_a_loop_that_goes_on_after_such_a_state_still_receives_every_batch() -> None:
+    """``state_dict()`` waits for the batches in flight to take their states, and keeps them
+    for the loop: one that goes on in the epoch after all receives each batch once."""
+    torch.manual_seed(0)
+    loader = _persistent_with_sampler("torch")
+    it = iter(loader)
+    head = [next(it)]
+    loader.sampler.set_epoch(1)
+    loader.state_dict()
+    rest = list(it)
+    assert [i for batch in head + rest for i, _ in batch] == list(range(8))

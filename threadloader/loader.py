@@ -507,7 +507,19 @@ class ThreadDataLoader(DataLoader[T_co]):
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
         progress = self._progress
         if progress is not None and epoch_left_for_the_next(self, progress):
-            return build_state(self, progress, complete=True)  # as after the epoch's end
+            # As after the epoch's end; persistent workers carry into the next epoch what the
+            # left epoch's batches in flight do to their dataset copies and generators.
+            epoch = self._host_epoch() if self._host_epoch is not None else None
+            if (
+                self.persistent_workers
+                and self.device is None  # with device=, the transfer thread reads the epoch
+                and epoch is not None
+                and epoch._progress is progress
+                and hasattr(epoch, "states_after_in_flight")
+            ):
+                progress = copy.copy(progress)
+                progress.dataset_states, progress.rng_states = epoch.states_after_in_flight()
+            return build_state(self, progress, complete=True)
         complete = progress is not None and epoch_complete(self, progress)
         epoch = None
         if complete and self.device is None:  # with device=, the transfer thread drains it

@@ -377,6 +377,34 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._keep_state_of(result)
             self._drop(result)
 
+    def states_after_in_flight(self) -> tuple[list[Any] | None, list[Any] | None]:
+        """The dataset and generator states each worker is left in once every batch of this
+        map-style epoch in flight is made, topped up as torch's iterator keeps them: where a
+        next epoch on these persistent workers starts (``_finish_abandoned``).
+
+        For a state taken after the loop left the epoch and ``set_epoch`` moved on. The batches
+        are waited for and parked, not dropped: a loop that goes on still receives them; the
+        progress stays as of the batches delivered. Called on the training thread.
+        """
+        self._dispatch_as_torch_would()
+        while True:
+            waiting = [i for i, info in self._task_info.items() if len(info) == 2]
+            if not waiting:
+                break
+            result = self._get_result(self._task_info[min(waiting)])
+            self._tasks_outstanding -= 1
+            self._task_info[result.idx] += (result,)
+        progress = self._progress
+        states = list(progress.dataset_states) if progress.dataset_states is not None else None
+        rngs = list(progress.rng_states) if progress.rng_states is not None else None
+        for _, info in sorted(self._task_info.items()):
+            result = info[2]
+            if result.state is not None and states is not None:
+                states[result.worker_id] = result.state
+            if result.rng is not None and rngs is not None:
+                rngs[result.worker_id] = result.rng
+        return states, rngs
+
     def _keep_state_of(self, result: Result) -> None:
         """Record the states a batch left its worker's copy and generators in."""
         progress = self._progress

@@ -664,6 +664,57 @@ def test_set_epoch_of_another_epoch_after_loading_a_mid_epoch_state_starts_that_
         assert [b.tolist() for b in loaded] == expected
 
 
+class SeedsAndDraws(Dataset[tuple[int, int, float]]):
+    """Item ``i`` with its worker's seed and a draw from the worker's global RNG."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[int, int, float]:
+        info = get_worker_info()
+        return i, info.seed if info is not None else -1, torch.rand(1).item()
+
+
+def test_after_loading_a_left_epochs_state_the_next_epoch_draws_as_the_saving_loops() -> None:
+    """A state taken after a break, loaded, then set_epoch of the next epoch: that epoch's
+    iterator draws its base seed from the loader's generator as the left epoch left it, as the
+    saving loop's next iter() did (it drew the left epoch's seed again: same worker seeds and
+    draws); a state taken before that iter() says so too."""
+
+    def make() -> tuple[ThreadDataLoader[Any], Any]:
+        dataset = SeedsAndDraws()
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+        generator = torch.Generator().manual_seed(46)
+        loader = ThreadDataLoader(
+            dataset,
+            batch_size=2,
+            sampler=sampler,
+            num_workers=1,
+            collate_fn=list,
+            generator=generator,
+        )
+        return loader, sampler
+
+    saving, sampler = make()
+    sampler.set_epoch(1)
+    it = iter(saving)
+    next(it)
+    del it  # break
+    state = saving.state_dict()
+    sampler.set_epoch(2)
+    expected = list(saving)
+    for take_state in (False, True):
+        loaded, loaded_sampler = make()
+        loaded.load_state_dict(state)
+        loaded_sampler.set_epoch(2)
+        if take_state:
+            again, again_sampler = make()
+            again.load_state_dict(loaded.state_dict())
+            again_sampler.set_epoch(2)
+            loaded = again
+        assert list(loaded) == expected, take_state
+
+
 def test_bad_states_raise_naming_the_mismatch() -> None:
     """Malformed, foreign or mismatched states raise ValueError naming the problem."""
     loader = ThreadDataLoader(Ids(20), batch_size=4)

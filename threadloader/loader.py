@@ -258,7 +258,7 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     def __iter__(self) -> Any:
         if loaded_epoch_left(self, self._pending_state):
-            self._resume = None  # set_epoch left the loaded epoch: this one starts afresh
+            self._start_after_the_loaded_epoch()
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
         # be done pulling from it (and a timeout it hits meanwhile is seen by the check below).
         if self._transfer_thread is not None:
@@ -502,7 +502,14 @@ class ThreadDataLoader(DataLoader[T_co]):
             ``set_epoch`` moved the sampler to another epoch than the one it was taken in.
         """
         if loaded_epoch_left(self, self._pending_state):
-            return build_state(self, None)  # set_epoch left the loaded epoch: the next starts
+            # set_epoch left the loaded epoch: the state the next iter() starts from
+            state = build_state(self, None)
+            resume = self._resume
+            if resume is not None:
+                state["base_seed"] = resume.base_seed  # what persistent workers keep
+                if resume.rng_source == "generator":
+                    state["rng_state"] = encode_rng(resume.rng_state)
+            return state
         if self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
         progress = self._progress
@@ -532,6 +539,20 @@ class ThreadDataLoader(DataLoader[T_co]):
                 complete = not getattr(epoch, "_task_info", None) and stream_ended(epoch, self)
         with as_ended(epoch):
             return build_state(self, progress, complete=complete)
+
+    def _start_after_the_loaded_epoch(self) -> None:
+        """``set_epoch`` left the loaded epoch: this ``iter()`` starts the epoch set, as the
+        saving loop's next ``iter()`` did after it left that epoch: with the loader's generator
+        where that epoch's iterator left it, and with persistent workers on the base seed they
+        kept (their iterator is reused, drawing none)."""
+        resume, self._resume = self._resume, None
+        if resume is None:
+            return
+        by_generator = resume.rng_source == "generator"
+        if by_generator:
+            self.generator.set_state(resume.rng_state)
+        if self.persistent_workers and self.num_workers > 0:
+            self._undo_seed_draw = (resume.rng_state if by_generator else None, resume.base_seed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).

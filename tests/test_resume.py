@@ -358,6 +358,45 @@ def test_resume_on_another_world_size_sees_each_sample_once(old: int, new: int, 
     assert len(seen) >= n - new - old * 4  # only tails shorter than a batch or a rank are dropped
 
 
+@pytest.mark.parametrize("sampler", ["shuffle", "mixture"])
+@pytest.mark.parametrize("batch_size", [None, 1, 3])
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_a_finished_epochs_state_with_set_epoch_of_that_epoch_has_an_empty_rest(
+    sampler: str, batch_size: int | None, num_workers: int
+) -> None:
+    """Saved after the epoch's last batch, loaded, set_epoch of that epoch (a loop that stored
+    the epoch it was in): the rest is empty, then the next epoch is read in full. With
+    ``batch_size=None`` and workers the sampler itself is the index sampler, whose pass torch's
+    iterator begins twice; the second began the epoch over (11 samples read again)."""
+
+    def make() -> tuple[ThreadDataLoader[Any], Any]:
+        dataset: Any = list(range(11))
+        if sampler == "shuffle":
+            sampler_: Any = ShuffleSampler(11, seed=0)
+        else:
+            dataset = Mixture({"a": range(6), "b": range(6, 11)}, {"a": 0.5, "b": 0.5})
+            sampler_ = MixtureSampler(dataset, samples_per_epoch=11)
+        loader = ThreadDataLoader(
+            dataset, batch_size=batch_size, sampler=sampler_, num_workers=num_workers
+        )
+        return loader, sampler_
+
+    saving, saving_sampler = make()
+    saving_sampler.set_epoch(1)
+    it = iter(saving)
+    _ = [next(it) for _ in range(len(saving))]  # every batch; StopIteration not yet raised
+    state = saving.state_dict()
+    assert next(it, None) is None
+    saving_sampler.set_epoch(2)
+    expected = [torch.as_tensor(b).tolist() for b in saving]
+    loaded, loaded_sampler = make()
+    loaded.load_state_dict(state)
+    loaded_sampler.set_epoch(1)
+    assert list(loaded) == []
+    loaded_sampler.set_epoch(2)
+    assert [torch.as_tensor(b).tolist() for b in loaded] == expected
+
+
 @pytest.mark.parametrize("sampler", ["distributed", "mixture"])
 @pytest.mark.parametrize(("old", "new"), [(4, 1), (4, 2), (4, 3), (2, 1)])
 @pytest.mark.parametrize("length", [30, 10])

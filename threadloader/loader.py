@@ -241,6 +241,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._pending_state: dict[str, Any] | None = None  # loaded, and no iter() since
         # (generator state, base seed) a new persistent iterator continues from (load_state_dict)
         self._undo_seed_draw: tuple[Any, int] | None = None
+        self._first_sampler_iter_resumes = False  # set while a new iterator is made
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         # A sampler with its own state: its state after its last pass's last draw (_state 11).
         self._sampler_pass_end: SamplerSnapshot | None = None
@@ -330,12 +331,17 @@ class ThreadDataLoader(DataLoader[T_co]):
         # restarts at the checkpoint's epoch): the uninterrupted run made no such iterator, so
         # this one gives its base-seed draw back, and the next epoch's workers are seeded as
         # that run's were. A persistent one is reset for the next epoch, which draws nothing.
-        empty_rest = not self.persistent_workers and resumes_a_finished_epoch(self)
+        finished_rest = resumes_a_finished_epoch(self)
+        empty_rest = not self.persistent_workers and finished_rest
         give_back = _rng_restorer(self.generator) if empty_rest else None
+        # That rest is the pass the iterator's first iter() of the sampler begins: a worker
+        # iterator must not make the second one torch's makes, which would start the epoch over.
+        self._first_sampler_iter_resumes = finished_rest
         try:
             return self._new_iterator(resume)
         finally:
             self._undo_seed_draw = None  # used, or the iterator failed: never for a later one
+            self._first_sampler_iter_resumes = False
             if give_back is not None:
                 give_back()
 

@@ -249,11 +249,13 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             except KeyboardInterrupt:
                 self._abandon()
                 raise
-        if not first_iter or resume is None:
+        resumed_pass = resume is not None or getattr(loader, "_first_sampler_iter_resumes", False)
+        if not first_iter or not resumed_pass:
             # As torch's worker iterator: the first epoch's sampler iterator is the second one
             # made (_BaseDataLoaderIter.__init__ made one already), which a sampler whose
-            # __iter__ counts its calls or draws eagerly can tell. Not when resuming: a second
-            # iter() would restart a positional sampler's resumed pass.
+            # __iter__ counts its calls or draws eagerly can tell. Not when resuming (also the
+            # rest of a loaded finished epoch): a second iter() would restart a positional
+            # sampler's resumed pass.
             before_sampler_iter(self, loader)
             with graph_walks(loader.dataset):  # a DataPipe is reseeded (_datapipes point 5)
                 super()._reset(loader, first_iter)

@@ -493,17 +493,29 @@ class DrawingStream(IterableDataset[tuple[int, float]]):
         self.pos = state["pos"]
 
 
+class StatelessDrawingStream(IterableDataset[tuple[int, float]]):
+    """Items 0 to ``n - 1`` each epoch, each with a draw from the worker's global RNG; no state."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        for k in range(self.n):
+            yield k, torch.rand(1).item()
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "stateless"])
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_a_state_between_epochs_replays_the_draws_of_a_dropped_last_batch(
-    num_workers: int,
+    num_workers: int, stateful: bool
 ) -> None:
-    """With ``drop_last`` the worker drew for items 4 and 5, then dropped their partial batch;
-    a resume runs the worker's iterator to its end again, and its generator must make those
-    draws again too, or every later item draws other numbers."""
+    """With ``drop_last`` the worker drew for items 4 and 5, then dropped their partial batch:
+    the next epoch's draws follow those, in a resumed run too, or every later item draws other
+    numbers. The state keeps each worker as its end left it."""
 
     def make() -> ThreadDataLoader[Any]:
         return ThreadDataLoader(
-            DrawingStream(6),
+            DrawingStream(6) if stateful else StatelessDrawingStream(6),
             batch_size=4,
             drop_last=True,
             num_workers=num_workers,

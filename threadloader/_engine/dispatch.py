@@ -328,7 +328,8 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         # Which workers' IterableDataset ended as of the batches delivered, for state_dict():
         # a worker's end is behind the loop only once every batch it made before it is.
         progress.workers_alive = list(self._workers_status)
-        self._ends: dict[int, int] = {}  # worker -> batch number of its end, not yet behind
+        self._ends: dict[int, Result] = {}  # worker -> its end's result, not yet behind
+        self._end_rngs: dict[int, Any] = {}  # worker -> its end's generators, once behind
         self._fill()
 
     def _in_flight(self) -> int:
@@ -537,7 +538,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             self._tasks_outstanding -= 1
             if isinstance(result.data, _IterableDatasetStopIteration):
                 self._workers_status[result.data.worker_id] = False
-                self._ends[result.data.worker_id] = result.idx
+                self._ends[result.data.worker_id] = result
                 self._note_ends()
                 self._try_put_index()
                 continue
@@ -557,8 +558,14 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         to come included (an end can arrive before the worker's last batches are delivered)."""
         task_info = self._task_info
         for worker_id, end in list(self._ends.items()):
-            if not any(i < end and info[0] == worker_id for i, info in task_info.items()):
+            if not any(i < end.idx and info[0] == worker_id for i, info in task_info.items()):
                 self._progress.workers_alive[worker_id] = False
+                if end.state is None and end.rng is not None:
+                    # Its generators as its end left them, what it drew for a partial batch
+                    # drop_last dropped included: a resume runs no iterator of a dataset
+                    # without state to its end (one with state is, and draws then again).
+                    self._end_rngs[worker_id] = end.rng
+                    self._progress.rng_states[worker_id] = end.rng  # type: ignore[index]
                 del self._ends[worker_id]
 
     def _process_data(self, result: Result) -> Any:
@@ -588,6 +595,9 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         progress = self._progress
         progress.worker_batches[worker_id] += 1
         self._keep_state_of(result)
+        end_rng = self._end_rngs.get(worker_id)
+        if end_rng is not None:  # its end's generators, noted just before, came after this
+            progress.rng_states[worker_id] = end_rng  # type: ignore[index]
         progress.next_worker = (worker_id + 1) % self._num_workers
         if self._map_style:
             progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)

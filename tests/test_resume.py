@@ -1226,24 +1226,49 @@ def test_state_dict_reads_nothing_ahead(num_workers: int) -> None:
     assert batches(save_each=True) == batches(save_each=False)
 
 
+class CountsItsEpochs(torch.utils.data.Sampler[int]):
+    """A user's sampler with its own state: an order per epoch, the epoch moved on at its end."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch, self.pos = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        for k in range(self.pos, self.n):
+            self.pos = k + 1
+            yield int(order[k])
+        self.pos, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+@pytest.mark.parametrize("sampler", ["random", "own-state"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_a_state_taken_at_the_last_batch_leaves_the_next_epoch_of_a_loop_that_breaks_as_torchs(
-    num_workers: int, drop_last: bool
+    num_workers: int, drop_last: bool, sampler: str
 ) -> None:
     """``state_dict()`` after the epoch's last batch ends the sampler's pass, and torch's
-    ``RandomSampler`` draws from the loader's generator as it ends; a loop that then leaves the
-    epoch with ``break`` never made that draw in torch, so its next epoch must not see it
-    (without workers it did: another order). A loop that goes on to ``StopIteration`` does."""
+    ``RandomSampler`` draws from the loader's generator as it ends (a user's sampler may move
+    its own epoch on); a loop that then leaves the epoch with ``break`` never got there in
+    torch, so its next epoch must not see it (without workers it did: another order). A loop
+    that goes on to ``StopIteration`` does."""
 
     def run(cls: Any, take_state: bool, leave: bool) -> list[list[list[int]]]:
+        options: dict[str, Any] = (
+            {"shuffle": True, "generator": torch.Generator().manual_seed(631)}
+            if sampler == "random"
+            else {"sampler": CountsItsEpochs(9)}
+        )
         loader = cls(
-            list(range(9)),
-            batch_size=4,
-            drop_last=drop_last,
-            shuffle=True,
-            num_workers=num_workers,
-            generator=torch.Generator().manual_seed(631),
+            list(range(9)), batch_size=4, drop_last=drop_last, num_workers=num_workers, **options
         )
         it = iter(loader)
         first = [next(it).tolist() for _ in range(len(loader))]

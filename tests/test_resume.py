@@ -932,7 +932,9 @@ def test_state_round_trips_through_torch_distributed_checkpoint(tmp_path) -> Non
 
 
 class SlowItems(Dataset[int]):
-    """Item i is i; the items in ``slow`` take 0.2 s, so later batches overtake theirs."""
+    """Item i is i; the items in ``slow`` take 0.5 s, so later batches overtake theirs (also
+    when a helper process's threads start late on a loaded machine: at 0.2 s they did not,
+    once in three full runs of this file beside another)."""
 
     def __init__(self, slow: frozenset[int] = frozenset(), n: int = 24) -> None:
         self.n, self.slow = n, slow
@@ -942,7 +944,7 @@ class SlowItems(Dataset[int]):
 
     def __getitem__(self, i: int) -> int:
         if i in self.slow:
-            time.sleep(0.2)
+            time.sleep(0.5)
         return i
 
 

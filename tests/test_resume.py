@@ -669,6 +669,20 @@ def test_an_epoch_of_no_batch_after_a_resumed_pass_saves_its_own_end(num_workers
     assert loader.state_dict()["sampler"] == fresh.state_dict()["sampler"]
 
 
+def _loaded_at_epoch(
+    make: Callable[[], tuple[Any, Any]], state: dict[str, Any], epoch: int, again: bool
+) -> Any:
+    """A loader ``make()`` gives, loaded with ``state``, then ``set_epoch(epoch)`` (a loop that
+    goes on at that epoch); with ``again``, the state that one gives before ``iter()``, loaded
+    into another the same way."""
+    loaded, sampler = make()
+    loaded.load_state_dict(state)
+    sampler.set_epoch(epoch)
+    if again:
+        return _loaded_at_epoch(make, loaded.state_dict(), epoch, again=False)
+    return loaded
+
+
 @pytest.mark.parametrize("sampler", ["torch", "shuffle", "mixture"])
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_set_epoch_of_another_epoch_after_loading_a_mid_epoch_state_starts_that_epoch(
@@ -692,14 +706,7 @@ def test_set_epoch_of_another_epoch_after_loading_a_mid_epoch_state_starts_that_
     expected = [b.tolist() for b in uninterrupted]
     assert len(expected) == 4
     for take_state in (False, True):
-        loaded, loaded_sampler = make()
-        loaded.load_state_dict(state)
-        loaded_sampler.set_epoch(1)
-        if take_state:
-            again, again_sampler = make()
-            again.load_state_dict(loaded.state_dict())
-            again_sampler.set_epoch(1)
-            loaded = again
+        loaded = _loaded_at_epoch(make, state, 1, again=take_state)
         assert [b.tolist() for b in loaded] == expected
 
 
@@ -743,15 +750,7 @@ def test_after_loading_a_left_epochs_state_the_next_epoch_draws_as_the_saving_lo
     sampler.set_epoch(2)
     expected = list(saving)
     for take_state in (False, True):
-        loaded, loaded_sampler = make()
-        loaded.load_state_dict(state)
-        loaded_sampler.set_epoch(2)
-        if take_state:
-            again, again_sampler = make()
-            again.load_state_dict(loaded.state_dict())
-            again_sampler.set_epoch(2)
-            loaded = again
-        assert list(loaded) == expected, take_state
+        assert list(_loaded_at_epoch(make, state, 2, again=take_state)) == expected, take_state
 
 
 def test_bad_states_raise_naming_the_mismatch() -> None:

@@ -26,10 +26,10 @@ from threadloader._engine.device_epoch import (
 from threadloader._engine.device_epoch import retire as retire_device_epoch
 from threadloader._engine.inline import InlineDataLoaderIter
 from threadloader._engine.state import (
+    EndRanEarly,
     Progress,
     Resume,
     SamplerSnapshot,
-    as_ended,
     build_state,
     epoch_complete,
     epoch_left_for_the_next,
@@ -242,6 +242,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         # (generator state, base seed) a new persistent iterator continues from (load_state_dict)
         self._undo_seed_draw: tuple[Any, int] | None = None
         self._first_sampler_iter_resumes = False  # set while a new iterator is made
+        self._end_ran_early: EndRanEarly | None = None  # stream_ended: an end run by state_dict
         self._progress: Progress | None = None  # the latest epoch's, kept past its iterator
         # A sampler with its own state: its state after its last pass's last draw (_state 11).
         self._sampler_pass_end: SamplerSnapshot | None = None
@@ -258,6 +259,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             hook(self)
 
     def __iter__(self) -> Any:
+        early, self._end_ran_early = self._end_ran_early, None
+        if early is not None:  # a state_dict() ran the last epoch's end; did the loop get there?
+            early.undo()
         if loaded_epoch_left(self, self._pending_state):
             self._start_after_the_loaded_epoch()
         # A persistent epoch is reset or replaced below: the last epoch's transfer thread must
@@ -534,17 +538,15 @@ class ThreadDataLoader(DataLoader[T_co]):
                 progress.dataset_states, progress.rng_states = epoch.states_after_in_flight()
             return build_state(self, progress, complete=True)
         complete = progress is not None and epoch_complete(self, progress)
-        epoch = None
         if complete and self.device is None:  # with device=, the transfer thread drains it
             epoch = self._host_epoch() if self._host_epoch is not None else None
             if epoch is not None and epoch._progress is progress:
                 # Counted complete: let the sampler's iterator end now, as the next next() would
-                # (torch's RandomSampler draws once more from the loader's generator then; the
-                # draw waits for that next(), and the state is built as after it). A batch
+                # (torch's RandomSampler draws once more from the loader's generator then; a
+                # loop that leaves the epoch instead gets it undone at its next iter()). A batch
                 # drawn and not delivered yet says the sampler's len() fell short.
                 complete = not getattr(epoch, "_task_info", None) and stream_ended(epoch, self)
-        with as_ended(epoch):
-            return build_state(self, progress, complete=complete)
+        return build_state(self, progress, complete=complete)
 
     def _start_after_the_loaded_epoch(self) -> None:
         """``set_epoch`` left the loaded epoch: this ``iter()`` starts the epoch set, as the
@@ -593,6 +595,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             if isinstance(self._pending_state.get(key), torch.Tensor):
                 self._pending_state[key] = encode_rng(self._pending_state[key])
         self._undo_seed_draw = None
+        self._end_ran_early = None  # the loaded state sets the generators
         by_generator = state["rng_source"] == "generator"
         if not state["in_progress"] and by_generator:
             self.generator.set_state(state["rng_state"])

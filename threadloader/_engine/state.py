@@ -80,13 +80,12 @@ How state works; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -678,103 +677,57 @@ def stream_ended(it: Any, loader: Any) -> bool:
     """Whether the iterator's index stream ``it._sampler_iter`` is at its end, ending it.
 
     Called only once every batch was counted delivered (``epoch_complete``): the draw runs what
-    the sampler does when it ends, and what that did to the sampler's generators and own state
-    waits for the loop (``EndedEarly``). A stream that still yields keeps that item for its
-    turn (``Predrawn``), and is asked no more while it holds one.
+    the sampler does when it ends, as the loop's next ``next()`` would; should the loop leave
+    the epoch instead, what that did to the generators is undone at the next ``iter()``
+    (``EndRanEarly``). A stream that still yields keeps that item for its turn (``Predrawn``),
+    and is asked no more while it holds one.
     """
     stream = it._sampler_iter
-    if isinstance(stream, EndedEarly):
-        return True
     if isinstance(stream, Predrawn) and stream.head:
         return False
-    holders = _end_holders(loader)
-    before = [get() for get, _ in holders]
+    generators = [g for g in (loader.generator, sampler_generator(loader)) if g is not None]
+    before = [g.get_state() for g in generators]
     try:
         head = next(stream)
     except StopIteration:
-        after = [get() for get, _ in holders]
-        if not all(_same(a, b) for a, b in zip(after, before, strict=True)):
-            it._sampler_iter = EndedEarly(holders, before, after)
+        after = [g.get_state() for g in generators]
+        if not all(torch.equal(a, b) for a, b in zip(after, before, strict=True)):
+            loader._end_ran_early = EndRanEarly(generators, before, after, it._progress)
         return True
     it._sampler_iter = Predrawn([head], stream)
     return False
 
 
-_Holder = tuple[Callable[[], Any], Callable[[Any], object]]  # read a state, put one back
+class EndRanEarly:
+    """The end of an epoch's sampler pass that ``state_dict()`` ran before the loop got there.
 
-
-def _end_holders(loader: Any) -> list[_Holder]:
-    """What a sampler's end may change: the loader's generator, the sampler's own generator,
-    and a sampler's own state (``own_state_sampler``; a user's may count its epochs there)."""
-    holders: list[_Holder] = []
-    for generator in (loader.generator, sampler_generator(loader)):
-        if generator is not None:
-            holders.append((generator.get_state, generator.set_state))
-    own = own_state_sampler(loader)
-    if own is not None:
-        holders.append((lambda: copy.deepcopy(own.state_dict()), own.load_state_dict))
-    return holders
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two states read from a holder are equal (tensors compared by value)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001  # an equality that cannot answer: take them as changed
-        return False
-
-
-class EndedEarly(Iterator[Any]):
-    """An index stream whose end ``state_dict()`` ran before the loop asked for it.
-
-    torch's ``RandomSampler`` draws one more permutation from its generator as it ends, and a
-    sampler of the user's may move its own state on (its epoch), which the loop's next
-    ``next()`` after the epoch's last batch would do; a loop that leaves the epoch then
-    (``break``) never does. So what the end did is undone at once, and done again when the loop
-    asks the stream past its end, if nothing changed since; ``as_ended`` shows the end's
-    states, to build the state that starts the next epoch.
+    torch's ``RandomSampler`` draws one more permutation from its generator as it ends, which
+    the loop's ``next()`` after the epoch's last batch makes; a loop that leaves the epoch then
+    (``break``) never makes it. The end stays done (a loop that goes on finds it done, and
+    draws of its own from the generator meanwhile keep their order's count); ``undo`` at the
+    next ``iter()`` puts the generators back if the loop left before the end and nothing drew
+    from them since. A sampler's own state is not put back: loading a user's sampler state
+    may mean something else than where its pass stands.
     """
 
-    def __init__(self, holders: list[_Holder], before: list[Any], after: list[Any]) -> None:
-        self._holders, self._before, self._after = holders, before, after
-        self._redone = False
-        self._set(before)
+    def __init__(
+        self,
+        generators: list[torch.Generator],
+        before: list[torch.Tensor],
+        after: list[torch.Tensor],
+        progress: Progress,
+    ) -> None:
+        self._generators, self._before, self._after = generators, before, after
+        self._progress = progress
 
-    def _set(self, states: list[Any]) -> None:
-        for (_, put), state in zip(self._holders, states, strict=True):
-            put(copy.deepcopy(state))
-
-    def __next__(self) -> Any:
-        if not self._redone:
-            self._redone = True
-            now = [get() for get, _ in self._holders]
-            if all(_same(n, b) for n, b in zip(now, self._before, strict=True)):
-                self._set(self._after)
-        raise StopIteration
-
-    @contextlib.contextmanager
-    def as_ended(self) -> Iterator[None]:
-        """The holders as the stream's end leaves them, for the ``with`` block."""
-        if self._redone:
-            yield
+    def undo(self) -> None:
+        """Undo the end, unless the loop reached it or the generators moved on since."""
+        if self._progress.exhausted:
             return
-        self._set(self._after)
-        try:
-            yield
-        finally:
-            self._set(self._before)
-
-
-def as_ended(it: Any) -> contextlib.AbstractContextManager[None]:
-    """``EndedEarly.as_ended`` for the iterator's index stream, or nothing to do."""
-    stream = getattr(it, "_sampler_iter", None)
-    return stream.as_ended() if isinstance(stream, EndedEarly) else contextlib.nullcontext()
+        now = [g.get_state() for g in self._generators]
+        if all(torch.equal(n, a) for n, a in zip(now, self._after, strict=True)):
+            for generator, state in zip(self._generators, self._before, strict=True):
+                generator.set_state(state)
 
 
 def _begin_positional_pass(loader: Any, sampler_iter: Iterator[Any]) -> Iterator[Any]:

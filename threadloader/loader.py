@@ -532,10 +532,9 @@ class ThreadDataLoader(DataLoader[T_co]):
                 and self.device is None  # with device=, the transfer thread reads the epoch
                 and epoch is not None
                 and epoch._progress is progress
-                and hasattr(epoch, "states_after_in_flight")
+                and hasattr(epoch, "progress_after_in_flight")
             ):
-                progress = copy.copy(progress)
-                progress.dataset_states, progress.rng_states = epoch.states_after_in_flight()
+                progress = epoch.progress_after_in_flight()
             return build_state(self, progress, complete=True)
         complete = progress is not None and epoch_complete(self, progress)
         if complete and self.device is None:  # with device=, the transfer thread drains it

@@ -30,6 +30,7 @@ epoch's new generation), and ``close()``; and sets ``_resume``, ``_log_every_s``
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import time
 from collections.abc import Callable
@@ -329,7 +330,6 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         # a worker's end is behind the loop only once every batch it made before it is.
         progress.workers_alive = list(self._workers_status)
         self._ends: dict[int, Result] = {}  # worker -> its end's result, not yet behind
-        self._end_rngs: dict[int, Any] = {}  # worker -> its end's generators, once behind
         self._fill()
 
     def _in_flight(self) -> int:
@@ -363,58 +363,50 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         for _, info in sorted(self._task_info.items()):
             if len(info) == 3:
                 self._keep_state_of(info[2])
-        while True:
-            # A worker whose IterableDataset ended answers none of its later tasks.
-            waiting = [
-                i
-                for i, info in self._task_info.items()
-                if len(info) == 2 and self._workers_status[info[0]]
-            ]
-            if not waiting:
-                return
-            result = self._get_result(self._task_info[min(waiting)])
-            self._tasks_outstanding -= 1
+        while (result := self._next_in_flight()) is not None:
             del self._task_info[result.idx]
             if isinstance(result.data, _IterableDatasetStopIteration):
                 self._workers_status[result.worker_id] = False
             self._keep_state_of(result)
             self._drop(result)
 
-    def states_after_in_flight(self) -> tuple[list[Any] | None, list[Any] | None]:
-        """The dataset and generator states each worker is left in once every batch of this
-        map-style epoch in flight is made, topped up as torch's iterator keeps them: where a
-        next epoch on these persistent workers starts (``_finish_abandoned``).
+    def _next_in_flight(self) -> Result | None:
+        """The next result of a batch in flight, waited for; None when no worker still owes one
+        (a worker whose IterableDataset ended answers none of its later tasks)."""
+        waiting = [
+            i
+            for i, info in self._task_info.items()
+            if len(info) == 2 and self._workers_status[info[0]]
+        ]
+        if not waiting:
+            return None
+        result = self._get_result(self._task_info[min(waiting)])
+        self._tasks_outstanding -= 1
+        return result
+
+    def progress_after_in_flight(self) -> Progress:
+        """A copy of the progress whose dataset and generator states are those each worker is
+        left in once every batch of this map-style epoch in flight is made, topped up as
+        torch's iterator keeps them: where a next epoch on these persistent workers starts
+        (``_finish_abandoned``).
 
         For a state taken after the loop left the epoch and ``set_epoch`` moved on. The batches
         are waited for and parked, not dropped: a loop that goes on still receives them; the
-        progress stays as of the batches delivered. Called on the training thread.
+        progress itself stays as of the batches delivered. Called on the training thread.
         """
         self._dispatch_as_torch_would()
-        while True:
-            waiting = [i for i, info in self._task_info.items() if len(info) == 2]
-            if not waiting:
-                break
-            result = self._get_result(self._task_info[min(waiting)])
-            self._tasks_outstanding -= 1
+        while (result := self._next_in_flight()) is not None:
             self._task_info[result.idx] += (result,)
-        progress = self._progress
-        states = list(progress.dataset_states) if progress.dataset_states is not None else None
-        rngs = list(progress.rng_states) if progress.rng_states is not None else None
+        after = copy.copy(self._progress)
+        after.dataset_states = _copied(after.dataset_states)
+        after.rng_states = _copied(after.rng_states)
         for _, info in sorted(self._task_info.items()):
-            result = info[2]
-            if result.state is not None and states is not None:
-                states[result.worker_id] = result.state
-            if result.rng is not None and rngs is not None:
-                rngs[result.worker_id] = result.rng
-        return states, rngs
+            _keep_state(after, info[2])
+        return after
 
     def _keep_state_of(self, result: Result) -> None:
         """Record the states a batch left its worker's copy and generators in."""
-        progress = self._progress
-        if result.state is not None and progress.dataset_states is not None:
-            progress.dataset_states[result.worker_id] = result.state
-        if result.rng is not None and progress.rng_states is not None:
-            progress.rng_states[result.worker_id] = result.rng
+        _keep_state(self._progress, result)
 
     def _drop(self, result: Result) -> None:
         """Let go of a result that will never be delivered (its slot, in a helper's ring)."""
@@ -564,16 +556,19 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                     # Its generators as its end left them, what it drew for a partial batch
                     # drop_last dropped included: a resume runs no iterator of a dataset
                     # without state to its end (one with state is, and draws then again).
-                    self._end_rngs[worker_id] = end.rng
                     self._progress.rng_states[worker_id] = end.rng  # type: ignore[index]
                 del self._ends[worker_id]
 
     def _process_data(self, result: Result) -> Any:
-        if self._ends:
-            self._note_ends()
         self._workers_num_tasks[result.worker_id] -= 1
         self._try_put_index()
-        return self._deliver(result)
+        try:
+            return self._deliver(result)
+        finally:
+            # After the batch's own states are kept: an end that arrived before this batch, its
+            # worker's last, came after it.
+            if self._ends:
+                self._note_ends()
 
     def _replayed(self) -> bool:
         """Whether the batch just taken is one the loop received before the save (replaying an
@@ -595,15 +590,25 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         progress = self._progress
         progress.worker_batches[worker_id] += 1
         self._keep_state_of(result)
-        end_rng = self._end_rngs.get(worker_id)
-        if end_rng is not None:  # its end's generators, noted just before, came after this
-            progress.rng_states[worker_id] = end_rng  # type: ignore[index]
         progress.next_worker = (worker_id + 1) % self._num_workers
         if self._map_style:
             progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)
         if isinstance(result.data, ExceptionWrapper):
             reraise(result.data)
         return self._unpack(result)
+
+
+def _keep_state(progress: Progress, result: Result) -> None:
+    """Record in ``progress`` the states ``result``'s batch left its worker's copy and
+    generators in."""
+    if result.state is not None and progress.dataset_states is not None:
+        progress.dataset_states[result.worker_id] = result.state
+    if result.rng is not None and progress.rng_states is not None:
+        progress.rng_states[result.worker_id] = result.rng
+
+
+def _copied(states: list[Any] | None) -> list[Any] | None:
+    return list(states) if states is not None else None
 
 
 def reraise(wrapper: ExceptionWrapper) -> NoReturn:

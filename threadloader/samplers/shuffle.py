@@ -56,6 +56,14 @@ the block's temporaries stay in L2 cache (measured in bench/bench_samplers.py)."
 _Block = Callable[[int, int], npt.NDArray[np.uint64]]
 
 
+def counts_in_current(serial: int, pending: object, since: int | None) -> bool:
+    """Whether a consumer's count is in a sampler's current pass, of serial number ``serial``,
+    rather than in the pass ``iter()`` will make: nothing loaded is ``pending`` for that
+    ``iter()``, and with ``since`` (``passes_begun`` read before the consumer made its
+    iterator) the pass began after that. ``ShuffleSampler`` and ``MixtureSampler`` both ask."""
+    return pending is None and (since is None or serial > since)
+
+
 class _Pass:
     """One ``iter()`` over an epoch, and how far its consumer has read.
 
@@ -200,7 +208,7 @@ class _EpochResume:
         cursor = pending[1] if pending is not None else None
         if current is None or current.epoch != self.epoch:
             return None, start, cursor
-        mine = pending is None and (since is None or current.serial > since)
+        mine = counts_in_current(current.serial, pending, since)
         return (current if mine else None), start, cursor
 
     def set_epoch(self, epoch: int) -> None:

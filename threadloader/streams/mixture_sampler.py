@@ -12,6 +12,7 @@ from typing import Any, TypeGuard
 import numpy as np
 from torch.utils.data import Sampler
 
+from threadloader.samplers.shuffle import counts_in_current
 from threadloader.streams.args import default_world
 from threadloader.streams.mixture import MIXTURE_BLOCK, STATE_VERSION, Mixture
 
@@ -170,7 +171,7 @@ class MixtureSampler(Sampler[int]):
         """Whether a consumer's count is in ``current``, not in the pass ``iter()`` will make:
         no position is pending, and with ``since`` (``passes_begun`` read before the consumer
         made its iterator) the pass began after that."""
-        return current is not None and pending is None and (since is None or current.serial > since)
+        return current is not None and counts_in_current(current.serial, pending, since)
 
     def _generate(self, pass_: _StreamPass) -> Iterator[int]:
         mixture, stride, offset = self.mixture, self.num_replicas, pass_.start + self.rank

@@ -184,6 +184,27 @@ def test_a_body_larger_than_one_buffer_arrives_whole_in_parts(
     assert client.get(server.url(), 5.0, {}) == b"next"
 
 
+def test_a_body_cut_short_in_a_later_part_says_what_came_and_what_is_missing(
+    script: Callable[..., ScriptedServer],
+    client: HTTPConnections,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3 MiB announced, 1.5 MiB sent in 1 MiB parts: the error holds all 1.5 MiB that came and
+    the 1.5 MiB still owed, not only the last part's count."""
+    import threadloader.remote.http as client_module
+
+    monkeypatch.setattr(client_module, "_WHOLE_MAX", 1 << 20)
+    sent = b"x" * (3 << 19)
+
+    def cut(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3145728\r\n\r\n" + sent)
+
+    server = script([cut])
+    with pytest.raises(http.client.IncompleteRead) as info:
+        client.get(server.url(), 30.0, {})
+    assert info.value.partial == sent and info.value.expected == (3 << 20) - len(sent)
+
+
 def test_interim_1xx_answers_are_skipped(
     script: Callable[..., ScriptedServer], client: HTTPConnections
 ) -> None:

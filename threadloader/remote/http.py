@@ -139,11 +139,14 @@ class _Connection:
         """
         if n > _WHOLE_MAX:  # in parts: a length that is a lie must not allocate all of it
             parts: list[bytes] = []
-            while (got := sum(map(len, parts))) < n:
+            got = 0
+            while got < n:
                 try:
                     parts.append(self.read_exactly(min(n - got, _WHOLE_MAX), deadline))
                 except http.client.IncompleteRead as e:
-                    raise http.client.IncompleteRead(b"".join(parts) + e.partial, n - got) from None
+                    partial = b"".join(parts) + e.partial
+                    raise http.client.IncompleteRead(partial, n - len(partial)) from None
+                got += len(parts[-1])
             return b"".join(parts)
         if len(self.pending) >= n:
             out = bytes(self.pending[:n])

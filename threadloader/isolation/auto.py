@@ -41,7 +41,8 @@ from typing import Any
 from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
-from threadloader.isolation.parent import start_method
+from threadloader.isolation.main_script import unguarded_main_script
+from threadloader.isolation.parent import rerun_reason, start_method
 
 THREADS = "threads"
 PROCESS = "process"
@@ -273,6 +274,9 @@ class AutoIsolation:
             )
         if self._fork_refused(loader):
             return FORK_REFUSED
+        script = None if forked else unguarded_main_script()
+        if script is not None:
+            return rerun_reason(script, method or "forkserver")
         return self.pickling_problem(loader)
 
     @staticmethod

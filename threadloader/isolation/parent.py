@@ -81,6 +81,7 @@ from threadloader.device.pinned import pin_batch, pinned_allocator
 from threadloader.isolation import zygote
 from threadloader.isolation.helper import HelperSpec
 from threadloader.isolation.link import Links, _Link
+from threadloader.isolation.main_script import unguarded_main_script
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
 
@@ -143,6 +144,9 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
     Raises:
         ValueError: the given context starts processes with ``fork`` and this process runs
             other Python threads.
+        RuntimeError: the helpers would be started with ``forkserver`` or ``spawn``, which
+            import the main script again, and it has no ``if __name__ == "__main__":`` block
+            (``main_script``): it would run again in every helper.
     """
     if start_method(multiprocessing_context) == "fork" and not zygote.may_fork():
         check_isolation("process", multiprocessing_context)
@@ -157,9 +161,25 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
         if isinstance(multiprocessing_context, str)
         else multiprocessing_context
     )
-    if ctx.get_start_method() == "forkserver":
+    method = ctx.get_start_method()
+    script = unguarded_main_script() if method in ("forkserver", "spawn") else None
+    if script is not None:
+        raise RuntimeError(
+            f"threadloader: {rerun_reason(script, method)}. Put the script's work under "
+            '`if __name__ == "__main__":`, build the loader while the script runs no other '
+            'Python thread (helpers are then forked), or pass isolation="threads"'
+        )
+    if method == "forkserver":
         _preload_in_forkserver(ctx)
     return ctx
+
+
+def rerun_reason(script: str, method: str) -> str:
+    """Why helpers started with ``method`` may not start: they would run ``script`` again."""
+    return (
+        f'the main script {script} has no `if __name__ == "__main__":` block, and helper '
+        f"processes started with {method} would run it again"
+    )
 
 
 def start_helper_server(multiprocessing_context: Any = None) -> None:

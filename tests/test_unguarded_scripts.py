@@ -1,0 +1,164 @@
+"""A training script without ``if __name__ == "__main__":`` runs once, whatever the isolation.
+
+torch forks its workers on Linux, so such scripts work with ``DataLoader``. Helpers that are
+not forked (another Python thread runs: a progress bar's monitor) come from a forkserver, which
+imports the main script again: the default ``"auto"`` must then stay in threads, and an explicit
+``isolation="process"`` must say why it cannot start rather than train a second time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from threadloader.isolation import main_script
+from threadloader.isolation.main_script import unguarded_main_script
+
+_REPO = str(Path(__file__).resolve().parents[1])
+
+#: The top of every script: a GIL-bound verdict decided, not measured (as in
+#: test_isolation_auto.py), and a thread like tqdm's monitor running before iter().
+_PRELUDE = """
+import threading, torch
+from torch.utils.data import Dataset
+from threadloader import ThreadDataLoader
+from threadloader.isolation import auto
+auto.held_the_gil = lambda stats: True
+auto.slowed_the_training = lambda stats: False
+auto.MIN_EPOCH_S = auto.MIN_EPOCH_S_SERVER = 0.0
+auto.loop_pace = lambda stats: 100.0
+print("SCRIPT RAN", flush=True)
+
+class Items(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        return torch.tensor(i)
+
+stop = threading.Event()
+monitor = threading.Thread(target=stop.wait, daemon=True)
+"""
+
+_AUTO_BODY = """
+monitor.start()
+loader = ThreadDataLoader(Items(), batch_size=4, num_workers=2)
+epochs = [[b.tolist() for b in loader] for _ in range(2)]
+assert epochs[1] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]], epochs
+print("MODE", loader.stats().mode, "|", loader.stats().mode_reason, flush=True)
+stop.set()
+"""
+
+_PROCESS_BODY = """
+monitor.start()
+loader = ThreadDataLoader(Items(), batch_size=4, num_workers=2, isolation="process")
+print("BATCHES", [b.tolist() for b in loader], flush=True)
+stop.set()
+"""
+
+
+def _run(tmp_path: Path, body: str, guarded: bool) -> subprocess.CompletedProcess[str]:
+    if guarded:
+        body = 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")
+    script = tmp_path / "train.py"
+    script.write_text(_PRELUDE + body)
+    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        check=False,
+        cwd=tmp_path,
+    )
+
+
+def test_auto_leaves_an_unguarded_script_in_threads_and_says_why(tmp_path: Path) -> None:
+    proc = _run(tmp_path, _AUTO_BODY, guarded=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("SCRIPT RAN") == 1, proc.stdout
+    mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
+    assert mode.startswith("MODE threads"), mode
+    assert 'has no `if __name__ == "__main__":` block' in mode, mode
+    assert "train.py" in mode
+
+
+def test_auto_moves_a_guarded_script_to_forkserver_helpers(tmp_path: Path) -> None:
+    """The check refuses only scripts that would run again: a guarded one still moves (its
+    prelude runs again in the forkserver, as with torch's forkserver workers)."""
+    proc = _run(tmp_path, _AUTO_BODY, guarded=True)
+    assert proc.returncode == 0, proc.stderr
+    mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
+    assert mode.startswith("MODE process"), mode
+
+
+def test_process_isolation_refuses_to_run_an_unguarded_script_again(tmp_path: Path) -> None:
+    proc = _run(tmp_path, _PROCESS_BODY, guarded=False)
+    assert proc.returncode != 0
+    assert proc.stdout.count("SCRIPT RAN") == 1, proc.stdout
+    assert "BATCHES" not in proc.stdout
+    assert "RuntimeError: threadloader: the main script" in proc.stderr, proc.stderr
+    assert "would run it again" in proc.stderr and 'isolation="threads"' in proc.stderr
+
+
+def test_process_isolation_runs_a_guarded_script(tmp_path: Path) -> None:
+    proc = _run(tmp_path, _PROCESS_BODY, guarded=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "BATCHES [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]" in proc.stdout
+
+
+def _main_module(
+    monkeypatch: pytest.MonkeyPatch, file: str | None = None, spec_name: str | None = None
+) -> None:
+    main = types.ModuleType("__main__")
+    if file is not None:
+        main.__file__ = file
+    main.__spec__ = (  # type: ignore[assignment]
+        None if spec_name is None else types.SimpleNamespace(name=spec_name, origin=file)
+    )
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    main_script._has_main_guard.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("source", "reruns"),
+    [
+        ("print('train')\n", True),
+        ("def main():\n    pass\nmain()\n", True),
+        ("if __name__ == '__main__':\n    print('train')\n", False),
+        ("if '__main__' == __name__:\n    print('train')\n", False),
+        ("def f():\n    if __name__ == '__main__':\n        pass\nf()\n", True),  # not top level
+        ("if __name__ != '__main__':\n    pass\nprint('train')\n", True),
+        ("def broken(:\n", False),  # multiprocessing fails on it itself, and says so
+    ],
+)
+def test_a_script_reruns_without_a_top_level_guard(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, source: str, reruns: bool
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    _main_module(monkeypatch, file=str(script))
+    assert unguarded_main_script() == (str(script) if reruns else None)
+
+
+def test_what_multiprocessing_does_not_import_again_never_reruns(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    unguarded = tmp_path / "train.py"
+    unguarded.write_text("print('train')\n")
+    _main_module(monkeypatch)  # python -c, an interactive session
+    assert unguarded_main_script() is None
+    _main_module(monkeypatch, file=str(tmp_path / "pkg" / "__main__.py"), spec_name="pkg.__main__")
+    assert unguarded_main_script() is None  # python -m pkg
+    ipython = tmp_path / "ipython.py"
+    ipython.write_text("print('shell')\n")
+    _main_module(monkeypatch, file=str(ipython))
+    assert unguarded_main_script() is None
+    _main_module(monkeypatch, file=str(unguarded), spec_name="train")  # python -m train
+    assert unguarded_main_script() == str(unguarded)

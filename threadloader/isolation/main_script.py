@@ -1,0 +1,75 @@
+"""Whether a helper started without ``fork`` would run the training script again.
+
+A process started by ``multiprocessing``'s ``forkserver`` or ``spawn`` imports the parent's
+main module as ``__mp_main__`` before it unpickles anything, so that classes defined in the
+script can be found. A script without an ``if __name__ == "__main__":`` guard then runs again,
+top to bottom, in every such process: it builds its model and loader again and trains a second
+time, or fails as it starts processes of its own. torch's workers on Linux are forked by
+default, so such scripts are common and work with ``DataLoader``; threadloader only starts
+helpers this way where it may not fork (another Python thread runs), and must not then run
+the script again.
+
+Only what ``multiprocessing`` itself re-runs counts: a script given by path, or a module run
+with ``python -m`` (not a package's ``__main__``), with its source readable. An interactive
+session, ``python -c`` and IPython leave nothing to re-run.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import sys
+
+__all__ = ["unguarded_main_script"]
+
+
+def unguarded_main_script() -> str | None:
+    """The main script, if a helper started with ``forkserver`` or ``spawn`` would run it again.
+
+    Returns:
+        The script's path when ``multiprocessing`` would import it in a new process and its
+        top level has no ``if __name__ == "__main__":`` block; else None.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        return None
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name is not None:
+        # ``multiprocessing`` leaves a package's ``__main__`` alone and re-imports a module.
+        if name == "__main__" or name.endswith(".__main__"):
+            return None
+        path = getattr(spec, "origin", None)
+    else:
+        path = getattr(main, "__file__", None)
+    if not isinstance(path, str):
+        return None
+    path = os.path.abspath(path)
+    if os.path.splitext(os.path.basename(path))[0] == "ipython":
+        return None  # multiprocessing skips IPython's launcher, which has no guard
+    return None if _has_main_guard(path) else path
+
+
+@functools.cache
+def _has_main_guard(path: str) -> bool:
+    """Whether the file at ``path`` has a top-level ``if __name__ == "__main__":``; True where it
+    cannot be read or parsed (then ``multiprocessing`` cannot run it either, and says so)."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    return any(isinstance(node, ast.If) and _tests_main(node.test) for node in tree.body)
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """``__name__ == "__main__"``, either way round."""
+    if not (
+        isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
+    ):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    constants = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(constants) == 1

@@ -68,6 +68,14 @@ BUILT_HOOKS: list[Callable[[Any], None]] = []
 worker_info.install()
 
 
+def _left_epoch_seeds(resume: Resume) -> tuple[torch.Tensor | None, int]:
+    """Where a loaded state's epoch, left by ``set_epoch``, leaves the next ``iter()``: the
+    loader's generator state (None when the loader draws from the global RNG) and the base seed
+    persistent workers keep."""
+    by_generator = resume.rng_source == "generator"
+    return (resume.rng_state if by_generator else None), resume.base_seed
+
+
 def _rng_restorer(generator: torch.Generator | None) -> Callable[[], None]:
     """What puts torch's global RNG, and ``generator`` if given, back as they are now."""
     rng = torch.get_rng_state()
@@ -514,11 +522,10 @@ class ThreadDataLoader(DataLoader[T_co]):
         if loaded_epoch_left(self, self._pending_state):
             # set_epoch left the loaded epoch: the state the next iter() starts from
             state = build_state(self, None)
-            resume = self._resume
-            if resume is not None:
-                state["base_seed"] = resume.base_seed  # what persistent workers keep
-                if resume.rng_source == "generator":
-                    state["rng_state"] = encode_rng(resume.rng_state)
+            if self._resume is not None:
+                rng_state, state["base_seed"] = _left_epoch_seeds(self._resume)
+                if rng_state is not None:
+                    state["rng_state"] = encode_rng(rng_state)
             return state
         if self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # nothing ran since it was loaded
@@ -555,11 +562,11 @@ class ThreadDataLoader(DataLoader[T_co]):
         resume, self._resume = self._resume, None
         if resume is None:
             return
-        by_generator = resume.rng_source == "generator"
-        if by_generator:
-            self.generator.set_state(resume.rng_state)
+        rng_state, base_seed = _left_epoch_seeds(resume)
+        if rng_state is not None:
+            self.generator.set_state(rng_state)
         if self.persistent_workers and self.num_workers > 0:
-            self._undo_seed_draw = (resume.rng_state if by_generator else None, resume.base_seed)
+            self._undo_seed_draw = (rng_state, base_seed)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).

@@ -27,7 +27,11 @@ Where the code disagrees with these rules, the code is wrong.
    start back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
    Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled
    (checked once, into a sink that keeps nothing: a helper may have to receive them pickled).
-   So an unpicklable dataset never fails under ``"auto"``: it stays in threads.
+   So an unpicklable dataset never fails under ``"auto"``: it stays in threads. Where helpers
+   would come from a forkserver or spawn, which import ``__main__`` afresh (``main_script``),
+   nothing moves either if the main script has no ``if __name__ == "__main__":`` block (it
+   would run again in them) or if what is pickled names a class or function of a ``__main__``
+   they cannot import (a notebook, ``python -c``).
 5. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
 """
@@ -36,12 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import types
 from typing import Any
 
 from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
-from threadloader.isolation.main_script import unguarded_main_script
+from threadloader.isolation.main_script import main_reimported, unguarded_main_script
 from threadloader.isolation.parent import rerun_reason, start_method
 
 THREADS = "threads"
@@ -144,14 +149,42 @@ class _Discard:
         return memoryview(data).nbytes
 
 
-def _unpicklable(loader: Any) -> str | None:
-    """What a helper process could not receive, or None when everything pickles."""
+class _Probe(pickle.Pickler):
+    """Pickles into nothing, noting the first class or function it names from ``__main__``."""
+
+    def __init__(self) -> None:
+        super().__init__(_Discard(), pickle.HIGHEST_PROTOCOL)
+        self.from_main: str | None = None
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called for every object but exact ints, floats, strings, bytes and containers; the
+        # classes of instances come here too, as the instances' reductions name them.
+        named = isinstance(obj, (type, types.FunctionType))
+        if named and self.from_main is None and getattr(obj, "__module__", None) == "__main__":
+            self.from_main = obj.__qualname__
+        return NotImplemented
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pickled:
+    """What pickling the dataset, ``collate_fn`` and ``worker_init_fn`` found."""
+
+    problem: str | None  # why one cannot be pickled at all
+    from_main: str | None  # "its dataset needs Items": the first that names ``__main__``
+
+
+def _pickle_check(loader: Any) -> _Pickled:
+    """What a helper process could not receive, and what it needs from ``__main__``."""
+    from_main = None
     for name in ("dataset", "collate_fn", "worker_init_fn"):
+        probe = _Probe()
         try:
-            pickle.Pickler(_Discard(), pickle.HIGHEST_PROTOCOL).dump(getattr(loader, name))
+            probe.dump(getattr(loader, name))
         except Exception as exc:  # noqa: BLE001  # any pickling failure means: stay in threads
-            return f"its {name} cannot be pickled ({type(exc).__name__}: {exc})"
-    return None
+            return _Pickled(f"its {name} cannot be pickled ({type(exc).__name__}: {exc})", None)
+        if from_main is None and probe.from_main is not None:
+            from_main = f"its {name} needs {probe.from_main}"
+    return _Pickled(None, from_main)
 
 
 class AutoIsolation:
@@ -160,8 +193,7 @@ class AutoIsolation:
     def __init__(self) -> None:
         self.choice = Choice(THREADS, "the first epoch runs in worker threads and measures")
         self._pace: dict[str, float] = {}  # mode -> the loop's pace in its latest epoch
-        self._pickling_problem: str | None = None
-        self._pickling_checked = False
+        self._pickled: _Pickled | None = None  # checked once, when a move is first considered
         self._moved_at: LoaderStats | None = None  # the current epoch moved here (``moved``)
         self._start_problem: str | None = None  # helpers failed to start (``helpers_failed``)
 
@@ -274,10 +306,20 @@ class AutoIsolation:
             )
         if self._fork_refused(loader):
             return FORK_REFUSED
-        script = None if forked else unguarded_main_script()
-        if script is not None:
-            return rerun_reason(script, method or "forkserver")
-        return self.pickling_problem(loader)
+        problem = self.pickling_problem(loader)
+        if problem is not None or forked:
+            return problem
+        # Helpers from a forkserver or spawn import __main__ afresh, or not at all.
+        server = method or "forkserver"
+        from_main = self._pickle_check(loader).from_main
+        if from_main is not None and main_reimported() is None:
+            return (
+                f"{from_main}, defined in __main__, which helper processes started with "
+                f"{server} cannot import (an interactive session, python -c, or a package's "
+                "__main__)"
+            )
+        script = unguarded_main_script()
+        return None if script is None else rerun_reason(script, server)
 
     @staticmethod
     def _fork_refused(loader: Any) -> bool:
@@ -287,7 +329,9 @@ class AutoIsolation:
 
     def pickling_problem(self, loader: Any) -> str | None:
         """What a helper could not receive pickled, or None (checked once per loader)."""
-        if not self._pickling_checked:
-            self._pickling_problem = _unpicklable(loader)
-            self._pickling_checked = True
-        return self._pickling_problem
+        return self._pickle_check(loader).problem
+
+    def _pickle_check(self, loader: Any) -> _Pickled:
+        if self._pickled is None:
+            self._pickled = _pickle_check(loader)
+        return self._pickled

@@ -11,7 +11,9 @@ the script again.
 
 Only what ``multiprocessing`` itself re-runs counts: a script given by path, or a module run
 with ``python -m`` (not a package's ``__main__``), with its source readable. An interactive
-session, ``python -c`` and IPython leave nothing to re-run.
+session (a notebook), ``python -c``, IPython and a package's ``__main__`` leave nothing to
+re-run, and then nothing they define (a dataset class written in a notebook cell) can be
+unpickled in such a process either.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import functools
 import os
 import sys
 
-__all__ = ["unguarded_main_script"]
+__all__ = ["main_reimported", "unguarded_main_script"]
 
 
 def unguarded_main_script() -> str | None:
@@ -30,6 +32,19 @@ def unguarded_main_script() -> str | None:
     Returns:
         The script's path when ``multiprocessing`` would import it in a new process and its
         top level has no ``if __name__ == "__main__":`` block; else None.
+    """
+    path = main_reimported()
+    return None if path is None or _has_main_guard(path) else path
+
+
+def main_reimported() -> str | None:
+    """The file ``multiprocessing`` imports as ``__main__`` in a process it starts with
+    ``forkserver`` or ``spawn``; None where it imports none, so that nothing defined in this
+    process's ``__main__`` can be unpickled there.
+
+    Returns:
+        The absolute path of the main script or ``python -m`` module; None for an interactive
+        session, ``python -c``, IPython's launcher or a package's ``__main__``.
     """
     main = sys.modules.get("__main__")
     if main is None:
@@ -48,7 +63,7 @@ def unguarded_main_script() -> str | None:
     path = os.path.abspath(path)
     if os.path.splitext(os.path.basename(path))[0] == "ipython":
         return None  # multiprocessing skips IPython's launcher, which has no guard
-    return None if _has_main_guard(path) else path
+    return path
 
 
 @functools.cache

@@ -1,9 +1,12 @@
-"""A training script without ``if __name__ == "__main__":`` runs once, whatever the isolation.
+"""Helpers that are not forked and the main module: a script runs once, a notebook never fails.
 
-torch forks its workers on Linux, so such scripts work with ``DataLoader``. Helpers that are
-not forked (another Python thread runs: a progress bar's monitor) come from a forkserver, which
-imports the main script again: the default ``"auto"`` must then stay in threads, and an explicit
-``isolation="process"`` must say why it cannot start rather than train a second time.
+torch forks its workers on Linux, so scripts without ``if __name__ == "__main__":`` and datasets
+defined in a notebook cell work with ``DataLoader``. Helpers that are not forked (another
+Python thread runs: a progress bar's monitor, a Jupyter kernel's threads) come from a
+forkserver, which imports the main script again, or, for a notebook or ``python -c``, imports
+nothing, so a class defined there cannot be unpickled. The default ``"auto"`` must then stay in
+threads, and an explicit ``isolation="process"`` must say why it cannot start rather than train a
+second time.
 """
 
 from __future__ import annotations
@@ -62,14 +65,19 @@ stop.set()
 """
 
 
-def _run(tmp_path: Path, body: str, guarded: bool) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, body: str, guarded: bool, how: str = "script", prelude: str = _PRELUDE
+) -> subprocess.CompletedProcess[str]:
+    """Run ``prelude + body`` as a script file, or with ``python -c`` (``how="-c"``)."""
     if guarded:
         body = 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")
     script = tmp_path / "train.py"
-    script.write_text(_PRELUDE + body)
-    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
+    script.write_text(prelude + body)
+    env = {**os.environ, "PYTHONPATH": f"{_REPO}{os.pathsep}{tmp_path}", "THREADLOADER_ZYGOTE": "0"}
     return subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script)]
+        if how == "script"
+        else [sys.executable, "-c", prelude + body],
         capture_output=True,
         text=True,
         timeout=90,
@@ -93,6 +101,30 @@ def test_auto_moves_a_guarded_script_to_forkserver_helpers(tmp_path: Path) -> No
     """The check refuses only scripts that would run again: a guarded one still moves (its
     prelude runs again in the forkserver, as with torch's forkserver workers)."""
     proc = _run(tmp_path, _AUTO_BODY, guarded=True)
+    assert proc.returncode == 0, proc.stderr
+    mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
+    assert mode.startswith("MODE process"), mode
+
+
+def test_auto_leaves_a_dataset_defined_in_an_interactive_main_in_threads(tmp_path: Path) -> None:
+    """``python -c`` stands for a notebook: its ``__main__`` has no file to import."""
+    proc = _run(tmp_path, _AUTO_BODY, guarded=False, how="-c")
+    assert proc.returncode == 0, proc.stderr
+    mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
+    assert mode.startswith("MODE threads"), mode
+    assert "its dataset needs Items, defined in __main__, which helper processes" in mode, mode
+
+
+def test_auto_moves_an_interactive_main_whose_dataset_is_importable(tmp_path: Path) -> None:
+    (tmp_path / "items_module.py").write_text(
+        "import torch\nfrom torch.utils.data import Dataset\n"
+        "class Items(Dataset):\n"
+        "    def __len__(self):\n        return 16\n"
+        "    def __getitem__(self, i):\n        return torch.tensor(i)\n"
+    )
+    prelude = _PRELUDE.replace("class Items(Dataset):", "class Unused(Dataset):")
+    prelude += "from items_module import Items\n"
+    proc = _run(tmp_path, _AUTO_BODY, guarded=False, how="-c", prelude=prelude)
     assert proc.returncode == 0, proc.stderr
     mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
     assert mode.startswith("MODE process"), mode

@@ -68,6 +68,18 @@ BUILT_HOOKS: list[Callable[[Any], None]] = []
 worker_info.install()
 
 
+#: Attributes a copy of a loader starts without (``ThreadDataLoader.__getstate__``).
+_PROCESS_LOCAL = (
+    "_recycler",
+    "_staging",
+    "_host_epoch",
+    "_device_facade",
+    "_transfer_thread",
+    "_stats",
+    "_made",
+)
+
+
 def _left_epoch_seeds(resume: Resume) -> tuple[torch.Tensor | None, int]:
     """Where a loaded state's epoch, left by ``set_epoch``, leaves the next ``iter()``: the
     loader's generator state (None when the loader draws from the global RNG) and the base seed
@@ -259,12 +271,30 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._device_facade: weakref.ref[DeviceEpochIterator] | None = None
         self._transfer_thread: threading.Thread | None = None
         self._stats: EpochStats | None = None  # likewise
+        self._made: weakref.ref[Any] | None = None  # the iterator _get_iterator() just made
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
         if self.isolation == "process":
             start_helper_server(multiprocessing_context)
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` and ``copy.deepcopy`` copy: the loader without what lives only in
+        this process (locks, weak references to its epochs, a transfer thread).
+
+        A copy is a loader that has run no epoch here (``stats()`` needs one of its own); its
+        ``state_dict()`` is the original's. As with torch, a loader holding persistent workers
+        (``_iterator``) cannot be copied.
+        """
+        state = self.__dict__.copy()
+        for name in _PROCESS_LOCAL:
+            state[name] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._recycler = RecyclingAllocator(max_free=RECYCLED_BUFFERS)
 
     def __iter__(self) -> Any:
         early, self._end_ran_early = self._end_ran_early, None
@@ -290,7 +320,18 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._undo_seed_draw = None  # reused: it draws no new base seed
         if self.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
+        self._made = None
         it: Any = super().__iter__()
+        if not hasattr(it, "_progress"):
+            # A subclass's _get_iterator() wrapped ours, or returned an iterator of its own
+            # (torch's DataLoader returns whatever it gives): state and stats follow ours if any.
+            made = self._made() if self._made is not None else None
+            self._made = None
+            self._host_epoch = None if made is None else weakref.ref(made)
+            self._progress = getattr(made, "_progress", None)
+            self._stats = getattr(made, "_stats", None)
+            return it
+        self._made = None
         self._host_epoch = weakref.ref(it)
         if self.device is not None:
             persistent = self._iterator is not None
@@ -350,7 +391,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         # iterator must not make the second one torch's makes, which would start the epoch over.
         self._first_sampler_iter_resumes = finished_rest
         try:
-            return self._new_iterator(resume)
+            it = self._new_iterator(resume)
+            self._made = weakref.ref(it)  # __iter__ finds it behind a subclass's wrapper
+            return it
         finally:
             self._undo_seed_draw = None  # used, or the iterator failed: never for a later one
             self._first_sampler_iter_resumes = False
@@ -568,6 +611,12 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self.persistent_workers and self.num_workers > 0:
             self._undo_seed_draw = (rng_state, base_seed)
 
+    @property
+    def next_iter_state(self) -> dict[str, Any] | None:
+        """The state the next ``iter()`` resumes from (``StatefulDataLoader``'s name): the one
+        ``load_state_dict()`` was given, until an ``iter()`` starts from it; else None."""
+        return None if self._pending_state is None else copy.deepcopy(self._pending_state)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` resume where ``state`` was taken (Lightning calls it so).
 
@@ -577,13 +626,19 @@ class ThreadDataLoader(DataLoader[T_co]):
         others are replayed with a warning.
 
         Args:
-            state: a dict returned by ``state_dict()``.
+            state: a dict returned by ``state_dict()``; an empty dict is no state, as with
+                ``StatefulDataLoader``: the next ``iter()`` starts on new workers.
 
         Raises:
             ValueError: the state is malformed, of another format version, or for another
                 dataset kind, dataset length, RNG source, world size or worker count than this
                 loader can resume it on.
         """
+        if isinstance(state, Mapping) and not state:
+            # StatefulDataLoader's "no state": the next iter() starts as it would have, on
+            # workers started afresh.
+            self._iterator = None
+            return
         state = decode_state(state)  # RNG states are text in a state (JSON-able)
         resume = parse_state(self, state)
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)

@@ -139,6 +139,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
     def close(self) -> None:
         raise NotImplementedError
 
+    def _shutdown_workers(self) -> None:
+        """torch's worker iterator's name for ``close()``: code written for it calls this."""
+        self.close()
+
     def _abandon(self) -> None:
         """End the epoch now (Ctrl-C); waiting at most briefly. ``close()`` unless overridden."""
         self.close()

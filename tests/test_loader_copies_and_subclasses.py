@@ -191,3 +191,42 @@ def test_shutdown_workers_ends_the_worker_threads_as_torchs_ends_its_processes()
     for w in workers:
         w.join(10)
     assert not any(w.is_alive() for w in workers)
+
+
+def _moving_subclass(base: type, before: bool) -> type:
+    """A subclass with a ``device`` of its own, set before or after ``super().__init__()``,
+    that moves each batch there itself; and an ``isolation`` meaning something else."""
+
+    class Moving(base):  # type: ignore[misc, valid-type]
+        def __init__(self, dataset: Any, device: str, **kwargs: Any) -> None:
+            if before:
+                self.device = torch.device(device)
+                self.isolation = "its own meaning"
+            super().__init__(dataset, **kwargs)
+            if not before:
+                self.device = torch.device(device)
+                self.isolation = "its own meaning"
+
+        def __iter__(self) -> Iterator[Any]:
+            for batch in super().__iter__():
+                yield batch.to(self.device)
+
+    return Moving
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["set-before-init", "set-after-init"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_subclass_may_use_the_names_of_our_options_for_its_own(
+    before: bool, workers: int
+) -> None:
+    def run(base: type) -> tuple[Any, list[Any]]:
+        loader = _moving_subclass(base, before)(
+            list(range(8)), "meta", batch_size=4, num_workers=workers
+        )
+        return loader, list(loader)
+
+    (ours, our_batches), (_, their_batches) = run(ThreadDataLoader), run(DataLoader)
+    assert [b.device.type for b in our_batches] == [b.device.type for b in their_batches]
+    assert [b.device.type for b in our_batches] == ["meta", "meta"]
+    assert ours.device == torch.device("meta") and ours.isolation == "its own meaning"
+    assert ours.stats().mode == "threads"  # our isolation option is still the default's

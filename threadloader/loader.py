@@ -25,6 +25,7 @@ from threadloader._engine.device_epoch import (
 )
 from threadloader._engine.device_epoch import retire as retire_device_epoch
 from threadloader._engine.inline import InlineDataLoaderIter
+from threadloader._engine.options import Options
 from threadloader._engine.state import (
     EndRanEarly,
     Progress,
@@ -225,15 +226,18 @@ class ThreadDataLoader(DataLoader[T_co]):
             raise TypeError(f"save_worker_rng must be a bool, got {type(save_worker_rng).__name__}")
         check_isolation(isolation, multiprocessing_context)
         check_device_args(device, device_prefetch)
-        self.device = device
-        self.device_prefetch = device_prefetch
-        self.isolation = isolation
-        self.helpers = helpers
+        self._options = Options(
+            device=device,
+            device_prefetch=device_prefetch,
+            isolation=isolation,
+            helpers=helpers,
+            log_every_s=log_every_s,
+            save_worker_rng=save_worker_rng,
+            snapshot_every_n_steps=snapshot_every_n_steps,
+        )
+        self._options.mirror_on(self)  # for reading; the library reads self._options
         self._auto = AutoIsolation()
         self._epoch_choice: Choice | None = None  # where the latest epoch's workers ran
-        self.log_every_s = log_every_s
-        self.save_worker_rng = save_worker_rng
-        self.snapshot_every_n_steps = snapshot_every_n_steps
         self._staging: BufferPool | None = None
         # Large default-collated batches reuse memory the user has dropped (see _recycle).
         self._recycler = RecyclingAllocator(max_free=RECYCLED_BUFFERS)
@@ -274,7 +278,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._made: weakref.ref[Any] | None = None  # the iterator _get_iterator() just made
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
-        if self.isolation == "process":
+        if self._options.isolation == "process":
             start_helper_server(multiprocessing_context)
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
@@ -318,7 +322,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._pending_state = None  # this epoch starts from it: its own progress says the rest
         if self._iterator is not None:
             self._undo_seed_draw = None  # reused: it draws no new base seed
-        if self.device is not None and self._staging is None:
+        if self._options.device is not None and self._staging is None:
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         self._made = None
         it: Any = super().__iter__()
@@ -333,7 +337,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             return it
         self._made = None
         self._host_epoch = weakref.ref(it)
-        if self.device is not None:
+        if self._options.device is not None:
             persistent = self._iterator is not None
             it = DeviceEpochIterator(self, it, persistent)
             self._device_facade = weakref.ref(it)
@@ -405,9 +409,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._epoch_choice = None
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
-        first = self.isolation == "auto" and self._stats is None
+        first = self._options.isolation == "auto" and self._stats is None
         self._epoch_choice = choice = self._choose_mode()
-        if choice.mode == PROCESS and self.isolation != "auto":
+        if choice.mode == PROCESS and self._options.isolation != "auto":
             return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
         if choice.mode == PROCESS:
             undo_draw = self._seed_draw_undoer()
@@ -422,7 +426,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                     RuntimeWarning,
                     stacklevel=3,
                 )
-        epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self.log_every_s)
+        epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self._options.log_every_s)
         if first:  # "auto" moves its first epoch into helpers once it has measured enough
             ref = weakref.ref(self)
             epoch.mover = mover_for(
@@ -445,12 +449,12 @@ class ThreadDataLoader(DataLoader[T_co]):
 
     def _choose_mode(self) -> Choice:
         """Where this epoch's workers run: the ``isolation`` option, or ``"auto"``'s choice."""
-        if self.isolation == "auto":
+        if self._options.isolation == "auto":
             last = self._stats.snapshot() if self._stats is not None else None
             return self._auto.next_epoch(self, last)
-        if self.isolation == "process":
-            return Choice(PROCESS, "isolation='process'", helpers=self.helpers)
-        return Choice(THREADS, f"isolation={self.isolation!r}")
+        if self._options.isolation == "process":
+            return Choice(PROCESS, "isolation='process'", helpers=self._options.helpers)
+        return Choice(THREADS, f"isolation={self._options.isolation!r}")
 
     def set_mixture_weights(self, weights: Mapping[str, float]) -> int:
         """Change a ``threadloader.Mixture``'s weights from the next batch the loop requests.
@@ -579,7 +583,8 @@ class ThreadDataLoader(DataLoader[T_co]):
             epoch = self._host_epoch() if self._host_epoch is not None else None
             if (
                 self.persistent_workers
-                and self.device is None  # with device=, the transfer thread reads the epoch
+                and self._options.device
+                is None  # with device=, the transfer thread reads the epoch
                 and epoch is not None
                 and epoch._progress is progress
                 and hasattr(epoch, "progress_after_in_flight")
@@ -587,7 +592,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                 progress = epoch.progress_after_in_flight()
             return build_state(self, progress, complete=True)
         complete = progress is not None and epoch_complete(self, progress)
-        if complete and self.device is None:  # with device=, the transfer thread drains it
+        if complete and self._options.device is None:  # with device=, the transfer thread drains it
             epoch = self._host_epoch() if self._host_epoch is not None else None
             if epoch is not None and epoch._progress is progress:
                 # Counted complete: let the sampler's iterator end now, as the next next() would
@@ -756,31 +761,33 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
         ValueError: naming the option and what it needs.
         TypeError: ``helpers`` is not an int.
     """
-    if loader.num_workers == 0 and loader.isolation == "process":
+    options = loader._options
+    helpers = options.helpers
+    if loader.num_workers == 0 and options.isolation == "process":
         raise ValueError(
             "isolation='process' runs the worker threads in a helper process, so it needs "
             "num_workers > 0 (with num_workers=0 every batch is made in the training thread); "
             "set num_workers > 0, or isolation='auto'"
         )
-    if loader.helpers is not None:
-        if isinstance(loader.helpers, bool) or not isinstance(loader.helpers, int):
-            raise TypeError(f"helpers must be an int, got {type(loader.helpers).__name__}")
-        if loader.isolation not in ("process", "auto"):
+    if helpers is not None:
+        if isinstance(helpers, bool) or not isinstance(helpers, int):
+            raise TypeError(f"helpers must be an int, got {type(helpers).__name__}")
+        if options.isolation not in ("process", "auto"):
             raise ValueError(
-                f"helpers={loader.helpers} sets how many helper processes run the worker "
+                f"helpers={helpers} sets how many helper processes run the worker "
                 f"threads, so it needs isolation='process' or 'auto' (with "
-                f"isolation={loader.isolation!r} the threads always run in this process)"
+                f"isolation={options.isolation!r} the threads always run in this process)"
             )
-        if not 1 <= loader.helpers <= loader.num_workers:
+        if not 1 <= helpers <= loader.num_workers:
             raise ValueError(
                 f"helpers must be between 1 and num_workers={loader.num_workers} (each helper "
-                f"runs at least one worker), got {loader.helpers}"
+                f"runs at least one worker), got {helpers}"
             )
-    if loader.num_workers == 0 and loader.save_worker_rng:
+    if loader.num_workers == 0 and options.save_worker_rng:
         raise ValueError(
             "save_worker_rng=True saves each worker's own generators, so it needs "
             "num_workers > 0 (with num_workers=0 batches draw from the training thread's "
             "global RNGs, which are the training script's to save); set num_workers > 0, or "
             "save_worker_rng=False"
         )
-    refuse_prefetch_without_device(loader.device, loader.device_prefetch)
+    refuse_prefetch_without_device(options.device, options.device_prefetch)

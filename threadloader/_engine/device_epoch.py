@@ -30,6 +30,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
+from threadloader._engine.options import options_of
 from threadloader._engine.state import Progress
 from threadloader._primitives.finalizers import Finalizer
 from threadloader.device.handoff import failure
@@ -45,12 +46,14 @@ BUFFERS_PER_BATCH = 4
 
 def device_prefetch(loader: Any) -> int:
     """Batches kept on the device ahead of the loop: ``DEVICE_PREFETCH`` unless the loader says."""
-    return DEVICE_PREFETCH if loader.device_prefetch is None else int(loader.device_prefetch)
+    given = options_of(loader).device_prefetch
+    return DEVICE_PREFETCH if given is None else int(given)
 
 
 def staging_pool(loader: Any) -> BufferPool | None:
     """The pinned staging pool for ``loader.device``; None when the device is not CUDA."""
-    if loader.device is None or device_from_arg(loader.device).type != "cuda":
+    device = options_of(loader).device
+    if device is None or device_from_arg(device).type != "cuda":
         return None
     in_flight = (loader.prefetch_factor or 1) * max(loader.num_workers, 1) + device_prefetch(loader)
     return BufferPool(max_buffers=BUFFERS_PER_BATCH * (in_flight + 2))
@@ -182,7 +185,7 @@ class DeviceEpochIterator:
         self._received = 0  # of the host epoch's batches (and errors), by the loop
         self._prefetcher: DevicePrefetcher[Any] = DevicePrefetcher(
             self._host,
-            loader.device,
+            options_of(loader).device,
             device_prefetch(loader),
             pool=getattr(loader, "_staging", None),
             on_close=None if persistent else epoch.close,

@@ -44,6 +44,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 from threadloader._engine import dataset_state
 from threadloader._engine.datapipes import graph_walks, sharding_init_fn
 from threadloader._engine.device_epoch import device_prefetch
+from threadloader._engine.options import options_of
 from threadloader._engine.profiled_next import ProfiledNext
 from threadloader._engine.state import (
     Progress,
@@ -95,7 +96,7 @@ def _rng_history(loader: Any, factor: int) -> int:
         loader: the loader (its ``device``, ``device_prefetch``).
         factor: its checked ``prefetch_factor`` (``prefetch_factor``).
     """
-    held = device_prefetch(loader) if loader.device is not None else 0
+    held = device_prefetch(loader) if options_of(loader).device is not None else 0
     return factor + held + 2
 
 
@@ -229,7 +230,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             if resume is not None
             else frozenset(),
             tail_items=loader.batch_size if self._drop_last and loader.batch_size else 1,
-            capture_rng=bool(loader.save_worker_rng),
+            capture_rng=options_of(loader).save_worker_rng,
             # A live change rewinds the stream (``redispatch``) to the loop's position; each
             # worker may have begun up to prefetch_factor dropped batches after its last one
             # delivered, and with device= the transfer stage holds more the loop never got.

@@ -12,6 +12,7 @@ from threadloader._engine import dataset_state
 from threadloader._engine.datapipes import graph_walks, shard_here
 from threadloader._engine.device_epoch import host_collate
 from threadloader._engine.fetch import Fetcher
+from threadloader._engine.options import options_of
 from threadloader._engine.profiled_next import ProfiledNext
 from threadloader._engine.state import (
     Progress,
@@ -62,7 +63,7 @@ class InlineDataLoaderIter(ProfiledNext, ProgressMixin, _SingleProcessDataLoader
         if self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         shard_here(self._dataset, self._world_size, self._rank)  # as torch's, before any iter()
-        self._stats = EpochStats(0, loader.log_every_s)
+        self._stats = EpochStats(0, options_of(loader).log_every_s)
         self._workers: list[Any] = []  # as for torch's worker list: no worker runs
         self._dataset_fetcher = _RecordingFetcher(
             Fetcher(

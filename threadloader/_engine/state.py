@@ -94,6 +94,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, _DatasetKind
 from torch.utils.data.dataloader import _get_distributed_settings
 
 from threadloader._engine import dataset_state
+from threadloader._engine.options import options_of
 from threadloader._engine.state_codec import encode_rng
 from threadloader._engine.worker_rng import as_plain
 
@@ -905,7 +906,7 @@ def _sampler_rng_state(loader: Any, progress: Progress | None) -> str | None:
 
 def _rng_states(loader: Any, progress: Progress | None) -> list[Any] | None:
     """Point 6: the saved generator states, when the loader saves them and has any yet."""
-    if not loader.save_worker_rng or progress is None:
+    if not options_of(loader).save_worker_rng or progress is None:
         return None
     return _plain_states(progress.rng_states)
 
@@ -914,7 +915,7 @@ def _rng_states_at_start(
     loader: Any, progress: Progress | None, kind: str, worker_states: list[Any] | None
 ) -> list[Any] | None:
     """Point 10: the generators the epoch began with, for a resume that replays its batches."""
-    if not loader.save_worker_rng or progress is None:
+    if not options_of(loader).save_worker_rng or progress is None:
         return None
     if kind != "iterable" or worker_states is not None:
         return None

@@ -43,6 +43,7 @@ import pickle
 import types
 from typing import Any
 
+from threadloader._engine.options import options_of
 from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
@@ -113,7 +114,7 @@ def epoch_signal(stats: LoaderStats, epoch: str = "the last epoch's") -> str | N
 def helper_count(loader: Any) -> int:
     """How many helper processes a move starts: ``helpers``, else one per worker up to the
     usable CPUs (point 2)."""
-    return int(loader.helpers or min(loader.num_workers, usable_cpus()))
+    return int(options_of(loader).helpers or min(loader.num_workers, usable_cpus()))
 
 
 def too_few_to_help(loader: Any) -> bool:

@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from threadloader._engine.options import options_of
 from threadloader._engine.stats import LoaderStats
 from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader.isolation import zygote
@@ -77,7 +78,7 @@ def mover_for(
     """
     if (
         loader.persistent_workers
-        or getattr(loader, "device", None) is not None  # its transfer thread: no fork
+        or options_of(loader).device is not None  # its transfer thread: no fork
         or too_few_to_help(loader)
         or start_method(loader.multiprocessing_context) not in (None, "fork")
         or not epoch.makes_batches_itself

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data._utils.collate import default_collate
 
 from threadloader._engine.dispatch import DispatchingIter
+from threadloader._engine.options import options_of
 from threadloader._engine.state import Resume
 from threadloader._engine.tasks import Result, WorkerSpec
 from threadloader._engine.worker_handles import HelperHandle
@@ -320,9 +321,9 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self, loader: DataLoader[Any], resume: Resume | None = None, *, helpers: int | None = None
     ) -> None:
         super().__init__(loader, resume)
-        self._log_every_s = getattr(loader, "log_every_s", None)
+        self._log_every_s = options_of(loader).log_every_s
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
-        count = min(helpers or getattr(loader, "helpers", None) or 1, self._num_workers)
+        count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
         self._attach(Links(_start_links(ctx, self, worker_spec, count)))
         self._generation = 0

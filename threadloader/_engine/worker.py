@@ -25,7 +25,7 @@ from torch.utils.data._utils.worker import (
     _IterableDatasetStopIteration,
 )
 
-from threadloader._engine import dataset_state, worker_info
+from threadloader._engine import dataset_state, worker_info, worker_threads
 from threadloader._engine.datapipes import reseed
 from threadloader._engine.dataset_copy import worker_copy
 from threadloader._engine.fetch import Fetcher
@@ -80,6 +80,7 @@ class Worker:
         self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
         self.spec = spec
         worker_globals.install()
+        worker_threads.install()  # threads its items start are part of it
         rng, self.rngs = _make_rngs(base_seed, worker_id)
         # Made as this worker: a __setstate__ or __copy__ that draws must not move the
         # training thread's RNGs (a worker process unpickles its copy itself).

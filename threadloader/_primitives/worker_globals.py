@@ -116,12 +116,17 @@ class WorkerRNGs:
     @property
     def numpy_legacy(self) -> np.random.RandomState:
         """The worker's ``numpy.random`` global, seeded with ``numpy_seed`` when first used."""
-        # No lock: one thread at a time acts as a given worker (its tasks run under the
-        # worker's ``busy`` lock), and only a thread acting as the worker gets here.
         legacy = self._numpy_legacy
         if legacy is None:
-            legacy = self._numpy_legacy = np.random.RandomState(self._numpy_seed)
+            # Threads the worker started share it (``_engine.worker_threads``): made once.
+            with _numpy_lock:
+                legacy = self._numpy_legacy
+                if legacy is None:
+                    legacy = self._numpy_legacy = np.random.RandomState(self._numpy_seed)
         return legacy
+
+
+_numpy_lock = threading.Lock()  # makes a worker's numpy.random global once
 
 
 class _Local(threading.local):

@@ -848,6 +848,95 @@ def test_replayed_sampler_refuses_another_world_size(monkeypatch) -> None:
         ThreadDataLoader(Ids(40), batch_size=4, shuffle=True).load_state_dict(state)
 
 
+def _mid_epoch_state(loader: ThreadDataLoader[Any], batches: int = 2) -> dict[str, Any]:
+    it = iter(loader)
+    for _ in range(batches):
+        next(it)
+    state = loader.state_dict()
+    del it
+    return state
+
+
+def test_a_torch_distributed_sampler_refuses_another_num_replicas() -> None:
+    """A data-parallel group smaller than the world: the sampler's num_replicas, given apart
+    from torch.distributed, is what the state's position counts in (2 -> 4 lost 8 of 20)."""
+
+    def make(replicas: int) -> ThreadDataLoader[Any]:
+        sampler = DistributedSampler(Ids(20), num_replicas=replicas, rank=0, seed=1)
+        return ThreadDataLoader(Ids(20), batch_size=2, sampler=sampler)
+
+    state = _mid_epoch_state(make(2))
+    with pytest.raises(ValueError, match="its sampler sharing the epoch over 2; this run has 1"):
+        make(4).load_state_dict(state)
+    same = make(2)
+    same.load_state_dict(state)
+    assert [x for b in same for x in b.tolist()] == list(
+        DistributedSampler(Ids(20), num_replicas=2, rank=0, seed=1)
+    )[4:]
+
+
+def test_a_shuffle_sampler_inside_a_batch_sampler_refuses_another_num_replicas() -> None:
+    """Only a sampler passed as sampler= resumes elastically: inside a user's BatchSampler it is
+    replayed, which is right on the same number of ranks only."""
+
+    def make(replicas: int) -> ThreadDataLoader[Any]:
+        sampler = DistributedShuffleSampler(20, num_replicas=replicas, rank=0, seed=0)
+        return ThreadDataLoader(Ids(20), batch_sampler=BatchSampler(sampler, 2, False))
+
+    state = _mid_epoch_state(make(2))
+    with pytest.raises(ValueError, match="one inside a batch_sampler too"):
+        make(4).load_state_dict(state)
+
+
+def test_a_replayed_iterable_refuses_another_batch_size_or_world_size() -> None:
+    def make(batch_size: int) -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(Shards(stateful=False), batch_size=batch_size, num_workers=2)
+
+    state = _mid_epoch_state(make(3), batches=3)
+    with pytest.raises(ValueError, match="batch_size=3, this loader has batch_size=4"):
+        make(4).load_state_dict(state)
+    with pytest.raises(ValueError, match="saved mid-epoch on 2 ranks, this run has 1"):
+        make(3).load_state_dict({**state, "world_size": 2})
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "batch_size"), [((1, True), (0, False), 2), ((0, False), (1, True), None)]
+)
+def test_an_iterable_state_between_epochs_with_and_without_workers_starts_the_dataset_afresh(
+    saved: tuple[int, bool], loaded: tuple[int, bool], batch_size: int | None
+) -> None:
+    """A worker copy's state at its epoch's end is not the dataset's own: 1 worker -> 0 read an
+    empty next epoch, 0 -> 1 persistent worker lost the next epoch's first item."""
+
+    def make(workers: int, persistent: bool) -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            StatefulShards(10),
+            batch_size=batch_size,
+            num_workers=workers,
+            persistent_workers=persistent,
+        )
+
+    saving = make(*saved)
+    list(saving)
+    state = saving.state_dict()
+    loader = make(*loaded)
+    with pytest.warns(UserWarning, match="saved between epochs with num_workers"):
+        loader.load_state_dict(state)
+    expected = [b for b in make(*loaded)]
+    assert [torch.as_tensor(b).tolist() for b in loader] == [
+        torch.as_tensor(b).tolist() for b in expected
+    ]
+
+
+def test_a_state_with_a_sampler_epoch_that_is_no_int_is_refused_at_load() -> None:
+    loader = ThreadDataLoader(Ids(20), batch_size=2, sampler=DistributedSampler(Ids(20), 1, 0))
+    state = _mid_epoch_state(loader)
+    with pytest.raises(ValueError, match=r"sampler_epoch must be an int, got 1\.5"):
+        ThreadDataLoader(
+            Ids(20), batch_size=2, sampler=DistributedSampler(Ids(20), 1, 0)
+        ).load_state_dict({**state, "sampler_epoch": 1.5})
+
+
 def test_state_is_plain_data() -> None:
     """The state holds only Python scalars, lists, dicts, None and tensors."""
 

@@ -297,6 +297,8 @@ def _state(**changes: object) -> dict[str, object]:
         (_state(cursor=11), "cursor 11"),
         (_state(cursor=-1), "cursor -1"),
         (_state(cursor="3"), "'cursor'.*int"),
+        (_state(cursor=True), "'cursor'.*int, got bool"),  # operator.index(True) is 1
+        (_state(epoch=False), "'epoch'.*int, got bool"),
         ({"version": 1, "length": 10}, "no 'cursor'"),
         ([1, 2], "dict"),
     ],

@@ -330,6 +330,23 @@ def sampler_rank(loader: Any, default: int) -> int:
     return default
 
 
+def sampler_ranks(loader: Any, default: int) -> int:
+    """The number of ranks the loader's sampler shares the epoch over: its ``num_replicas``
+    where it has one (given apart from torch.distributed: a data-parallel group smaller than
+    the world), as ``sampler_rank`` finds its rank, else ``default``."""
+    positional = positional_sampler(loader)
+    candidates = (
+        positional[0] if positional is not None else None,
+        loader.sampler,
+        getattr(loader.batch_sampler, "sampler", None),
+    )
+    for sampler in candidates:
+        ranks = getattr(sampler, "num_replicas", None)
+        if type(ranks) is int:
+            return ranks
+    return default
+
+
 def resumes_a_finished_epoch(loader: Any) -> bool:
     """Whether the loader's next ``iter()`` is the empty rest of a loaded finished epoch: its
     positional sampler's state ended that epoch, and ``set_epoch`` named it again."""
@@ -863,6 +880,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         "world_size": world_size,
         "rank": rank,
         "sampler_rank": sampler_rank(loader, rank),
+        "sampler_ranks": sampler_ranks(loader, world_size),
         "worker_states": worker_states,
         "worker_state_form": dataset_state.FORM,
         "next_worker": progress.next_worker if live else 0,  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ from threadloader._engine.state import (
     run_out,
     sampler_generator,
     sampler_rank,
+    sampler_ranks,
     snapshot_rng,
     type_name,
 )
@@ -120,6 +121,30 @@ def _check_same_batches(loader: Any, state: Mapping[str, Any], positional: bool)
         )
 
 
+def _check_same_replay(loader: Any, state: Mapping[str, Any], world_size: int) -> None:
+    """An IterableDataset without ``state_dict`` resumes by replaying each worker's delivered
+    batches: they are the same batches only with the same batch size and world size (a rank's
+    share of a stream, an ``IterDataPipe`` the loader shards by rank).
+
+    Raises:
+        ValueError: naming what differs.
+    """
+    saved_size = state.get("batch_size", loader.batch_size)
+    if saved_size != loader.batch_size:
+        raise ValueError(
+            f"loader state was saved mid-epoch with batch_size={saved_size}, this loader has "
+            f"batch_size={loader.batch_size}: an IterableDataset without state_dict resumes by "
+            "replaying the batches each worker had delivered, which are batches of the other size"
+        )
+    if state["world_size"] != world_size:
+        raise ValueError(
+            f"loader state was saved mid-epoch on {state['world_size']} ranks, this run has "
+            f"{world_size}: an IterableDataset without state_dict resumes by replaying the "
+            "batches each worker had delivered from its rank's share, which another world size "
+            "divides differently"
+        )
+
+
 def _sampler_ranks(sampler_state: Any) -> int | None:
     """The number of ranks a positional sampler's saved state shares its epoch over, if any."""
     ranks = sampler_state.get("num_replicas") if isinstance(sampler_state, Mapping) else None
@@ -155,6 +180,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     for key in ("epoch", "batches_yielded", "num_workers", "next_worker"):
         _check_int(state, key)
     _check_int(state, "base_seed", minimum=None)
+    if state["sampler_epoch"] is not None:
+        _check_int(state, "sampler_epoch", minimum=None)
     _check_worker_fields(state)
     if type(state["in_progress"]) is not bool:
         raise ValueError(f"loader state in_progress must be a bool, got {state['in_progress']!r}")
@@ -271,11 +298,17 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             f"rank {rank} got to. Load each rank's own state, or save from a loader with "
             "in_order=True to resume from any rank's"
         )
-    if replay_indices and state["world_size"] != world_size:
+    # A sampler's own num_replicas where it has one (a data-parallel group smaller than the
+    # world): states without the key were saved with torch.distributed's.
+    saved_ranks = state.get("sampler_ranks", state["world_size"])
+    ranks = sampler_ranks(loader, world_size)
+    if replay_indices and (saved_ranks != ranks or state["world_size"] != world_size):
         raise ValueError(
-            f"loader state was saved on {state['world_size']} ranks, this run has {world_size}: "
-            "only threadloader.samplers resume on another world size; a replayed sampler would "
-            "resume at the wrong place"
+            f"loader state was saved on {state['world_size']} ranks, its sampler sharing the "
+            f"epoch over {saved_ranks}; this run has {world_size}, its sampler sharing it over "
+            f"{ranks}: only threadloader.samplers passed as sampler= resume on another world "
+            "size; a replayed sampler (one inside a batch_sampler too) would resume at the "
+            "wrong place"
         )
     if positional is not None and state["sampler"] is None:
         raise ValueError("loader state has no sampler state, but this loader's sampler needs one")
@@ -286,6 +319,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     stateful_iterable = kind == "iterable" and worker_states is not None
     replay_data = kind == "iterable" and not stateful_iterable and batches > 0
     expected = max(loader.num_workers, 1)
+    if replay_data and state["in_progress"]:
+        _check_same_replay(loader, state, world_size)
     if replay_data and state["in_progress"] and max(state["num_workers"], 1) != expected:
         raise ValueError(
             f"loader state was saved with num_workers={state['num_workers']}, this loader has "
@@ -294,6 +329,18 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             "the batches each worker had delivered, and its workers shard it by their number, "
             "so it resumes on the same number of workers"
         )
+    in_workers = (state["num_workers"] > 0, loader.num_workers > 0)
+    if stateful_iterable and not state["in_progress"] and in_workers[0] != in_workers[1]:
+        # A worker's copy ends its epoch where its last batch left it, the training process's
+        # dataset rewinds as its iterator ends: the one state means something else in each.
+        warnings.warn(
+            f"loader state was saved between epochs with num_workers={state['num_workers']}, "
+            f"this loader has num_workers={loader.num_workers}: the IterableDataset's state at "
+            "an epoch's end is a worker copy's in one and the dataset's own in the other, so "
+            "the dataset starts from its own state",
+            stacklevel=3,
+        )
+        worker_states = None
     if worker_states is not None and len(worker_states) != expected:
         if stateful_iterable and state["in_progress"]:
             raise ValueError(

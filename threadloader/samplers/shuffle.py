@@ -130,6 +130,8 @@ def _as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:
 def _state_int(state: Mapping[str, Any], key: str, owner: str) -> int:
     if key not in state:
         raise ValueError(f"{owner} state has no {key!r} entry: got keys {sorted(state)}")
+    if isinstance(state[key], bool):  # operator.index(True) is 1: a corrupted state
+        raise ValueError(f"{owner} state[{key!r}] must be an int, got bool")  # noqa: TRY004
     try:
         return operator.index(state[key])
     except TypeError:

@@ -123,6 +123,16 @@ class HelperSpec:
     adopted: dict[int, Worker] | None = None
 
 
+#: Added to the error of a dataset, collate_fn or worker_init_fn that cannot be pickled.
+UNPICKLABLE_NOTE = (
+    "threadloader: helper processes that are not forked from the training process (another "
+    "Python thread ran at iter(), or multiprocessing_context names forkserver or spawn) "
+    "receive the dataset, collate_fn and worker_init_fn pickled: make them picklable, build "
+    "the loader while the script runs one Python thread (helpers are then forked), or pass "
+    'isolation="threads"'
+)
+
+
 class PickledOnce:
     """Carries an object into the helper as bytes, unpickled by the helper's own code.
 
@@ -137,7 +147,14 @@ class PickledOnce:
         self._data: bytes | None = None
 
     def __getstate__(self) -> bytes:
-        return bytes(ForkingPickler.dumps(self.obj, pickle.HIGHEST_PROTOCOL))
+        try:
+            return bytes(ForkingPickler.dumps(self.obj, pickle.HIGHEST_PROTOCOL))
+        except Exception as exc:
+            # The error keeps pickle's type; the note says why pickling was needed at all
+            # (torch's fork-started workers need none).
+            if hasattr(exc, "add_note"):
+                exc.add_note(UNPICKLABLE_NOTE)
+            raise
 
     def __setstate__(self, state: bytes) -> None:
         self.obj = None

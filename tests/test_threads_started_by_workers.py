@@ -110,3 +110,24 @@ def test_the_librarys_own_threads_never_join_a_worker() -> None:
         True,
         True,
     ]
+
+
+class SharedPoolItems(Dataset[Any]):
+    """A pool made in ``__init__``: every worker's shallow copy shares it here, where each
+    worker process forks a pool of its own (threads not started yet)."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(2)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Any:
+        return i, self.pool.submit(_in_a_thread).result()
+
+
+def test_work_a_worker_submits_to_a_shared_pool_runs_as_that_worker() -> None:
+    ours, our_after = _run(ThreadDataLoader, SharedPoolItems())
+    theirs, their_after = _run(DataLoader, SharedPoolItems())
+    assert_batches_equal(ours, theirs)
+    assert our_after == their_after

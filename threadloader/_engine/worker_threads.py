@@ -17,7 +17,11 @@ gets the same here. Where the code disagrees with these rules, the code is wrong
 3. A thread that outlives its worker's epoch (a pool the dataset keeps) keeps that worker, as a
    pool in a worker process lives as long as the process; its draws then come from generators
    nothing else draws from, never from the training process's.
-4. The patch stays once made: removing it while another loader's workers start threads would
+4. Work a worker submits to a ``concurrent.futures.ThreadPoolExecutor`` runs as that worker,
+   whichever pool thread takes it: a pool the dataset made in ``__init__`` is shared by every
+   worker's shallow copy here, where each worker process has a pool of its own. The library's
+   own pools (``thread_name_prefix`` ``threadloader-...``) are left out.
+5. The patches stay once made: removing them while another loader's workers start threads would
    race. ``_thread.start_new_thread`` is not covered.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from threadloader._engine import worker_info
@@ -38,16 +43,32 @@ LIBRARY_PREFIX = "threadloader-"
 
 _install_lock = threading.Lock()
 _original_start: Callable[[threading.Thread], None] | None = None
+_original_submit: Callable[..., Future[Any]] | None = None
 
 
 def install() -> None:
-    """Make threads started by a worker part of it (point 1). Idempotent and thread-safe."""
-    global _original_start
+    """Make threads started by a worker, and work it submits to a thread pool, part of it
+    (points 1 and 4). Idempotent and thread-safe."""
+    global _original_start, _original_submit
     with _install_lock:
         if _original_start is not None:
             return
+        _original_submit = ThreadPoolExecutor.submit
+        ThreadPoolExecutor.submit = _submit  # type: ignore[method-assign, assignment]
         _original_start = threading.Thread.start
         threading.Thread.start = _start  # type: ignore[method-assign]
+
+
+def _submit(
+    self: ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> Future[Any]:
+    info, rngs = worker_info.current(), worker_globals.current()
+    own = getattr(self, "_thread_name_prefix", "").startswith(LIBRARY_PREFIX)
+    if (info is not None or rngs is not None) and not own:
+        call = functools.partial(fn, *args, **kwargs)
+        fn, args, kwargs = functools.partial(_run_as_worker, call, info, rngs), (), {}
+    assert _original_submit is not None
+    return _original_submit(self, fn, *args, **kwargs)
 
 
 def _start(self: threading.Thread) -> None:
@@ -60,11 +81,11 @@ def _start(self: threading.Thread) -> None:
     _original_start(self)
 
 
-def _run_as_worker(run: Callable[[], Any], info: Any, rngs: Any) -> None:
+def _run_as_worker(run: Callable[[], Any], info: Any, rngs: Any) -> Any:
     outer_info = worker_info.swap(info)
     outer_rngs = worker_globals.swap(rngs)
     try:
-        run()
+        return run()
     finally:
         worker_globals.swap(outer_rngs)
         worker_info.swap(outer_info)

@@ -312,11 +312,10 @@ def positional_sampler(loader: Any) -> tuple[Any, int] | None:
     return None
 
 
-def sampler_rank(loader: Any, default: int) -> int:
-    """The rank whose share of the epoch the loader reads: its sampler's ``rank`` where it has
-    one (it may be given apart from torch.distributed), also the sampler inside a batch sampler
-    of the user's, else ``default``. A batch sampler's own ``rank`` may mean anything (a length
-    bucket): it is not read."""
+def _sampler_int(loader: Any, name: str) -> int | None:
+    """The int attribute ``name`` of the sampler the loader reads its share through: its
+    positional sampler, its sampler, or the sampler inside a batch sampler of the user's (a
+    batch sampler's own attributes may mean anything, a length bucket: they are not read)."""
     positional = positional_sampler(loader)
     candidates = (
         positional[0] if positional is not None else None,
@@ -324,27 +323,24 @@ def sampler_rank(loader: Any, default: int) -> int:
         getattr(loader.batch_sampler, "sampler", None),
     )
     for sampler in candidates:
-        rank = getattr(sampler, "rank", None)
-        if type(rank) is int:
-            return rank
-    return default
+        value = getattr(sampler, name, None)
+        if type(value) is int:
+            return value
+    return None
+
+
+def sampler_rank(loader: Any, default: int) -> int:
+    """The rank whose share of the epoch the loader reads: its sampler's ``rank`` where it has
+    one (it may be given apart from torch.distributed), else ``default``."""
+    rank = _sampler_int(loader, "rank")
+    return default if rank is None else rank
 
 
 def sampler_ranks(loader: Any, default: int) -> int:
     """The number of ranks the loader's sampler shares the epoch over: its ``num_replicas``
-    where it has one (given apart from torch.distributed: a data-parallel group smaller than
-    the world), as ``sampler_rank`` finds its rank, else ``default``."""
-    positional = positional_sampler(loader)
-    candidates = (
-        positional[0] if positional is not None else None,
-        loader.sampler,
-        getattr(loader.batch_sampler, "sampler", None),
-    )
-    for sampler in candidates:
-        ranks = getattr(sampler, "num_replicas", None)
-        if type(ranks) is int:
-            return ranks
-    return default
+    where it has one (a data-parallel group smaller than the world), else ``default``."""
+    ranks = _sampler_int(loader, "num_replicas")
+    return default if ranks is None else ranks
 
 
 def resumes_a_finished_epoch(loader: Any) -> bool:

@@ -59,6 +59,21 @@ def test_prepare_returns_a_loader_on_worker_threads() -> None:
     assert type(plain.base_dataloader) is DataLoader  # other loaders are Accelerate's as ever
 
 
+def test_prepare_carries_our_options_not_a_subclass_attribute_of_the_same_name() -> None:
+    """A subclass's own ``device`` (it moves batches itself) is not the ``device=`` option:
+    the rebuilt loader must not turn the transfer stage on for it."""
+
+    class Moving(ThreadDataLoader[Any]):
+        def __init__(self, dataset: Any, **kwargs: Any) -> None:
+            super().__init__(dataset, **kwargs)
+            self.device = torch.device("meta")
+
+    prepared: Any = Accelerator(cpu=True).prepare(Moving(Ids(), batch_size=4, num_workers=2))
+    base = prepared.base_dataloader
+    assert base._options.device is None and base._options.log_every_s is None
+    assert all(b.device.type == "cpu" for b in prepared)
+
+
 def test_save_state_load_state_resume_mid_epoch(tmp_path: Path) -> None:
     """save_state after 3 batches; a new loader after load_state gives the rest of the epoch and
     the next epoch exactly as the uninterrupted run."""

@@ -7,8 +7,11 @@ never from the training process's. Every expected value comes from torch's DataL
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,3 +134,40 @@ def test_work_a_worker_submits_to_a_shared_pool_runs_as_that_worker() -> None:
     theirs, their_after = _run(DataLoader, SharedPoolItems())
     assert_batches_equal(ours, theirs)
     assert our_after == their_after
+
+
+class LazyPoolItems(Dataset[int]):
+    """Each worker's copy makes a pool on first use (as fork-safe datasets do), noting itself."""
+
+    pool: ThreadPoolExecutor | None = None
+
+    def __init__(self, copies: list[Any]) -> None:
+        self.copies = copies
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(2)
+            self.copies.append(weakref.ref(self))
+        return sum(self.pool.map(abs, range(i, i + 4)))
+
+
+def test_threads_a_worker_started_keep_neither_its_dataset_copy_nor_its_pool_alive() -> None:
+    """A pool's threads hold their pool weakly: if they held the worker's info, which holds
+    its dataset copy, which holds the pool, every epoch would leak a copy and its threads."""
+    copies: list[Any] = []
+    before = threading.active_count()
+    loader = ThreadDataLoader(LazyPoolItems(copies), batch_size=4, num_workers=2)
+    for _ in range(3):
+        list(loader)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gc.collect()
+        if not any(ref() is not None for ref in copies) and threading.active_count() <= before:
+            break
+        time.sleep(0.05)
+    assert len(copies) == 6  # two workers' copies in each of three epochs
+    assert [ref() for ref in copies] == [None] * 6
+    assert threading.active_count() <= before

@@ -20,7 +20,6 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data import _DatasetKind
 from torch.utils.data._utils.worker import (
-    WorkerInfo,
     _generate_state,
     _IterableDatasetStopIteration,
 )
@@ -38,7 +37,7 @@ from threadloader._primitives.worker_globals import RNG, WorkerRNGs
 
 #: What ``current_context`` reads and ``leave`` puts back: the WorkerInfo, the global RNGs and
 #: the intra-op thread count of the calling thread.
-Context = tuple[WorkerInfo | None, WorkerRNGs | None, int]
+Context = tuple[Any, WorkerRNGs | None, int]  # the first: what worker_info.swap returned
 
 
 def _make_rngs(base_seed: int, worker_id: int) -> tuple[Any, WorkerRNGs]:
@@ -89,7 +88,7 @@ class Worker:
             dataset = worker_copy(spec.dataset)
         finally:
             worker_globals.swap(outer)
-        self.info = WorkerInfo(
+        self.info = worker_info.WorkerInfo(
             id=worker_id,
             num_workers=spec.num_workers,
             seed=base_seed + worker_id,

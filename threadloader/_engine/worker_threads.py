@@ -74,9 +74,12 @@ def _submit(
 def _start(self: threading.Thread) -> None:
     info, rngs = worker_info.current(), worker_globals.current()
     if (info is not None or rngs is not None) and not self.name.startswith(LIBRARY_PREFIX):
+        # The thread may outlive the epoch (point 3): it keeps the worker's info weakly, or
+        # it would keep the worker's dataset copy (and a pool the copy made) alive.
         # An attribute of this thread object shadows its class's run(): the thread's own
         # Thread.run or a subclass's override, bound now, runs inside the worker's context.
-        self.run = functools.partial(_run_as_worker, self.run, info, rngs)  # type: ignore[method-assign]
+        weak = worker_info.weakly(info)
+        self.run = functools.partial(_run_as_worker, self.run, weak, rngs)  # type: ignore[method-assign]
     assert _original_start is not None
     _original_start(self)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from torch.utils.data import dataloader as _torch_dataloader
 
+from threadloader._engine.options import options_of
 from threadloader.isolation.parent import check_isolation
 from threadloader.loader import ThreadDataLoader
 
@@ -186,7 +187,8 @@ def building_like(loader: ThreadDataLoader[Any]) -> Iterator[None]:
     rebuilt loader keeps the worker threads and every option of the one it was given.
     """
     install_hook()
-    options = {name: getattr(loader, name) for name in OPTION_NAMES}
+    given = options_of(loader)  # a subclass's own attributes of these names are not options
+    options = {name: getattr(given, name) for name in OPTION_NAMES}
     options = {k: v for k, v in options.items() if v is not None and v is not False}
     templates = getattr(_local, "templates", None)
     if templates is None:

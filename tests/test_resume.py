@@ -843,8 +843,8 @@ def test_replayed_sampler_refuses_another_world_size(monkeypatch) -> None:
     loader = ThreadDataLoader(Ids(40), batch_size=4, shuffle=True)
     it = iter(loader)
     next(it)
-    state = {**loader.state_dict(), "world_size": 8}
-    with pytest.raises(ValueError, match="saved on 8 ranks"):
+    state = {**loader.state_dict(), "world_size": 8, "sampler_ranks": 8}
+    with pytest.raises(ValueError, match="over 8 ranks, this loader's shares it over 1 ranks"):
         ThreadDataLoader(Ids(40), batch_size=4, shuffle=True).load_state_dict(state)
 
 
@@ -866,13 +866,16 @@ def test_a_torch_distributed_sampler_refuses_another_num_replicas() -> None:
         return ThreadDataLoader(Ids(20), batch_size=2, sampler=sampler)
 
     state = _mid_epoch_state(make(2))
-    with pytest.raises(ValueError, match="its sampler sharing the epoch over 2; this run has 1"):
+    with pytest.raises(ValueError, match="over 2 ranks, this loader's shares it over 4 ranks"):
         make(4).load_state_dict(state)
+    rest = list(DistributedSampler(Ids(20), num_replicas=2, rank=0, seed=1))[4:]
     same = make(2)
     same.load_state_dict(state)
-    assert [x for b in same for x in b.tolist()] == list(
-        DistributedSampler(Ids(20), num_replicas=2, rank=0, seed=1)
-    )[4:]
+    assert [x for b in same for x in b.tolist()] == rest
+    # A state saved before sampler_ranks existed, on the same sampler: it resumes as before.
+    old = make(2)
+    old.load_state_dict({k: v for k, v in state.items() if k != "sampler_ranks"})
+    assert [x for b in old for x in b.tolist()] == rest
 
 
 def test_a_shuffle_sampler_inside_a_batch_sampler_refuses_another_num_replicas() -> None:

@@ -300,15 +300,18 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         )
     # A sampler's own num_replicas where it has one (a data-parallel group smaller than the
     # world): states without the key were saved with torch.distributed's.
-    saved_ranks = state.get("sampler_ranks", state["world_size"])
-    ranks = sampler_ranks(loader, world_size)
-    if replay_indices and (saved_ranks != ranks or state["world_size"] != world_size):
+    # A state saved before sampler_ranks existed holds torch.distributed's world size only.
+    saved_ranks = state.get("sampler_ranks")
+    if saved_ranks is not None:
+        ranks = sampler_ranks(loader, world_size)
+    else:
+        saved_ranks, ranks = state["world_size"], world_size
+    if replay_indices and saved_ranks != ranks:
         raise ValueError(
-            f"loader state was saved on {state['world_size']} ranks, its sampler sharing the "
-            f"epoch over {saved_ranks}; this run has {world_size}, its sampler sharing it over "
-            f"{ranks}: only threadloader.samplers passed as sampler= resume on another world "
-            "size; a replayed sampler (one inside a batch_sampler too) would resume at the "
-            "wrong place"
+            f"loader state was saved with its sampler sharing the epoch over {saved_ranks} "
+            f"ranks, this loader's shares it over {ranks} ranks: only threadloader.samplers passed as "
+            "sampler= resume on another world size; a replayed sampler (one inside a "
+            "batch_sampler too) would resume at the wrong place"
         )
     if positional is not None and state["sampler"] is None:
         raise ValueError("loader state has no sampler state, but this loader's sampler needs one")

@@ -165,6 +165,13 @@ def _main_module(
         ("def main():\n    pass\nmain()\n", True),
         ("if __name__ == '__main__':\n    print('train')\n", False),
         ("if '__main__' == __name__:\n    print('train')\n", False),
+        ("import sys\nif __name__ == '__main__' and sys.argv:\n    print('train')\n", False),
+        ("if __name__ in ('__main__',):\n    print('train')\n", False),
+        (
+            "try:\n    if __name__ == '__main__':\n        print('train')\nfinally:\n    pass\n",
+            False,
+        ),
+        ("class C:\n    if __name__ == '__main__':\n        pass\nprint('train')\n", True),
         ("def f():\n    if __name__ == '__main__':\n        pass\nf()\n", True),  # not top level
         ("if __name__ != '__main__':\n    pass\nprint('train')\n", True),
         ("def broken(:\n", False),  # multiprocessing fails on it itself, and says so

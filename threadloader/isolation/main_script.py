@@ -68,23 +68,43 @@ def main_reimported() -> str | None:
 
 @functools.cache
 def _has_main_guard(path: str) -> bool:
-    """Whether the file at ``path`` has a top-level ``if __name__ == "__main__":``; True where it
-    cannot be read or parsed (then ``multiprocessing`` cannot run it either, and says so)."""
+    """Whether the file at ``path`` has an ``if`` testing ``__name__`` against ``"__main__"``
+    outside any function or class (also inside a top-level ``try``/``with``, or as one part of
+    an ``and``); True where it cannot be read or parsed (then ``multiprocessing`` cannot run it
+    either, and says so)."""
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return True
-    return any(isinstance(node, ast.If) and _tests_main(node.test) for node in tree.body)
+    return any(_guards(node) for node in tree.body)
 
 
-def _tests_main(test: ast.expr) -> bool:
-    """``__name__ == "__main__"``, either way round."""
-    if not (
-        isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)
-    ):
+def _guards(node: ast.stmt) -> bool:
+    """``node``, or a statement nested in it outside functions and classes, is a guard."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return False
-    sides = [test.left, test.comparators[0]]
-    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
-    constants = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
-    return len(names) == 1 and len(constants) == 1
+    if isinstance(node, ast.If) and any(_tests_main(part) for part in ast.walk(node.test)):
+        return True
+    return any(
+        _guards(child) for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)
+    )
+
+
+def _tests_main(test: ast.AST) -> bool:
+    """``__name__ == "__main__"`` either way round, or ``__name__ in ("__main__", ...)``."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    left, right = test.left, test.comparators[0]
+    if isinstance(test.ops[0], ast.Eq):
+        sides = [left, right]
+        names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+        constants = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+        return len(names) == 1 and len(constants) == 1
+    if isinstance(test.ops[0], ast.In) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+        return (
+            isinstance(left, ast.Name)
+            and left.id == "__name__"
+            and any(isinstance(e, ast.Constant) and e.value == "__main__" for e in right.elts)
+        )
+    return False

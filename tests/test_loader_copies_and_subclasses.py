@@ -103,6 +103,11 @@ class _Counting:
         self.seen += 1
         return batch
 
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        """What torch's __iter__ calls on a persistent loader's kept iterator."""
+        self.inner._reset(loader, first_iter)  # type: ignore[attr-defined]
+        self.seen = 0
+
 
 def _wrapping(base: type) -> type:
     class Wrapping(base):  # type: ignore[misc, valid-type]
@@ -133,20 +138,34 @@ def test_a_subclass_whose_get_iterator_wraps_or_replaces_ours_gets_torchs_batche
     assert_epochs_equal(_epochs(ours, 2)[1], _epochs(theirs, 2)[1])
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_wrapped_iterator_still_saves_and_resumes_the_epoch(workers: int) -> None:
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_wrapped_iterator_still_saves_and_resumes_the_epoch(
+    workers: int, persistent: bool
+) -> None:
+    """Also in a persistent loader's second epoch, where _get_iterator() is not called again."""
     cls = _wrapping(ThreadDataLoader)
-    whole = [b[0] for b in _loader(cls, workers)]  # indices: the draws need save_worker_rng
-    loader = _loader(cls, workers)
+    kwargs: dict[str, Any] = {"persistent_workers": True} if persistent else {}
+    whole_loader = _loader(cls, workers, **kwargs)
+    list(whole_loader)
+    whole = [b[0] for b in whole_loader]  # indices: the draws need save_worker_rng
+    loader = _loader(cls, workers, **kwargs)
+    list(loader)
     it = iter(loader)
     head = [next(it)[0], next(it)[0]]
     assert it.seen == 2
     state = loader.state_dict()
-    assert state["batches_yielded"] == 2
+    assert state["batches_yielded"] == 2 and state["epoch"] == 2
+    assert loader.stats().batches == 2
     del it
-    resumed = _loader(cls, workers)
+    resumed = _loader(cls, workers, **kwargs)
     resumed.load_state_dict(state)
     assert_epochs_equal(head + [b[0] for b in resumed], whole)
+
+
+def test_device_with_a_subclass_iterator_of_its_own_says_it_cannot_move_its_batches() -> None:
+    loader = _wrapping(ThreadDataLoader)(Draws(), batch_size=4, num_workers=2, device="cpu")
+    with pytest.raises(RuntimeError, match="device= moves the batches of the loader's own"):
+        iter(loader)
 
 
 @pytest.mark.parametrize("persistent", [False, True])

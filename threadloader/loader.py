@@ -328,9 +328,20 @@ class ThreadDataLoader(DataLoader[T_co]):
         it: Any = super().__iter__()
         if not hasattr(it, "_progress"):
             # A subclass's _get_iterator() wrapped ours, or returned an iterator of its own
-            # (torch's DataLoader returns whatever it gives): state and stats follow ours if any.
+            # (torch's DataLoader returns whatever it gives): state and stats follow ours if any
+            # (with persistent workers, the one made for the first epoch and reset since).
             made = self._made() if self._made is not None else None
+            if made is None and self._iterator is it and self._host_epoch is not None:
+                made = self._host_epoch()
             self._made = None
+            if self._options.device is not None:
+                if made is not None:
+                    made.close()
+                raise RuntimeError(
+                    f"device= moves the batches of the loader's own iterator, and this "
+                    f"loader's _get_iterator() returned a {type(it).__name__}: move the batches "
+                    "in the subclass instead, or leave _get_iterator() to the loader"
+                )
             self._host_epoch = None if made is None else weakref.ref(made)
             self._progress = getattr(made, "_progress", None)
             self._stats = getattr(made, "_stats", None)

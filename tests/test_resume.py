@@ -934,7 +934,7 @@ def test_an_iterable_state_between_epochs_with_and_without_workers_starts_the_da
 def test_a_state_with_a_sampler_epoch_that_is_no_int_is_refused_at_load() -> None:
     loader = ThreadDataLoader(Ids(20), batch_size=2, sampler=DistributedSampler(Ids(20), 1, 0))
     state = _mid_epoch_state(loader)
-    with pytest.raises(ValueError, match=r"sampler_epoch must be an int, got 1\.5"):
+    with pytest.raises(ValueError, match=r"sampler_epoch must be an int or None, got 1\.5"):
         ThreadDataLoader(
             Ids(20), batch_size=2, sampler=DistributedSampler(Ids(20), 1, 0)
         ).load_state_dict({**state, "sampler_epoch": 1.5})

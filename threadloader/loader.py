@@ -642,8 +642,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         others are replayed with a warning.
 
         Args:
-            state: a dict returned by ``state_dict()``; an empty dict is no state, as with
-                ``StatefulDataLoader``: the next ``iter()`` starts on new workers.
+            state: a dict returned by ``state_dict()``. An empty dict loads nothing, as with
+                ``StatefulDataLoader``: the next ``iter()`` starts on new workers, from a
+                state loaded before if one is waiting.
 
         Raises:
             ValueError: the state is malformed, of another format version, or for another

@@ -180,8 +180,9 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     for key in ("epoch", "batches_yielded", "num_workers", "next_worker"):
         _check_int(state, key)
     _check_int(state, "base_seed", minimum=None)
-    if state["sampler_epoch"] is not None:
-        _check_int(state, "sampler_epoch", minimum=None)
+    epoch = state["sampler_epoch"]  # an int as the sampler holds it (state.sampler_epoch)
+    if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+        raise ValueError(f"loader state sampler_epoch must be an int or None, got {epoch!r}")
     _check_worker_fields(state)
     if type(state["in_progress"]) is not bool:
         raise ValueError(f"loader state in_progress must be a bool, got {state['in_progress']!r}")

@@ -326,14 +326,14 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._staging = staging_pool(self)  # before the workers start: they collate into it
         self._made = None
         it: Any = super().__iter__()
+        made_ref, self._made = self._made, None
         if not hasattr(it, "_progress"):
             # A subclass's _get_iterator() wrapped ours, or returned an iterator of its own
             # (torch's DataLoader returns whatever it gives): state and stats follow ours if any
             # (with persistent workers, the one made for the first epoch and reset since).
-            made = self._made() if self._made is not None else None
+            made = made_ref() if made_ref is not None else None
             if made is None and self._iterator is it and self._host_epoch is not None:
                 made = self._host_epoch()
-            self._made = None
             if self._options.device is not None:
                 if made is not None:
                     made.close()
@@ -346,7 +346,6 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._progress = getattr(made, "_progress", None)
             self._stats = getattr(made, "_stats", None)
             return it
-        self._made = None
         self._host_epoch = weakref.ref(it)
         if self._options.device is not None:
             persistent = self._iterator is not None
@@ -592,10 +591,10 @@ class ThreadDataLoader(DataLoader[T_co]):
             # As after the epoch's end; persistent workers carry into the next epoch what the
             # left epoch's batches in flight do to their dataset copies and generators.
             epoch = self._host_epoch() if self._host_epoch is not None else None
+            # With device=, the transfer thread reads the epoch.
             if (
                 self.persistent_workers
-                and self._options.device
-                is None  # with device=, the transfer thread reads the epoch
+                and self._options.device is None
                 and epoch is not None
                 and epoch._progress is progress
                 and hasattr(epoch, "progress_after_in_flight")

@@ -25,8 +25,9 @@ where the code disagrees with these points, the code is wrong:
    persistent worker's copy, from a state taken between epochs of persistent workers, whose
    restored iterator is then run to its end (``run_to_end``), as StatefulDataLoader's
    persistent workers do, unless the loop left that epoch first (``"left"``): the worker
-   dropped that iterator where it stood, so it is only restored; and the copy of a worker whose IterableDataset had ended when a
-   mid-epoch state was taken, whose next epoch must not start where the loaded state left it.
+   dropped that iterator where it stood, so it is only restored; and the copy of a worker whose
+   IterableDataset had ended when a mid-epoch state was taken, whose next epoch must not start
+   where the loaded state left it.
 """
 
 from __future__ import annotations

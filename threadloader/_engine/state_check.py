@@ -123,12 +123,20 @@ def _check_same_batches(loader: Any, state: Mapping[str, Any], positional: bool)
 
 def _check_same_replay(loader: Any, state: Mapping[str, Any], world_size: int) -> None:
     """An IterableDataset without ``state_dict`` resumes by replaying each worker's delivered
-    batches: they are the same batches only with the same batch size and world size (a rank's
-    share of a stream, an ``IterDataPipe`` the loader shards by rank).
+    batches: they are the same batches only with the same number of workers (0 and 1 count as
+    one), batch size and world size (a rank's share of a stream, an ``IterDataPipe`` the loader
+    shards by rank).
 
     Raises:
         ValueError: naming what differs.
     """
+    if max(state["num_workers"], 1) != max(loader.num_workers, 1):
+        raise ValueError(
+            f"loader state was saved with num_workers={state['num_workers']}, this loader has "
+            f"num_workers={loader.num_workers}: an IterableDataset without state_dict resumes "
+            "by replaying the batches each worker had delivered, and its workers shard it by "
+            "their number, so it resumes on the same number of workers"
+        )
     saved_size = state.get("batch_size", loader.batch_size)
     if saved_size != loader.batch_size:
         raise ValueError(
@@ -143,6 +151,19 @@ def _check_same_replay(loader: Any, state: Mapping[str, Any], world_size: int) -
             "batches each worker had delivered from its rank's share, which another world size "
             "divides differently"
         )
+
+
+def _ranks(loader: Any, state: Mapping[str, Any], world_size: int) -> tuple[int, int]:
+    """How many ranks the saving loader's sampler shared its epoch over, and this loader's:
+    the samplers' ``num_replicas`` where they have one (a data-parallel group smaller than the
+    world), else torch.distributed's world sizes. A state saved before ``sampler_ranks``
+    existed holds a positional sampler's in that sampler's own state."""
+    saved = state.get("sampler_ranks")
+    if saved is None:
+        saved = _sampler_ranks(state.get("sampler"))
+        if saved is None:
+            return state["world_size"], world_size
+    return saved, sampler_ranks(loader, world_size)
 
 
 def _sampler_ranks(sampler_state: Any) -> int | None:
@@ -263,11 +284,7 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     if out_of_order and state["in_progress"] and positional is not None:
         # Any rank's state may hold batches delivered ahead, this one's or its siblings': the
         # ranks' cursors differ, and no one rank's state says where the others got to.
-        # The sampler's own number of ranks where it has one, else torch.distributed's.
-        saved_ranks = _sampler_ranks(state.get("sampler"))
-        ranks = getattr(positional[0], "num_replicas", None)
-        if saved_ranks is None or type(ranks) is not int:
-            saved_ranks, ranks = state["world_size"], world_size
+        saved_ranks, ranks = _ranks(loader, state, world_size)
         if saved_ranks != ranks:
             raise ValueError(
                 f"loader state was saved on {saved_ranks} ranks from a loader delivering batches "
@@ -299,19 +316,12 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
             f"rank {rank} got to. Load each rank's own state, or save from a loader with "
             "in_order=True to resume from any rank's"
         )
-    # A sampler's own num_replicas where it has one (a data-parallel group smaller than the
-    # world): states without the key were saved with torch.distributed's.
-    # A state saved before sampler_ranks existed holds torch.distributed's world size only.
-    saved_ranks = state.get("sampler_ranks")
-    if saved_ranks is not None:
-        ranks = sampler_ranks(loader, world_size)
-    else:
-        saved_ranks, ranks = state["world_size"], world_size
+    saved_ranks, ranks = _ranks(loader, state, world_size)
     if replay_indices and saved_ranks != ranks:
         raise ValueError(
             f"loader state was saved with its sampler sharing the epoch over {saved_ranks} "
-            f"ranks, this loader's shares it over {ranks} ranks: only threadloader.samplers passed as "
-            "sampler= resume on another world size; a replayed sampler (one inside a "
+            f"ranks, this loader's shares it over {ranks} ranks: only threadloader.samplers "
+            "passed as sampler= resume on another world size; a replayed sampler (one inside a "
             "batch_sampler too) would resume at the wrong place"
         )
     if positional is not None and state["sampler"] is None:
@@ -325,16 +335,8 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     expected = max(loader.num_workers, 1)
     if replay_data and state["in_progress"]:
         _check_same_replay(loader, state, world_size)
-    if replay_data and state["in_progress"] and max(state["num_workers"], 1) != expected:
-        raise ValueError(
-            f"loader state was saved with num_workers={state['num_workers']}, this loader has "
-            f"num_workers={loader.num_workers}: an IterableDataset without state_dict resumes "
-            "by replaying "
-            "the batches each worker had delivered, and its workers shard it by their number, "
-            "so it resumes on the same number of workers"
-        )
-    in_workers = (state["num_workers"] > 0, loader.num_workers > 0)
-    if stateful_iterable and not state["in_progress"] and in_workers[0] != in_workers[1]:
+    workers_or_none = (state["num_workers"] > 0) != (loader.num_workers > 0)
+    if stateful_iterable and not state["in_progress"] and workers_or_none:
         # A worker's copy ends its epoch where its last batch left it, the training process's
         # dataset rewinds as its iterator ends: the one state means something else in each.
         warnings.warn(

@@ -60,7 +60,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from threadloader import ThreadDataLoader
 from threadloader.isolation import helper as _isolated_worker
-from threadloader.isolation import link, parent, zygote
+from threadloader.isolation import helper_source, link, zygote
 from threadloader.isolation.parent import IsolatedDataLoaderIter
 
 HELPER_PREFIX = "threadloader-helper-"
@@ -438,7 +438,7 @@ def test_fork_context_is_refused() -> None:
     with pytest.raises(ValueError, match="not 'fork'"):
         iter(IsolatedLoader(Numbers(), num_workers=2, multiprocessing_context="fork"))
     with pytest.raises(ValueError, match="isolation must be 'auto', 'process', 'threads' or None"):
-        parent.check_isolation("processes")
+        helper_source.check_isolation("processes")
 
 
 def test_helper_killed_mid_epoch_raises_naming_its_pid() -> None:

@@ -46,12 +46,9 @@ from threadloader._primitives.concurrency import usable_cpus
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
 from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice
+from threadloader.isolation.helper_source import check_isolation, start_helper_server
 from threadloader.isolation.mid_epoch import mover_for
-from threadloader.isolation.parent import (
-    IsolatedDataLoaderIter,
-    check_isolation,
-    start_helper_server,
-)
+from threadloader.isolation.parent import IsolatedDataLoaderIter
 
 T_co = TypeVar("T_co", covariant=True)
 

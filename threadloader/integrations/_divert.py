@@ -19,7 +19,7 @@ from typing import Any
 from torch.utils.data import dataloader as _torch_dataloader
 
 from threadloader._engine.options import options_of
-from threadloader.isolation.parent import check_isolation
+from threadloader.isolation.helper_source import check_isolation
 from threadloader.loader import ThreadDataLoader
 
 _DataLoader: Any = _torch_dataloader.DataLoader  # the real class, never replaced

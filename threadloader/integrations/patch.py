@@ -41,7 +41,7 @@ import torch
 from threadloader import loader as _loader
 from threadloader._engine.device_epoch import check_device_args, refuse_prefetch_without_device
 from threadloader.integrations import _divert
-from threadloader.isolation.parent import check_isolation
+from threadloader.isolation.helper_source import check_isolation
 
 __all__ = ["is_patched", "patch", "patched", "unpatch"]
 

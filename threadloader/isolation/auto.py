@@ -47,8 +47,8 @@ from threadloader._engine.options import options_of
 from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
+from threadloader.isolation.helper_source import rerun_reason, start_method
 from threadloader.isolation.main_script import main_reimported, unguarded_main_script
-from threadloader.isolation.parent import rerun_reason, start_method
 
 THREADS = "threads"
 PROCESS = "process"

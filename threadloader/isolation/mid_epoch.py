@@ -50,7 +50,8 @@ from threadloader.isolation.auto import (
     helper_count,
     too_few_to_help,
 )
-from threadloader.isolation.parent import IsolatedDataLoaderIter, start_method
+from threadloader.isolation.helper_source import start_method
+from threadloader.isolation.parent import IsolatedDataLoaderIter
 
 #: The epoch runs this long (seconds) before a move is considered: the concurrency controller
 #: settles in 0.1-0.3 s, and what it settles on is half of the GIL-bound signal.

@@ -238,7 +238,7 @@ class _Server:
             except BaseException:
                 # Cut short (a Ctrl-C between two chunks): the zygote would read the next
                 # request from the middle of this one. Give it up: it exits on the socket's
-                # EOF, and later helpers start another way (``parent.helper_context``).
+                # EOF, and later helpers start another way (``helper_source.helper_context``).
                 self._broken = True
                 self.sock.close()
                 raise

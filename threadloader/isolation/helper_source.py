@@ -1,0 +1,192 @@
+"""Where helper processes come from: this process forked, the zygote, a forkserver, or spawn.
+
+Where the code disagrees with these rules, the code is wrong.
+
+1. When the loader names no ``multiprocessing_context`` (``helper_context``): this process is
+   forked when ``iter()`` finds it running one Python thread (``threading`` knows no other):
+   the helpers share its pages and get the dataset, ``collate_fn`` and ``worker_init_fn`` as
+   they are, nothing pickled, as torch's fork-started workers do. Otherwise the zygote forks
+   them (``zygote``: a copy of this process taken when a loader with ``isolation="process"``
+   was built, if it ran one thread then), else a forkserver that preloads the main script,
+   threadloader and torch, else ``spawn`` where there is no forkserver or ``TMPDIR`` is too long
+   a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn`` are pickled
+   once per helper (``PickledOnce``): one copy of the dataset each. A process running other
+   Python threads is never forked: one of them could hold a lock the copy would keep.
+2. A ``multiprocessing_context`` the user names is used as given (``fork`` only while this
+   process runs one Python thread: ``"process"`` refuses it, ``"auto"`` then stays in threads).
+3. Helpers are never started with ``forkserver`` or ``spawn`` for a main script without an
+   ``if __name__ == "__main__":`` block: those processes import it again, and it would run
+   again in each (``main_script``).
+4. A loader with ``isolation="process"`` starts what its helpers will come from when it is
+   built (``start_helper_server``): the zygote, else the forkserver, which imports torch while
+   the script goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.util
+import os
+import socket
+from typing import Any
+
+from threadloader.isolation import zygote
+from threadloader.isolation.main_script import unguarded_main_script
+
+#: Values the loader's ``isolation=`` option accepts.
+ISOLATION_MODES = ("auto", "process", "threads", None)
+#: Modules the forkserver imports after the user's: the helper, then its quick exit.
+_PRELOAD = ("threadloader.isolation.helper", "threadloader.isolation.forkserver_exit")
+
+
+def check_isolation(isolation: object, multiprocessing_context: object = None) -> None:
+    """Validate ``ThreadDataLoader(isolation=..., multiprocessing_context=...)``.
+
+    Args:
+        isolation: the option's value.
+        multiprocessing_context: the loader's context (a name or a context object), if any.
+
+    Raises:
+        ValueError: ``isolation`` is not "auto", "process", "threads" or None, or
+            ``isolation="process"`` would start helpers with ``fork`` (``"auto"`` forks only
+            while this process runs one Python thread, and otherwise stays in threads).
+    """
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(
+            f"isolation must be 'auto', 'process', 'threads' or None, got {isolation!r}"
+        )
+    if isolation == "process" and start_method(multiprocessing_context) == "fork":
+        raise ValueError(
+            "isolation='process' starts helper processes with 'forkserver' or 'spawn', "
+            "not 'fork': forking a process that runs threads can copy a lock another thread "
+            "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
+        )
+
+
+def start_method(multiprocessing_context: object) -> str | None:
+    """The start method a loader's ``multiprocessing_context`` (a name or a context) names."""
+    if multiprocessing_context is None or isinstance(multiprocessing_context, str):
+        return multiprocessing_context
+    method = getattr(multiprocessing_context, "get_start_method", lambda: None)()
+    return method if isinstance(method, str) else None
+
+
+def helper_context(multiprocessing_context: Any = None) -> Any:
+    """What starts helpers: ``fork``, the zygote, the forkserver, or spawn where there is none.
+
+    Where the user named no context: ``fork`` when this process runs one Python thread (the
+    helpers share its pages and see the dataset as it is now, as torch's fork-started workers
+    do), else the zygote (``zygote``: a copy of this process taken when a loader was built and
+    it ran one Python thread) if one runs, else the forkserver, which preloads torch and
+    threadloader, or ``spawn`` where the forkserver's socket cannot be bound (a long ``TMPDIR``).
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+
+    Returns:
+        A ``fork``, ``forkserver`` or ``spawn`` context, or ``zygote.ZygoteContext()``.
+
+    Raises:
+        ValueError: the given context starts processes with ``fork`` and this process runs
+            other Python threads.
+        RuntimeError: the helpers would be started with ``forkserver`` or ``spawn``, which
+            import the main script again, and it has no ``if __name__ == "__main__":`` block
+            (``main_script``): it would run again in every helper.
+    """
+    if start_method(multiprocessing_context) == "fork" and not zygote.may_fork():
+        check_isolation("process", multiprocessing_context)
+    if multiprocessing_context is None:
+        if zygote.may_fork():  # one Python thread: fork this process, as torch's workers are
+            return multiprocessing.get_context("fork")
+        if zygote.running():
+            return zygote.ZygoteContext()
+        multiprocessing_context = "forkserver" if _forkserver_can_listen() else "spawn"
+    ctx = (
+        multiprocessing.get_context(multiprocessing_context)
+        if isinstance(multiprocessing_context, str)
+        else multiprocessing_context
+    )
+    method = ctx.get_start_method()
+    script = unguarded_main_script() if method in ("forkserver", "spawn") else None
+    if script is not None:
+        raise RuntimeError(
+            f"threadloader: {rerun_reason(script, method)}. Put the script's work under "
+            '`if __name__ == "__main__":`, build the loader while the script runs no other '
+            'Python thread (helpers are then forked), or pass isolation="threads"'
+        )
+    if method == "forkserver":
+        _preload_in_forkserver(ctx)
+    return ctx
+
+
+def rerun_reason(script: str, method: str) -> str:
+    """Why helpers started with ``method`` may not start: they would run ``script`` again."""
+    return (
+        f'the main script {script} has no `if __name__ == "__main__":` block, and helper '
+        f"processes started with {method} would run it again"
+    )
+
+
+def start_helper_server(multiprocessing_context: Any = None) -> None:
+    """Start what helpers are forked from, without waiting for it to be ready.
+
+    Called when a loader with ``isolation="process"`` is built: the zygote forks now, while the
+    script is likely to have one thread still; a forkserver imports torch and threadloader while
+    the script goes on (building its model), so the first ``iter()`` forks a helper from a
+    server that is ready instead of waiting for those imports. ``isolation="auto"`` starts
+    nothing here: it may never need a helper, and a zygote's copy of this process costs memory
+    from the moment the training process writes to pages they share.
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return  # this process is importing __main__ for multiprocessing: start nothing here
+    if multiprocessing_context is None and zygote.ensure_running():
+        return
+    ctx = helper_context(multiprocessing_context)
+    if ctx.get_start_method() == "forkserver":
+        try:
+            multiprocessing.forkserver.ensure_running()
+        except OSError:  # iter() tries again, and raises what starting a helper raises
+            pass
+
+
+def _forkserver_can_listen() -> bool:
+    """Whether this platform has a forkserver and it can bind its socket (``AF_UNIX``).
+
+    multiprocessing puts the forkserver's socket in a folder under ``TMPDIR``; a socket path is
+    limited to ~100 bytes, so a long ``TMPDIR`` stops the forkserver from starting at all. Where
+    the user named no start method, helpers then come from ``spawn``, which needs no socket.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
+        return True
+    return _socket_path_fits(multiprocessing.util.get_temp_dir())
+
+
+@functools.cache
+def _socket_path_fits(folder: str) -> bool:
+    # Bind a socket at a path as long as the forkserver's (``listener-`` and 8 characters).
+    path = os.path.join(folder, f"tl-probe-{os.getpid() % 10**8:08d}")
+    try:
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.bind(path)
+    except OSError:
+        return False
+    os.unlink(path)
+    return True
+
+
+def _preload_in_forkserver(ctx: Any) -> None:
+    # The preload list only counts when the forkserver starts; keep what the user asked for.
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return
+    modules = list(getattr(server, "_preload_modules", ["__main__"]))
+    missing = [name for name in _PRELOAD if name not in modules]
+    if missing:
+        ctx.set_forkserver_preload([*modules, *missing])

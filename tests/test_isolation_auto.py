@@ -325,8 +325,88 @@ def test_a_third_of_a_second_epoch_of_gil_bound_items_moves_to_forked_helpers(
     assert policy.next_epoch(loader, last).mode == "process"
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
     monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: False)  # spawn: no server
     choice = auto.AutoIsolation().next_epoch(loader, last)
     assert choice.mode == "threads" and "too short" in choice.reason
+
+
+def _server_loader() -> Any:
+    """A loader whose helpers would come from a server, and the stats of a 0.47 s epoch whose
+    items held the GIL."""
+    import types
+
+    loader = types.SimpleNamespace(
+        persistent_workers=False, num_workers=2, helpers=None, multiprocessing_context=None,
+        dataset=WherePid(), collate_fn=None, worker_init_fn=None,
+    )  # fmt: skip
+    last = types.SimpleNamespace(
+        gil_bound=True, training_slowed=False, wait_fraction=1.0, batches=300, wall_s=0.47
+    )
+    return loader, last
+
+
+def test_a_short_epoch_moves_once_the_forkserver_it_started_is_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread runs, so helpers come from a forkserver: the first such epoch starts it
+    and stays in threads while it imports torch, saying so; once it is ready, an epoch of
+    MIN_EPOCH_S moves, its helpers starting as fast as forked ones."""
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    warmed: list[Any] = []
+    ready = [False]
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    monkeypatch.setattr(auto, "forkserver_is_ready", lambda: ready[0])
+    loader, last = _server_loader()
+    policy = auto.AutoIsolation()
+    choice = policy.next_epoch(loader, last)
+    assert choice.mode == "threads", choice
+    assert "the forkserver helper processes come from is still importing torch" in choice.reason
+    assert warmed == [None]
+    ready[0] = True
+    assert policy.next_epoch(loader, last).mode == "process"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"wall_s": 0.1}, "too short to win back"),
+        ({"gil_bound": False}, "threads scale"),
+    ],
+)
+def test_no_forkserver_starts_for_an_epoch_that_would_not_move(
+    monkeypatch: pytest.MonkeyPatch, change: dict[str, Any], reason: str
+) -> None:
+    """A forkserver costs an interpreter with torch imported: it starts only for an epoch that
+    says the workers should move and lasts long enough to move once it is ready."""
+    import types
+
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    warmed: list[Any] = []
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    loader, last = _server_loader()
+    last = types.SimpleNamespace(**{**vars(last), **change})
+    choice = auto.AutoIsolation().next_epoch(loader, last)
+    assert choice.mode == "threads" and reason in choice.reason, choice
+    assert warmed == []
+
+
+def test_no_forkserver_starts_for_a_script_it_would_run_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forkserver imports the main script: an unguarded one would run again in it."""
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto, "unguarded_main_script", lambda: "train.py")
+    warmed: list[Any] = []
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    loader, last = _server_loader()
+    policy = auto.AutoIsolation()
+    choice = policy.next_epoch(loader, last)
+    assert choice.mode == "threads" and "would run it again" in choice.reason, choice
+    policy.warm_up(loader)
+    assert warmed == []
 
 
 def test_the_default_accepts_what_torch_accepts() -> None:
@@ -402,6 +482,7 @@ def test_helpers_started_by_a_server_need_a_longer_epoch(monkeypatch: pytest.Mon
     monkeypatch.setattr(auto, "MIN_EPOCH_S_SERVER", 1e9)
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
     monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: False)  # spawn: no server
     loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
     _, modes = _epochs(loader, 2)
     assert modes == ["threads", "threads"]

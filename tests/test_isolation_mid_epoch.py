@@ -186,6 +186,56 @@ def test_no_move_while_another_python_thread_runs() -> None:
     assert loader.stats().mode == "threads"
 
 
+@pytest.fixture
+def warmed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The multiprocessing contexts ``auto`` started a forkserver for (none is started)."""
+    calls: list[Any] = []
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: calls.append(context) or True)
+    return calls
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_move_due_while_another_thread_runs_starts_the_forkserver_once(
+    warmed: list[Any],
+) -> None:
+    """The epoch cannot move (forking is not safe), but the next one's helpers will come from a
+    forkserver: it starts now, once, and imports torch while this epoch goes on."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        loader = _ours()
+        batches = list(loader)
+    finally:
+        stop.set()
+        other.join()
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert loader.stats().mode == "threads"
+    assert warmed == [None]
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_move_that_may_fork_starts_no_forkserver(warmed: list[Any]) -> None:
+    loader = _ours()
+    list(loader)
+    assert loader.stats().mode == "process"
+    assert warmed == []
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_no_forkserver_starts_for_a_collate_fn_that_cannot_be_pickled(warmed: list[Any]) -> None:
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        loader = _ours(collate_fn=lambda batch: len(batch))
+        assert list(loader) == [4] * (N // 4)
+    finally:
+        stop.set()
+        other.join()
+    assert warmed == []
+
+
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
 def test_a_thread_started_while_the_workers_joined_keeps_the_epoch_in_this_process(
     monkeypatch: pytest.MonkeyPatch,

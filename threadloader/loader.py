@@ -441,6 +441,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                 epoch,
                 on_move=functools.partial(_moved, ref),
                 pickling_problem=functools.partial(_pickling_problem, ref),
+                warm_up=functools.partial(_warm_up, ref),
             )
         return epoch
 
@@ -725,6 +726,13 @@ def _pickling_problem(loader_ref: weakref.ref[Any]) -> str | None:
     """What a helper could not receive pickled (``AutoIsolation.pickling_problem``)."""
     loader = loader_ref()
     return "the loader is gone" if loader is None else loader._auto.pickling_problem(loader)
+
+
+def _warm_up(loader_ref: weakref.ref[Any]) -> None:
+    """Start the forkserver later epochs' helpers would come from (``AutoIsolation.warm_up``)."""
+    loader = loader_ref()
+    if loader is not None:
+        loader._auto.warm_up(loader)
 
 
 def _check_mixture_sampler(loader: ThreadDataLoader[Any]) -> None:

@@ -22,9 +22,9 @@ Where the code disagrees with these rules, the code is wrong.
    (workers keep their dataset copy and RNG state from one epoch to the next, and new workers
    would start afresh), with fewer than 2 workers or 2 usable CPUs, after an epoch shorter than
    ``MIN_EPOCH_S`` where helpers would be forked from this process or the zygote (a few tens of
-   milliseconds to start), ``MIN_EPOCH_S_SERVER`` where they would come from a forkserver or
-   spawn (a second or more: an interpreter imports torch); a shorter epoch could not win the
-   start back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
+   milliseconds to start), ``MIN_EPOCH_S_SERVER`` where they would come from a forkserver that
+   is not ready or spawn (a second or more: an interpreter imports torch); a shorter epoch could
+   not win the start back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
    Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled
    (checked once, into a sink that keeps nothing: a helper may have to receive them pickled).
    So an unpicklable dataset never fails under ``"auto"``: it stays in threads. Where helpers
@@ -32,7 +32,15 @@ Where the code disagrees with these rules, the code is wrong.
    nothing moves either if the main script has no ``if __name__ == "__main__":`` block (it
    would run again in them) or if what is pickled names a class or function of a ``__main__``
    they cannot import (a notebook, ``python -c``).
-5. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
+5. Where helpers would come from a forkserver (this process runs other Python threads, a
+   progress bar's monitor among them, and no zygote runs), the forkserver starts once an
+   epoch's measurements say the workers should move and point 4 refuses nothing but the
+   epoch's length: mid-way through the first epoch (``mid_epoch`` calls ``warm_up``), or at
+   the next ``iter()``. It imports torch while the epochs go on in threads, and an epoch of
+   ``MIN_EPOCH_S`` or more moves once the forkserver is ready (``helper_source`` point 5), its
+   helpers starting as fast as forked ones. Nothing else starts a forkserver: it costs an
+   interpreter with torch imported, kept until the training process exits.
+6. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
 """
 
@@ -47,7 +55,12 @@ from threadloader._engine.options import options_of
 from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
-from threadloader.isolation.helper_source import rerun_reason, start_method
+from threadloader.isolation.helper_source import (
+    forkserver_is_ready,
+    rerun_reason,
+    start_method,
+    warm_forkserver,
+)
 from threadloader.isolation.main_script import main_reimported, unguarded_main_script
 
 THREADS = "threads"
@@ -141,6 +154,13 @@ def loop_pace(stats: LoaderStats, since: LoaderStats | None = None) -> float | N
     if batches < 1 or wall <= 0:
         return None
     return batches / wall
+
+
+def _too_short(last: LoaderStats, least: float) -> str:
+    return (
+        f"the epoch lasted {last.wall_s:.2f} s, too short to win back starting helper "
+        f"processes (epochs of {least:g} s or more move)"
+    )
 
 
 class _Discard:
@@ -292,26 +312,51 @@ class AutoIsolation:
             f"{threads:.1f} with threads"
         )
 
+    def warm_up(self, loader: Any) -> None:
+        """Start the forkserver the next epoch's helpers would come from (point 5).
+
+        Called by ``mid_epoch`` once the first epoch shows what moves the next one, in a
+        process that may not be forked: nothing starts where a move would be refused anyway.
+
+        Args:
+            loader: the ``ThreadDataLoader``.
+        """
+        if self._refusal(loader, forked=False) is None:
+            warm_forkserver(loader.multiprocessing_context)
+
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
+        if last.wall_s < MIN_EPOCH_S:
+            return _too_short(last, MIN_EPOCH_S)
+        method = start_method(loader.multiprocessing_context)
+        forked = method in (None, "fork") and (zygote.may_fork() or zygote.running())
+        refusal = self._refusal(loader, forked)
+        if refusal is not None or forked or last.wall_s >= MIN_EPOCH_S_SERVER:
+            return refusal
+        # From a forkserver or spawn, whose start (an interpreter importing torch) a shorter
+        # epoch could not win back, unless the forkserver has started already (point 5).
+        if not warm_forkserver(loader.multiprocessing_context):
+            return _too_short(last, MIN_EPOCH_S_SERVER)
+        if forkserver_is_ready():
+            return None
+        return (
+            f"the epoch lasted {last.wall_s:.2f} s, and the forkserver helper processes come "
+            f"from is still importing torch: epochs of {MIN_EPOCH_S:g} s or more move once it "
+            f"is ready, of {MIN_EPOCH_S_SERVER:g} s or more until then"
+        )
+
+    def _refusal(self, loader: Any, forked: bool) -> str | None:
+        """Why no helper may run this loader's workers, whatever the epoch's length (point 4)."""
         if self._start_problem is not None:
             return self._start_problem
         if too_few_to_help(loader):
             return "helper processes need 2 workers and 2 usable CPUs to help"
-        method = start_method(loader.multiprocessing_context)
-        forked = method in (None, "fork") and (zygote.may_fork() or zygote.running())
-        least = MIN_EPOCH_S if forked else MIN_EPOCH_S_SERVER
-        if last.wall_s < least:
-            return (
-                f"the epoch lasted {last.wall_s:.2f} s, too short to win back starting helper "
-                f"processes (epochs of {least:g} s or more move)"
-            )
         if self._fork_refused(loader):
             return FORK_REFUSED
         problem = self.pickling_problem(loader)
         if problem is not None or forked:
             return problem
         # Helpers from a forkserver or spawn import __main__ afresh, or not at all.
-        server = method or "forkserver"
+        server = start_method(loader.multiprocessing_context) or "forkserver"
         from_main = self._pickle_check(loader).from_main
         if from_main is not None and main_reimported() is None:
             return (

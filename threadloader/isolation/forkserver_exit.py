@@ -6,9 +6,10 @@ pipe raises ``SystemExit``), then runs the interpreter's teardown with torch imp
 to their end (``python train.py | tee log``, ``subprocess.run(..., capture_output=True)``) waits
 for it after the training process has exited.
 
-``parent`` preloads this module into the forkserver it uses. There it registers an exit handler
-that flushes stdio and ends the process with ``os._exit(0)``: preloaded after every other module,
-the handler runs first. Nothing in the forkserver needs cleaning up: the processes it forked are
+``helper_source`` preloads this module into the forkserver it uses. There it registers an exit handler
+that flushes stdio and ends the process with ``os._exit(0)``: preloaded after the user's modules
+and the helper, its handler runs before theirs (only ``forkserver_ready``'s, which removes its
+mark, runs earlier). Nothing in the forkserver needs cleaning up: the processes it forked are
 independent (and end with ``os._exit`` themselves, never running its exit handlers). Imported in
 any other process, it does nothing.
 """

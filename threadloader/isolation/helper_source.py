@@ -20,10 +20,15 @@ Where the code disagrees with these rules, the code is wrong.
 4. A loader with ``isolation="process"`` starts what its helpers will come from when it is
    built (``start_helper_server``): the zygote, else the forkserver, which imports torch while
    the script goes on.
+5. ``isolation="auto"`` starts a forkserver only once its measurements say the workers should
+   move and this process may not be forked (``warm_forkserver``), and moves an epoch shorter
+   than a forkserver's start only once the server is ready (``forkserver_is_ready``): the
+   forkserver marks that itself, after its imports (``forkserver_ready``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.forkserver
@@ -32,13 +37,15 @@ import os
 import socket
 from typing import Any
 
-from threadloader.isolation import zygote
+from threadloader.isolation import forkserver_ready, zygote
 from threadloader.isolation.main_script import unguarded_main_script
 
 #: Values the loader's ``isolation=`` option accepts.
 ISOLATION_MODES = ("auto", "process", "threads", None)
-#: Modules the forkserver imports after the user's: the helper, then its quick exit.
-_PRELOAD = ("threadloader.isolation.helper", "threadloader.isolation.forkserver_exit")
+#: The module that marks a forkserver ready once its imports are done (``forkserver_ready``).
+_READY_MARK = "threadloader.isolation.forkserver_ready"
+#: Modules the forkserver imports after the user's: the helper, its quick exit, its ready mark.
+_PRELOAD = ("threadloader.isolation.helper", "threadloader.isolation.forkserver_exit", _READY_MARK)
 
 
 def check_isolation(isolation: object, multiprocessing_context: object = None) -> None:
@@ -146,12 +153,63 @@ def start_helper_server(multiprocessing_context: Any = None) -> None:
         return  # this process is importing __main__ for multiprocessing: start nothing here
     if multiprocessing_context is None and zygote.ensure_running():
         return
-    ctx = helper_context(multiprocessing_context)
-    if ctx.get_start_method() == "forkserver":
-        try:
-            multiprocessing.forkserver.ensure_running()
-        except OSError:  # iter() tries again, and raises what starting a helper raises
-            pass
+    _start_forkserver(helper_context(multiprocessing_context))
+
+
+def warm_forkserver(multiprocessing_context: Any = None) -> bool:
+    """Start the forkserver that helpers would come from now, without waiting for its imports.
+
+    For ``isolation="auto"`` (point 5): called once measurements say the workers should move and
+    this process may not be forked, so that the epoch which moves them forks its helpers from a
+    server that is ready, instead of waiting while an interpreter imports torch. Nothing starts
+    where helpers would be forked from this process or the zygote, or come from spawn.
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+
+    Returns:
+        Whether helpers would come from a forkserver, now running or starting.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return False  # this process is importing __main__ for multiprocessing
+    try:
+        ctx = helper_context(multiprocessing_context)
+    except (RuntimeError, ValueError):  # no helper may start: nothing to warm
+        return False
+    return _start_forkserver(ctx)
+
+
+def forkserver_is_ready() -> bool:
+    """Whether a forkserver runs with its imports done: a helper asked for now starts at once.
+
+    Known from the mark ``forkserver_ready`` leaves (point 5). A forkserver started without that
+    module among its preloads (by the user, or by another library before threadloader) is taken
+    as ready: it was not started for threadloader's helpers just now.
+    """
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return False
+    if _READY_MARK not in getattr(server, "_preload_modules", ()):
+        return True
+    return os.path.exists(forkserver_ready.mark_path(pid))
+
+
+def _start_forkserver(ctx: Any) -> bool:
+    """Start the forkserver if ``ctx`` uses one; whether it does and runs (or starts) now."""
+    if ctx.get_start_method() != "forkserver":
+        return False
+    server = multiprocessing.forkserver._forkserver
+    before = getattr(server, "_forkserver_pid", None)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    except OSError:  # iter() tries again, and raises what starting a helper raises
+        return False
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None and pid != before:  # a mark left by a killed server with this pid
+        with contextlib.suppress(OSError):
+            os.unlink(forkserver_ready.mark_path(pid))
+    return pid is not None
 
 
 def _forkserver_can_listen() -> bool:

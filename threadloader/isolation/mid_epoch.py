@@ -22,7 +22,9 @@ code disagrees with these rules, the code is wrong.
    workers as they are: its dataset copy, generators, ``worker_init_fn``'s work and fetcher,
    nothing pickled and nothing run again. So batches, their order, which worker made each, the
    workers' random draws and ``state_dict()`` are what the epoch would have given in threads.
-   Where forking is not safe, nothing moves; the check repeats (a thread may end).
+   Where forking is not safe, nothing moves; the check repeats (a thread may end). The first
+   time the move is due but forking is not safe, the forkserver later epochs' helpers would
+   come from starts (``auto`` point 5).
 4. Moving: nothing more is dispatched; the batches in flight are delivered; the worker threads
    are joined; the helpers start and the epoch goes on as an ``isolation="process"`` epoch
    (``IsolatedDataLoaderIter.take_over``). If a thread appeared while joining, or a helper
@@ -67,6 +69,7 @@ def mover_for(
     epoch: ThreadedDataLoaderIter,
     on_move: Callable[[Choice, LoaderStats, LoaderStats], None],
     pickling_problem: Callable[[], str | None],
+    warm_up: Callable[[], None],
 ) -> MidEpochMove | None:
     """A ``MidEpochMove`` for ``epoch`` when point 1 allows one, else None.
 
@@ -76,6 +79,7 @@ def mover_for(
         on_move: called once it moved, with the ``Choice``, the stats when the move was decided
             and those when it began (the batches in flight delivered).
         pickling_problem: what a helper could not receive pickled, or None (point 1).
+        warm_up: starts the forkserver later epochs' helpers would come from (point 3).
     """
     if (
         loader.persistent_workers
@@ -85,7 +89,7 @@ def mover_for(
         or not epoch.makes_batches_itself
     ):
         return None
-    return MidEpochMove(helper_count(loader), on_move, pickling_problem)
+    return MidEpochMove(helper_count(loader), on_move, pickling_problem, warm_up)
 
 
 class MidEpochMove:
@@ -96,6 +100,7 @@ class MidEpochMove:
         on_move: called once moved, with the ``Choice``, the epoch's stats when the move was
             decided and those when it began (the batches in flight delivered).
         pickling_problem: what a helper could not receive pickled, or None.
+        warm_up: starts the forkserver later epochs' helpers would come from; called once.
         clock: a monotonic clock in seconds.
     """
 
@@ -104,11 +109,13 @@ class MidEpochMove:
         helpers: int,
         on_move: Callable[[Choice, LoaderStats, LoaderStats], None],
         pickling_problem: Callable[[], str | None],
+        warm_up: Callable[[], None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._helpers = helpers
         self._on_move = on_move
         self._pickling_problem = pickling_problem
+        self._warm_up: Callable[[], None] | None = warm_up
         self._clock = clock
         self._next_check = 0.0
         self._signal = ""
@@ -128,13 +135,16 @@ class MidEpochMove:
         signal = epoch_signal(stats, "the epoch's")
         if signal is None:
             return False
+        if not zygote.may_fork(besides=epoch.pool.alive_threads):
+            warm_up, self._warm_up = self._warm_up, None
+            if warm_up is not None:
+                warm_up()
+            return False
         try:
             remaining = len(epoch) - epoch.delivered
         except TypeError:  # a sampler without a length
             return False
         if remaining * stats.wall_s / stats.batches < MIN_REMAINING_S:
-            return False
-        if not zygote.may_fork(besides=epoch.pool.alive_threads):
             return False
         if self._pickling_problem() is not None:
             epoch.mover = None  # it never will be picklable: stop asking

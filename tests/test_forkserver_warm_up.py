@@ -1,0 +1,84 @@
+"""``isolation="auto"`` in a script that runs another Python thread (a progress bar's monitor):
+helpers come from a forkserver, which ``auto`` starts as soon as the first epoch says the workers
+should move, so a later epoch's helpers start at once instead of waiting for an interpreter to
+import torch. Real scripts in subprocesses: the forkserver is process-wide.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from test_helpers_and_the_main_module import _PRELUDE, _run
+
+#: Mid-epoch checks from the first batch on; epochs of any length move once the server is
+#: ready, none before (a cold server's start is never won back).
+_WARM_PRELUDE = (
+    _PRELUDE
+    + """
+import multiprocessing.forkserver, time
+from threadloader.isolation import forkserver_ready, helper_source, mid_epoch
+mid_epoch.MEASURE_S = mid_epoch.CHECK_EVERY_S = 0.0
+auto.MIN_EPOCH_S, auto.MIN_EPOCH_S_SERVER = 0.0, 1e9
+
+class Many(Items):
+    def __len__(self):
+        return 256  # batches to check a move after, before the sampler is done
+
+def server_pid():
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+"""
+)
+
+_BODY = """
+monitor.start()
+loader = ThreadDataLoader(Many(), batch_size=4, num_workers=2)
+first = [b.tolist() for b in loader]
+print("SERVER AFTER THE FIRST EPOCH", server_pid() is not None, flush=True)
+modes, reasons = [], []
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline and "process" not in modes:
+    assert [b.tolist() for b in loader] == first
+    modes.append(loader.stats().mode)
+    reasons.append(loader.stats().mode_reason)
+    time.sleep(0.05)
+print("MODES", modes, flush=True)
+print("WAITED", reasons[0], flush=True)
+print("READY", helper_source.forkserver_is_ready(), flush=True)
+print("MARK", forkserver_ready.mark_path(server_pid()), flush=True)
+stop.set()
+"""
+
+
+def _line(stdout: str, key: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith(key))[len(key) + 1 :]
+
+
+def test_a_forkserver_started_in_the_first_epoch_moves_short_epochs_once_ready(
+    tmp_path: Path,
+) -> None:
+    proc = _run(tmp_path, _BODY, guarded=True, prelude=_WARM_PRELUDE)
+    assert proc.returncode == 0, proc.stderr
+    assert _line(proc.stdout, "SERVER AFTER THE FIRST EPOCH") == "True"
+    modes = _line(proc.stdout, "MODES")
+    assert modes.endswith("'process']"), modes
+    assert modes.startswith("['threads'"), modes  # the server was importing torch
+    assert "is still importing torch" in _line(proc.stdout, "WAITED")
+    assert _line(proc.stdout, "READY") == "True"
+    # The forkserver removed its mark when the script's exit ended it.
+    assert not os.path.exists(_line(proc.stdout, "MARK"))
+
+
+def test_no_forkserver_starts_for_an_unguarded_script(tmp_path: Path) -> None:
+    """The forkserver imports the main script: an unguarded one would train again in it."""
+    body = _BODY.replace('print("MARK"', '# print("MARK"')
+    body = body.replace(
+        'while time.monotonic() < deadline and "process" not in modes:', "for _ in range(3):"
+    )
+    proc = _run(tmp_path, body, guarded=False, prelude=_WARM_PRELUDE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("SCRIPT RAN") == 1, proc.stdout
+    assert _line(proc.stdout, "SERVER AFTER THE FIRST EPOCH") == "False"
+    assert _line(proc.stdout, "MODES") == "['threads', 'threads', 'threads']"
+    assert "would run it again" in _line(proc.stdout, "WAITED")
+    assert _line(proc.stdout, "READY") == "False"

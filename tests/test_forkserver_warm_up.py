@@ -6,10 +6,15 @@ import torch. Real scripts in subprocesses: the forkserver is process-wide.
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
+import types
 from pathlib import Path
 
+import pytest
 from test_helpers_and_the_main_module import _PRELUDE, _run
+
+from threadloader.isolation import forkserver_ready, helper_source
 
 #: Mid-epoch checks from the first batch on; epochs of any length move once the server is
 #: ready, none before (a cold server's start is never won back).
@@ -82,3 +87,24 @@ def test_no_forkserver_starts_for_an_unguarded_script(tmp_path: Path) -> None:
     assert _line(proc.stdout, "MODES") == "['threads', 'threads', 'threads']"
     assert "would run it again" in _line(proc.stdout, "WAITED")
     assert _line(proc.stdout, "READY") == "False"
+
+
+def test_a_forkserver_is_ready_once_it_marked_itself_or_when_another_started_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``forkserver_ready`` marks a server threadloader started; one started by someone else,
+    without that module, has no mark to wait for and counts as ready."""
+    pid = 2**22 + os.getpid()  # no live process: nothing else writes this mark
+    server = types.SimpleNamespace(_forkserver_pid=None, _preload_modules=["__main__"])
+    monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", server)
+    assert not helper_source.forkserver_is_ready()  # none runs
+    server._forkserver_pid = pid
+    assert helper_source.forkserver_is_ready()  # the user's or another library's
+    server._preload_modules = ["__main__", *helper_source._PRELOAD]
+    assert not helper_source.forkserver_is_ready()  # ours, still importing
+    mark = Path(forkserver_ready.mark_path(pid))
+    mark.touch()
+    try:
+        assert helper_source.forkserver_is_ready()
+    finally:
+        mark.unlink()

@@ -24,10 +24,10 @@ Where the code disagrees with these rules, the code is wrong.
    ``MIN_EPOCH_S`` where helpers would be forked from this process or the zygote (a few tens of
    milliseconds to start), ``MIN_EPOCH_S_SERVER`` where they would come from a forkserver that
    is not ready or spawn (a second or more: an interpreter imports torch); a shorter epoch could
-   not win the start back), with a ``multiprocessing_context`` of ``fork`` while this process runs other
-   Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot be pickled
-   (checked once, into a sink that keeps nothing: a helper may have to receive them pickled).
-   So an unpicklable dataset never fails under ``"auto"``: it stays in threads. Where helpers
+   not win the start back), with a ``multiprocessing_context`` of ``fork`` while this process
+   runs other Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot
+   be pickled (checked once, into a sink that keeps nothing: a helper may have to receive them
+   pickled). So an unpicklable dataset never fails under ``"auto"``: it stays in threads. Where helpers
    would come from a forkserver or spawn, which import ``__main__`` afresh (``main_script``),
    nothing moves either if the main script has no ``if __name__ == "__main__":`` block (it
    would run again in them) or if what is pickled names a class or function of a ``__main__``

@@ -6,7 +6,11 @@ fresh interpreter: it builds the loader, runs ``--epochs`` epochs of a loop whos
 ``--step-ops`` tiny torch ops (Python-bound, like launching a model's kernels; 0: no step), and
 reports batches/s over the epochs after the first (every loader has started its workers by
 then); with ``--epochs 1``, over the one epoch, start-up included: a run of one long epoch, which
-``isolation="auto"`` moves into helper processes mid-epoch when its items hold the GIL. Loaders take turns within a round, in
+``isolation="auto"`` moves into helper processes mid-epoch when its items hold the GIL. With
+``--monitor-thread``, a thread like a progress bar's monitor (tqdm's) starts once the loader is
+built, as ``for batch in tqdm(loader)`` starts one: the training process is no longer forked, and
+helpers come from the zygote (``isolation="process"``, which starts it when built) or a
+forkserver (``"auto"``). Loaders take turns within a round, in
 an order that rotates each round; ratios are taken within a round, against the best of
 DataLoader, torchdata.nodes and SPDL in that round.
 
@@ -17,6 +21,7 @@ Run::
     python bench/bench_loop.py --cpus 1                       # the same pinned to one CPU
     python bench/bench_loop.py --workloads python --rounds 1  # one workload, quickly
     python bench/bench_loop.py --epochs 1 --epoch-scale 5     # one long epoch, start included
+    python bench/bench_loop.py --monitor-thread --epochs 5    # a progress bar's thread runs
 
 Loaders, each with 2 workers (32 on ``latency``, 10 ms reads): ``dl`` DataLoader; ``torchdata``
 torchdata.nodes ParallelMapper (threads) of whole batches; ``spdl`` SPDL DataLoader (threads);
@@ -32,6 +37,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -60,8 +66,14 @@ class LatencyReads:
         return torch.full((1024,), index, dtype=torch.int32)
 
 
+def _monitor(stop: threading.Event) -> None:
+    """What tqdm's monitor thread does: wake every few seconds, check, sleep again."""
+    while not stop.wait(10.0):
+        pass
+
+
 def _child(
-    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1
+    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1, monitor: bool = False
 ) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, Subset
@@ -108,6 +120,10 @@ def _child(
         )  # fmt: skip
     else:
         raise ValueError(f"unknown loader {loader!r}")
+    stop = threading.Event()
+    watcher = threading.Thread(target=_monitor, args=(stop,), name="monitor", daemon=True)
+    if monitor:
+        watcher.start()
     w = torch.ones(8)
 
     def step(batch: Any) -> None:
@@ -116,7 +132,7 @@ def _child(
         for _ in range(step_ops // 2):
             v = v.mul(1.0001).add_(1e-4)
 
-    paces, batches_after_first, seconds_after_first = [], 0, 0.0
+    paces, modes, batches_after_first, seconds_after_first = [], [], 0, 0.0
     for epoch in range(epochs):
         start, n = time.perf_counter(), 0
         for batch in epochs_of:
@@ -124,21 +140,27 @@ def _child(
             n += 1
         took = time.perf_counter() - start
         paces.append(n / took)
+        if isinstance(epochs_of, ThreadDataLoader):
+            modes.append(epochs_of.stats().mode)
         if epoch:
             batches_after_first += n
             seconds_after_first += took
+    if monitor:
+        stop.set()
+        watcher.join()
     mode = None
     if isinstance(epochs_of, ThreadDataLoader):
         mode = epochs_of.stats().mode
     return {
         "pace": batches_after_first / seconds_after_first if seconds_after_first else paces[0],
         "epoch_paces": paces,
+        "epoch_modes": modes,
         "mode": mode,
     }
 
 
 def measure(
-    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1
+    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1, monitor: bool = False
 ) -> dict[str, Any]:
     """One measurement in a fresh interpreter.
 
@@ -150,7 +172,7 @@ def measure(
     for attempt in range(tries):
         done = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--one", workload, loader,
-             str(step_ops), str(epochs), str(scale)],
+             str(step_ops), str(epochs), str(scale), str(int(monitor))],
             check=False, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         if done.returncode == 0:
@@ -172,25 +194,27 @@ def main() -> None:
     parser.add_argument("--loaders", default=",".join(LOADERS))
     parser.add_argument("--cpus", type=int, help="run every measurement on this many CPUs")
     parser.add_argument("--json", help="write every measurement here")
-    parser.add_argument("--one", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--monitor-thread", action="store_true", help="a progress bar's thread runs (tqdm's)"
+    )
+    parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        workload, loader, step_ops, epochs, scale = args.one
-        print(json.dumps(_child(workload, loader, int(step_ops), int(epochs), int(scale))))
+        workload, loader, step_ops, epochs, scale, monitor = args.one
+        out = _child(workload, loader, int(step_ops), int(epochs), int(scale), monitor == "1")
+        print(json.dumps(out))
         return
     if args.cpus:  # measurements are child processes: they inherit the affinity
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
     cpus = len(os.sched_getaffinity(0))
     loaders = tuple(args.loaders.split(","))
     rows: list[dict[str, Any]] = []
+    extra = (args.epoch_scale, args.monitor_thread)
     for workload in args.workloads.split(","):
         measure(workload, "threads", 0, 1)  # builds the workload's files outside the timing
         for r in range(args.rounds):
             order = loaders[r % len(loaders) :] + loaders[: r % len(loaders)]
-            got = {
-                key: measure(workload, key, args.step_ops, args.epochs, args.epoch_scale)
-                for key in order
-            }
+            got = {key: measure(workload, key, args.step_ops, args.epochs, *extra) for key in order}
             best = max(got[b]["pace"] for b in BASELINES if b in got)
             for key, out in got.items():
                 rows.append({
@@ -214,6 +238,7 @@ def main() -> None:
                 "step_ops": args.step_ops,
                 "epochs": args.epochs,
                 "epoch_scale": args.epoch_scale,
+                "monitor_thread": args.monitor_thread,
                 "cpus": cpus,
                 "rows": rows,
             }

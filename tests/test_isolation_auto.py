@@ -303,36 +303,8 @@ def test_an_epoch_too_short_to_pay_for_helpers_stays_in_threads(
     assert "too short to win back starting helper processes" in str(loader.stats().mode_reason)
 
 
-def test_a_third_of_a_second_epoch_of_gil_bound_items_moves_to_forked_helpers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Pure-Python items, no step: 0.47 s epochs in threads, 0.25 s in forked helpers.
-
-    Forked helpers start within tens of milliseconds, so such an epoch is long enough to move;
-    a forkserver's (an interpreter importing torch) still needs seconds.
-    """
-    import types
-
-    monkeypatch.setattr(auto.zygote, "may_fork", lambda: True)
-    loader = types.SimpleNamespace(
-        persistent_workers=False, num_workers=2, helpers=None, multiprocessing_context=None,
-        dataset=WherePid(), collate_fn=None, worker_init_fn=None,
-    )  # fmt: skip
-    last = types.SimpleNamespace(
-        gil_bound=True, training_slowed=False, wait_fraction=1.0, batches=300, wall_s=0.47
-    )
-    policy = auto.AutoIsolation()
-    assert policy.next_epoch(loader, last).mode == "process"
-    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: False)  # spawn: no server
-    choice = auto.AutoIsolation().next_epoch(loader, last)
-    assert choice.mode == "threads" and "too short" in choice.reason
-
-
-def _server_loader() -> Any:
-    """A loader whose helpers would come from a server, and the stats of a 0.47 s epoch whose
-    items held the GIL."""
+def _short_epoch() -> Any:
+    """A loader with 2 workers, and the stats of a 0.47 s epoch whose items held the GIL."""
     import types
 
     loader = types.SimpleNamespace(
@@ -343,6 +315,25 @@ def _server_loader() -> Any:
         gil_bound=True, training_slowed=False, wait_fraction=1.0, batches=300, wall_s=0.47
     )
     return loader, last
+
+
+def test_a_third_of_a_second_epoch_of_gil_bound_items_moves_to_forked_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pure-Python items, no step: 0.47 s epochs in threads, 0.25 s in forked helpers.
+
+    Forked helpers start within tens of milliseconds, so such an epoch is long enough to move;
+    a forkserver's (an interpreter importing torch) still needs seconds.
+    """
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: True)
+    loader, last = _short_epoch()
+    policy = auto.AutoIsolation()
+    assert policy.next_epoch(loader, last).mode == "process"
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: False)  # spawn: no server
+    choice = auto.AutoIsolation().next_epoch(loader, last)
+    assert choice.mode == "threads" and "too short" in choice.reason
 
 
 def test_a_short_epoch_moves_once_the_forkserver_it_started_is_ready(
@@ -357,7 +348,7 @@ def test_a_short_epoch_moves_once_the_forkserver_it_started_is_ready(
     ready = [False]
     monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: ready[0])
-    loader, last = _server_loader()
+    loader, last = _short_epoch()
     policy = auto.AutoIsolation()
     choice = policy.next_epoch(loader, last)
     assert choice.mode == "threads", choice
@@ -385,7 +376,7 @@ def test_no_forkserver_starts_for_an_epoch_that_would_not_move(
     monkeypatch.setattr(auto.zygote, "running", lambda: False)
     warmed: list[Any] = []
     monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
-    loader, last = _server_loader()
+    loader, last = _short_epoch()
     last = types.SimpleNamespace(**{**vars(last), **change})
     choice = auto.AutoIsolation().next_epoch(loader, last)
     assert choice.mode == "threads" and reason in choice.reason, choice
@@ -401,7 +392,7 @@ def test_no_forkserver_starts_for_a_script_it_would_run_again(
     monkeypatch.setattr(auto, "unguarded_main_script", lambda: "train.py")
     warmed: list[Any] = []
     monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
-    loader, last = _server_loader()
+    loader, last = _short_epoch()
     policy = auto.AutoIsolation()
     choice = policy.next_epoch(loader, last)
     assert choice.mode == "threads" and "would run it again" in choice.reason, choice

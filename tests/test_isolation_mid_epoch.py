@@ -8,10 +8,12 @@ Whether items hold the GIL is a measurement a loaded machine can change: these t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -169,23 +171,6 @@ def test_a_state_saved_after_a_move_resumes_the_rest_of_the_epoch_exactly() -> N
     assert_epochs_equal([b[:4] for b in got[12:]], [b[:4] for b in whole[12:]])
 
 
-@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
-def test_no_move_while_another_python_thread_runs() -> None:
-    """Forking would copy a lock the other thread may hold: the epoch stays in threads."""
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait, name="user-thread")
-    other.start()
-    try:
-        loader = _ours()
-        batches = list(loader)
-    finally:
-        stop.set()
-        other.join()
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
-
-
 @pytest.fixture
 def warmed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The multiprocessing contexts ``auto`` started a forkserver for (none is started)."""
@@ -194,21 +179,39 @@ def warmed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return calls
 
 
+@contextlib.contextmanager
+def _another_thread() -> Iterator[None]:
+    """A Python thread of the user's runs meanwhile: this process may not be forked."""
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="user-thread")
+    other.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        other.join()
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "warmed")
+def test_no_move_while_another_python_thread_runs() -> None:
+    """Forking would copy a lock the other thread may hold: the epoch stays in threads."""
+    with _another_thread():
+        loader = _ours()
+        batches = list(loader)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
 def test_a_move_due_while_another_thread_runs_starts_the_forkserver_once(
     warmed: list[Any],
 ) -> None:
     """The epoch cannot move (forking is not safe), but the next one's helpers will come from a
     forkserver: it starts now, once, and imports torch while this epoch goes on."""
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait, name="user-thread")
-    other.start()
-    try:
+    with _another_thread():
         loader = _ours()
         batches = list(loader)
-    finally:
-        stop.set()
-        other.join()
     assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     assert loader.stats().mode == "threads"
     assert warmed == [None]
@@ -224,15 +227,9 @@ def test_a_move_that_may_fork_starts_no_forkserver(warmed: list[Any]) -> None:
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
 def test_no_forkserver_starts_for_a_collate_fn_that_cannot_be_pickled(warmed: list[Any]) -> None:
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait, name="user-thread")
-    other.start()
-    try:
+    with _another_thread():
         loader = _ours(collate_fn=lambda batch: len(batch))
         assert list(loader) == [4] * (N // 4)
-    finally:
-        stop.set()
-        other.join()
     assert warmed == []
 
 

@@ -201,3 +201,36 @@ def test_what_multiprocessing_does_not_import_again_never_reruns(
     assert unguarded_main_script() is None
     _main_module(monkeypatch, file=str(unguarded), spec_name="train")  # python -m train
     assert unguarded_main_script() == str(unguarded)
+
+
+def test_auto_stays_in_threads_when_helpers_cannot_import_the_datasets_module(
+    tmp_path: Path,
+) -> None:
+    """The dataset's class comes from a module the script loaded from a file path (not on
+    ``sys.path``): a helper from the forkserver cannot unpickle it. Every epoch still runs,
+    in threads, with a warning naming the module."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "items_from_a_path.py").write_text(
+        "import torch\nfrom torch.utils.data import Dataset\n"
+        "class Items(Dataset):\n"
+        "    def __len__(self):\n        return 16\n"
+        "    def __getitem__(self, i):\n        return torch.tensor(i)\n"
+    )
+    body = (
+        f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("items_from_a_path", {str(hidden / "items_from_a_path.py")!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules["items_from_a_path"] = module
+spec.loader.exec_module(module)
+Items = module.Items
+"""
+        + _AUTO_BODY
+    )
+    proc = _run(tmp_path, body, guarded=True)
+    assert proc.returncode == 0, proc.stderr
+    mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
+    assert mode.startswith("MODE threads"), mode
+    assert "No module named 'items_from_a_path'" in mode, mode
+    assert "could not start helper processes (ModuleNotFoundError" in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -181,6 +182,74 @@ def test_helpers_that_cannot_start_leave_the_epochs_in_threads_with_torchs_batch
         assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
     assert modes == ["threads"] * 3 and starts == [1]
     assert "could not start" in str(loader.stats().mode_reason)
+
+
+def _only_here(pid: int) -> WherePid:
+    """Unpickles a ``LoadsOnlyHere`` in the process that made it, and fails everywhere else."""
+    if os.getpid() != pid:
+        raise ModuleNotFoundError("No module named 'only_in_training'")
+    return LoadsOnlyHere()
+
+
+class LoadsOnlyHere(WherePid):
+    """A dataset a helper process cannot load: as one whose class lives in a module only the
+    training process can import (one it loaded from a file path)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _only_here, (os.getpid(),)
+
+
+@pytest.mark.usefixtures("_no_helper_left_behind")
+def test_helpers_that_cannot_load_the_dataset_leave_the_epochs_in_threads_with_torchs_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The helpers start, then fail unpickling the dataset: "auto" waits for them to load it,
+    so the epoch runs in threads with the worker seeds it would have had, instead of raising
+    from the loop's next(); later epochs do not try again."""
+    _verdict(monkeypatch, True)
+    kwargs: dict[str, Any] = {"batch_size": 4, "shuffle": True, "num_workers": 2}
+    theirs = torch_epochs(
+        WherePid(), epochs=3, generator=torch.Generator().manual_seed(5), **kwargs
+    )
+    loader = ThreadDataLoader(
+        LoadsOnlyHere(), generator=torch.Generator().manual_seed(5),
+        multiprocessing_context="forkserver", **kwargs,
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="No module named 'only_in_training'"):
+        ours, modes = _epochs(loader, 3)
+    for epoch in range(3):
+        assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
+    assert modes == ["threads"] * 3
+    reason = str(loader.stats().mode_reason)
+    assert "helper processes could not start (ModuleNotFoundError: No module named" in reason
+    assert "Traceback" not in reason
+
+
+def _slow_elsewhere(pid: int) -> WherePid:
+    """Unpickles a ``SlowToLoad``: at once here, after 30 s anywhere else."""
+    if os.getpid() != pid:
+        time.sleep(30)
+    return SlowToLoad()
+
+
+class SlowToLoad(WherePid):
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _slow_elsewhere, (os.getpid(),)
+
+
+@pytest.mark.usefixtures("_no_helper_left_behind")
+def test_helpers_slower_to_load_the_dataset_than_the_timeout_leave_the_epoch_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``timeout`` bounds the wait for the helpers to load what they run; they are ended."""
+    _verdict(monkeypatch, True)
+    loader = ThreadDataLoader(
+        SlowToLoad(), batch_size=4, num_workers=2, timeout=1.0,
+        multiprocessing_context="forkserver",
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="had not started after 1.0 seconds"):
+        _, modes = _epochs(loader, 2)
+    assert modes == ["threads", "threads"]
 
 
 def test_a_state_saved_in_a_helper_epoch_resumes_in_a_new_loader(

@@ -45,7 +45,7 @@ from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
-from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice
+from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice, one_line
 from threadloader.isolation.helper_source import check_isolation, start_helper_server
 from threadloader.isolation.mid_epoch import mover_for
 from threadloader.isolation.parent import IsolatedDataLoaderIter
@@ -423,13 +423,15 @@ class ThreadDataLoader(DataLoader[T_co]):
         if choice.mode == PROCESS:
             undo_draw = self._seed_draw_undoer()
             try:
-                return IsolatedDataLoaderIter(self, resume, helpers=choice.helpers)
+                return IsolatedDataLoaderIter(
+                    self, resume, helpers=choice.helpers, confirm_start=True
+                )
             except Exception as exc:  # noqa: BLE001  # "auto" runs the epoch in threads instead
                 undo_draw()  # the threads' iterator makes the failed one's base-seed draw
                 self._epoch_choice = self._auto.helpers_failed(exc)
                 warnings.warn(
                     f"threadloader: isolation='auto' could not start helper processes "
-                    f"({type(exc).__name__}: {exc}); this loader's epochs run in worker threads",
+                    f"({one_line(exc)}); this loader's epochs run in worker threads",
                     RuntimeWarning,
                     stacklevel=3,
                 )

@@ -27,11 +27,14 @@ Where the code disagrees with these rules, the code is wrong.
    not win the start back), with a ``multiprocessing_context`` of ``fork`` while this process
    runs other Python threads, or when the dataset, ``collate_fn`` or ``worker_init_fn`` cannot
    be pickled (checked once, into a sink that keeps nothing: a helper may have to receive them
-   pickled). So an unpicklable dataset never fails under ``"auto"``: it stays in threads. Where helpers
-   would come from a forkserver or spawn, which import ``__main__`` afresh (``main_script``),
-   nothing moves either if the main script has no ``if __name__ == "__main__":`` block (it
-   would run again in them) or if what is pickled names a class or function of a ``__main__``
-   they cannot import (a notebook, ``python -c``).
+   pickled). So an unpicklable dataset never fails under ``"auto"``: it stays in threads.
+   Where helpers would come from a forkserver or spawn, which import ``__main__`` afresh
+   (``main_script``), nothing moves either if the main script has no
+   ``if __name__ == "__main__":`` block (it would run again in them) or if what is pickled
+   names a class or function of a ``__main__`` they cannot import (a notebook, ``python -c``).
+   Helpers that fail to start, or to load what they run (a class from a module only this
+   process can import; the epoch waits until they have loaded it: ``parent`` point 7), leave
+   that epoch and every later one in threads (``helpers_failed``).
 5. Where helpers would come from a forkserver (this process runs other Python threads, a
    progress bar's monitor among them, and no zygote runs), the forkserver starts once an
    epoch's measurements say the workers should move and point 4 refuses nothing but the
@@ -154,6 +157,15 @@ def loop_pace(stats: LoaderStats, since: LoaderStats | None = None) -> float | N
     if batches < 1 or wall <= 0:
         return None
     return batches / wall
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line. An error raised in a helper carries the
+    helper's traceback in its message, whose last line names the original error."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1:
+        return lines[-1]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _too_short(last: LoaderStats, least: float) -> str:
@@ -289,8 +301,8 @@ class AutoIsolation:
             self._pace[THREADS] = pace
 
     def helpers_failed(self, exc: Exception) -> Choice:
-        """Helper processes chosen for the epoch about to start could not start: it runs in
-        threads, and so does every later epoch of this loader.
+        """Helper processes chosen for the epoch about to start could not start, or not load
+        what they run: it runs in threads, and so does every later epoch of this loader.
 
         Args:
             exc: what starting them raised.
@@ -298,7 +310,7 @@ class AutoIsolation:
         Returns:
             The new choice, also kept in ``choice``.
         """
-        self._start_problem = f"helper processes could not start ({type(exc).__name__}: {exc})"
+        self._start_problem = f"helper processes could not start ({one_line(exc)})"
         self.choice = Choice(THREADS, f"{self._start_problem}: the epoch runs in worker threads")
         return self.choice
 

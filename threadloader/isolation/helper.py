@@ -72,6 +72,7 @@ RESULT = 10  # (RESULT, idx, worker_id, generation, data, state, rng, stage timi
 SEGMENT = 11  # (SEGMENT, seg_id, slot_bytes, count), then the segment's descriptor
 RETIRE = 12  # (RETIRE, seg_id)
 FATAL = 13  # (FATAL, ExceptionWrapper): the helper could not start, or its own code failed
+STARTED = 14  # (STARTED,): the helper loaded its spec and started its workers' threads
 
 #: The training process's ends of every helper's pipes. Every process forked from the training
 #: process closes its copies at once (``_close_training_ends``): a helper holding its own control
@@ -485,6 +486,7 @@ def helper_main(
         sender.send((FATAL, error))
         _exit_now(1)
         return
+    sender.send((STARTED,))
     try:
         _wait_for_the_end(control, helper.ring)
     finally:

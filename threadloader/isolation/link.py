@@ -21,6 +21,7 @@ from threadloader.isolation.helper import (
     RESULT,
     RETIRE,
     SEGMENT,
+    STARTED,
     TRAINING_ENDS,
     HelperSpec,
     PickledOnce,
@@ -137,6 +138,7 @@ class _Link:
         TRAINING_ENDS.update([control_w, mailbox_w, tasks_w, result_here])
         self.reader = RingReader(mailbox_w.fileno())
         self.closed = False
+        self.started = False  # the helper said it loaded its spec (``wait_started``)
         self._cpus = usable_cpus()
         self.spin = False  # poll before sleeping on the next wait (point 6)
         self.polled = self.spun = 0  # waits that polled; of them, ended without sleeping
@@ -242,6 +244,31 @@ class _Link:
                 self.spin = waited <= SPIN_S and msg[8] < self._cpus
                 return msg
 
+    def wait_started(self, deadline: float | None) -> None:
+        """Wait until the helper has loaded its spec (unpickled the dataset, ``collate_fn`` and
+        ``worker_init_fn``) and started its workers' threads. Call before any task is sent.
+
+        Args:
+            deadline: ``time.monotonic()`` to wait until at most; None waits for good.
+
+        Raises:
+            TimeoutError: the helper had not started by ``deadline``.
+            HelperDied: the helper process ended.
+            RuntimeError: this link was closed, or the helper could not start (the original
+                exception's type, from its ``ExceptionWrapper``).
+        """
+        while not self.started:
+            self._check_open()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                arrived = self.results.poll(left)
+            except (EOFError, OSError):
+                raise self._died() from None
+            if not arrived:
+                raise TimeoutError
+            if self.take_message() is not None:  # no task was sent: nothing to deliver
+                raise RuntimeError("threadloader: a helper sent a result before it started")
+
     def take_message(self) -> tuple[Any, ...] | None:
         """Read one message (waiting for it); a result is returned, a segment's news is applied.
 
@@ -263,6 +290,8 @@ class _Link:
                 self.reader.add_segment(seg_id, slot_bytes, count, recv_handle(conn))
             elif tag == RETIRE:
                 self.reader.retire(msg[1])
+            elif tag == STARTED:
+                self.started = True
         except (EOFError, OSError):
             raise self._died() from None
         if tag == FATAL:
@@ -384,6 +413,16 @@ class Links:
     def ready(self) -> bool:
         """Whether any helper's message is waiting (a snapshot)."""
         return any(link.ready() for link in self.links)
+
+    def wait_started(self, timeout: float | None) -> None:
+        """Wait until every helper has loaded its spec and started (``_Link.wait_started``).
+
+        Args:
+            timeout: seconds to wait at most, for all of them; None waits for good.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for link in self.links:
+            link.wait_started(deadline)
 
     def receive(self, timeout: float | None) -> tuple[Any, ...]:
         """The next result message from any helper.

@@ -45,6 +45,11 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    anyway, stops polling once waits grow longer than ``SPIN_S`` (batches that take
    milliseconds, where a wake-up is cheap by comparison) or the helper needs every CPU, and
    releases the GIL and yields the CPU on every poll.
+7. Each helper says when it has loaded what it runs and started its workers. With
+   ``confirm_start`` (``isolation="auto"``), the iterator waits for that before it dispatches,
+   so a helper that cannot load the dataset (a class from a module only this process can
+   import) fails the iterator's construction, which ``"auto"`` answers with threads, instead of
+   the loop's ``next()``. Otherwise the message is only noted.
 """
 
 from __future__ import annotations
@@ -141,14 +146,23 @@ class IsolatedDataLoaderIter(DispatchingIter):
         loader: the loader this epoch belongs to.
         resume: a checked state to resume from (``ThreadDataLoader.load_state_dict``).
         helpers: how many helper processes; None: the loader's ``helpers``, else one.
+        confirm_start: wait until every helper has loaded the dataset, ``collate_fn`` and
+            ``worker_init_fn`` before dispatching (point 7).
 
     Raises:
         ValueError: the loader's ``multiprocessing_context`` starts processes with ``fork``.
-        Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
+        RuntimeError: with ``confirm_start``, ``timeout`` expired before the helpers started.
+        Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises, or, with
+            ``confirm_start``, a helper raised loading them.
     """
 
     def __init__(
-        self, loader: DataLoader[Any], resume: Resume | None = None, *, helpers: int | None = None
+        self,
+        loader: DataLoader[Any],
+        resume: Resume | None = None,
+        *,
+        helpers: int | None = None,
+        confirm_start: bool = False,
     ) -> None:
         super().__init__(loader, resume)
         self._log_every_s = options_of(loader).log_every_s
@@ -156,9 +170,31 @@ class IsolatedDataLoaderIter(DispatchingIter):
         count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
         self._attach(Links(_start_links(ctx, self, worker_spec, count)))
+        if confirm_start:
+            self._confirm_start()
         self._generation = 0
         self._new_stats()
         self._reset(loader, first_iter=True)
+
+    def _confirm_start(self) -> None:
+        """Wait until every helper has loaded what it runs (point 7); kill them if one cannot
+        (one still loading would not see the end of its control pipe).
+
+        Raises:
+            RuntimeError: ``timeout`` expired first.
+            Exception: what a helper raised loading its spec, with the original type.
+        """
+        try:
+            try:
+                self._links.wait_started(self._timeout if self._timeout > 0 else None)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"threadloader: helper processes had not started after {self._timeout} seconds"
+                ) from None
+        except BaseException:
+            self._finalizer.detach()
+            self._links.reap()
+            raise
 
     @classmethod
     def take_over(cls, epoch: Any, count: int) -> None:

@@ -12,9 +12,9 @@ import types
 from pathlib import Path
 
 import pytest
-from test_helpers_and_the_main_module import _PRELUDE, _run
+from test_helpers_and_the_main_module import _PRELUDE, _PROCESS_BODY, _run
 
-from threadloader.isolation import forkserver_ready, helper_source
+from threadloader.isolation import helper_source
 
 #: Mid-epoch checks from the first batch on; epochs of any length move once the server is
 #: ready, none before (a cold server's start is never won back).
@@ -22,7 +22,7 @@ _WARM_PRELUDE = (
     _PRELUDE
     + """
 import multiprocessing.forkserver, time
-from threadloader.isolation import forkserver_ready, helper_source, mid_epoch
+from threadloader.isolation import helper_source, mid_epoch
 mid_epoch.MEASURE_S = mid_epoch.CHECK_EVERY_S = 0.0
 auto.MIN_EPOCH_S, auto.MIN_EPOCH_S_SERVER = 0.0, 1e9
 
@@ -50,7 +50,7 @@ while time.monotonic() < deadline and "process" not in modes:
 print("MODES", modes, flush=True)
 print("WAITED", reasons[0], flush=True)
 print("READY", helper_source.forkserver_is_ready(), flush=True)
-print("MARK", forkserver_ready.mark_path(server_pid()), flush=True)
+print("MARK", helper_source.mark_path(server_pid()), flush=True)
 stop.set()
 """
 
@@ -89,22 +89,100 @@ def test_no_forkserver_starts_for_an_unguarded_script(tmp_path: Path) -> None:
     assert _line(proc.stdout, "READY") == "False"
 
 
-def test_a_forkserver_is_ready_once_it_marked_itself_or_when_another_started_it(
+def test_a_forkserver_is_ready_once_it_marked_itself_or_preloads_the_helper(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``forkserver_ready`` marks a server threadloader started; one started by someone else,
-    without that module, has no mark to wait for and counts as ready."""
+    """``forkserver_ready`` marks a server threadloader started. One started by someone else
+    without threadloader's helper (a ``multiprocessing.Pool`` of the user's) would make each
+    helper import torch: not ready. One whose preloads include the helper but not the mark
+    (started from a preload list the user set) counts as ready."""
     pid = 2**22 + os.getpid()  # no live process: nothing else writes this mark
     server = types.SimpleNamespace(_forkserver_pid=None, _preload_modules=["__main__"])
     monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", server)
     assert not helper_source.forkserver_is_ready()  # none runs
     server._forkserver_pid = pid
-    assert helper_source.forkserver_is_ready()  # the user's or another library's
+    assert not helper_source.forkserver_is_ready()  # another library's, without torch
+    server._preload_modules = ["__main__", "threadloader.isolation.helper"]
+    assert helper_source.forkserver_is_ready()
     server._preload_modules = ["__main__", *helper_source._PRELOAD]
     assert not helper_source.forkserver_is_ready()  # ours, still importing
-    mark = Path(forkserver_ready.mark_path(pid))
+    mark = Path(helper_source.mark_path(pid))
     mark.touch()
     try:
         assert helper_source.forkserver_is_ready()
     finally:
         mark.unlink()
+
+
+_DYING_PRELUDE = (
+    _WARM_PRELUDE
+    + """
+import multiprocessing
+multiprocessing.set_forkserver_preload(["__main__", "preload_that_raises"])
+"""
+)
+
+
+def test_a_forkserver_that_dies_before_it_is_ready_is_not_started_again(tmp_path: Path) -> None:
+    """A preload module that raises ends the forkserver before its mark: the next epochs stay
+    in threads without starting a server each (and printing its traceback each time)."""
+    (tmp_path / "preload_that_raises.py").write_text("raise RuntimeError('no forkserver here')\n")
+    body = """
+monitor.start()
+loader = ThreadDataLoader(Many(), batch_size=4, num_workers=2)
+modes = []
+for _ in range(2):
+    list(loader)
+    modes.append(loader.stats().mode)
+deadline = time.monotonic() + 60
+while not helper_source.forkserver_lost() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("LOST", helper_source.forkserver_lost(), flush=True)
+for _ in range(3):
+    list(loader)
+    modes.append(loader.stats().mode)
+print("MODES", modes, flush=True)
+print("WHY", loader.stats().mode_reason, flush=True)
+stop.set()
+"""
+    proc = _run(tmp_path, body, guarded=True, prelude=_DYING_PRELUDE)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("RuntimeError: no forkserver here") == 1, proc.stderr
+    assert _line(proc.stdout, "MODES") == str(["threads"] * 5)
+    assert "exited before it was ready" in _line(proc.stdout, "WHY")
+    assert _line(proc.stdout, "LOST") == "True"
+
+
+def test_the_forkserver_imports_the_main_script_once_for_every_helper(tmp_path: Path) -> None:
+    """Helpers forked from the forkserver find the script imported there (as ``__mp_main__``):
+    its top level, imports included, runs in the training process and the forkserver only, not
+    once more per helper (Python 3.11-3.13's forkserver imports nothing by itself)."""
+    body = _PROCESS_BODY.replace('isolation="process")', 'isolation="process", helpers=2)')
+    body = body.replace("Items()", "Many()")
+    proc = _run(tmp_path, body, guarded=True, prelude=_WARM_PRELUDE)
+    assert proc.returncode == 0, proc.stderr
+    assert "BATCHES" in proc.stdout
+    assert proc.stdout.count("SCRIPT RAN") == 2, proc.stdout
+
+
+def test_only_the_forkserver_imports_its_ready_mark_and_quick_exit() -> None:
+    """The forkserver imports the main script before its preloads: a script's
+    ``import threadloader`` must not import them (marking the server ready before its other
+    preloads, registering the quick exit before their exit handlers)."""
+    import ast
+
+    import threadloader
+
+    package = Path(threadloader.__file__).parent
+    hooks = {"forkserver_ready", "forkserver_exit"}
+    importers = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.rsplit(".", 1)[-1] in hooks for n in names) and path.stem not in hooks:
+                importers.append(str(path.relative_to(package)))
+    assert importers == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import pickle
 import threading
 import time
 from typing import Any
@@ -450,6 +451,47 @@ def test_no_forkserver_starts_for_an_epoch_that_would_not_move(
     choice = auto.AutoIsolation().next_epoch(loader, last)
     assert choice.mode == "threads" and reason in choice.reason, choice
     assert warmed == []
+
+
+def test_helpers_that_receive_a_large_dataset_pickled_need_a_longer_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From a ready forkserver a helper starts in milliseconds, plus the time to pickle and
+    unpickle what it runs (3M Python strings: about a second); forked helpers pickle nothing."""
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: True)
+    monkeypatch.setattr(auto, "forkserver_is_ready", lambda: True)
+    loader, last = _short_epoch()
+    nbytes = auto._pickle_check(loader).nbytes
+    assert nbytes >= len(pickle.dumps(loader.dataset, protocol=pickle.HIGHEST_PROTOCOL))
+    monkeypatch.setattr(auto, "PICKLED_BYTES_PER_S", nbytes / 1.0)  # one second to pickle
+    choice = auto.AutoIsolation().next_epoch(loader, last)
+    assert choice.mode == "threads", choice
+    assert "too short to win back starting helper processes (epochs of 1.3 s" in choice.reason
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda: True)
+    assert auto.AutoIsolation().next_epoch(loader, last).mode == "process"
+
+
+@pytest.mark.parametrize(
+    ("workers", "reason"), [(1, "need 2 workers"), (2, "helper processes could not start")]
+)
+def test_a_reason_that_lasts_is_given_before_the_epochs_length(
+    monkeypatch: pytest.MonkeyPatch, workers: int, reason: str
+) -> None:
+    """A short epoch of a loader that can never move says why it never will, not that a longer
+    epoch would."""
+    import types
+
+    loader, last = _short_epoch()
+    loader.num_workers = workers
+    last = types.SimpleNamespace(**{**vars(last), "wall_s": 0.1})
+    policy = auto.AutoIsolation()
+    if workers == 2:
+        policy.helpers_failed(OSError("no more processes"))
+    choice = policy.next_epoch(loader, last)
+    assert choice.mode == "threads" and reason in choice.reason, choice
+    assert "too short" not in choice.reason
 
 
 def test_no_forkserver_starts_for_a_script_it_would_run_again(

@@ -39,10 +39,12 @@ Where the code disagrees with these rules, the code is wrong.
    progress bar's monitor among them, and no zygote runs), the forkserver starts once an
    epoch's measurements say the workers should move and point 4 refuses nothing but the
    epoch's length: mid-way through the first epoch (``mid_epoch`` calls ``warm_up``), or at
-   the next ``iter()``. It imports torch while the epochs go on in threads, and an epoch of
-   ``MIN_EPOCH_S`` or more moves once the forkserver is ready (``helper_source`` point 5), its
-   helpers starting as fast as forked ones. Nothing else starts a forkserver: it costs an
-   interpreter with torch imported, kept until the training process exits.
+   the next ``iter()``. It imports the main script and torch while the epochs go on in threads,
+   and once it is ready (``helper_source`` point 5) an epoch of ``MIN_EPOCH_S`` moves, plus the
+   time to pickle and unpickle what the helpers run (``PICKLED_BYTES_PER_S``; that time is
+   added to ``MIN_EPOCH_S_SERVER`` too). A forkserver that exits before it is ready is not
+   started again for a warm-up. Otherwise ``"auto"`` starts a forkserver only to start helpers
+   from it: it costs an interpreter with torch imported, kept until the training process exits.
 6. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
 """
@@ -60,6 +62,7 @@ from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
 from threadloader.isolation.helper_source import (
     forkserver_is_ready,
+    forkserver_lost,
     rerun_reason,
     start_method,
     warm_forkserver,
@@ -79,6 +82,11 @@ MOVE_BACK = 0.9
 MIN_EPOCH_S = 0.3
 #: ... or than this, where helpers would not be forked from this process or the zygote.
 MIN_EPOCH_S_SERVER = 3.0
+#: Helpers that receive what they run pickled (from a forkserver or spawn) start later by the
+#: time this process takes to pickle it and the helper to unpickle it, counted at this rate:
+#: 3M Python strings (65 MB) took 0.63 s to pickle and 0.25 s to unpickle on 2 cores; a 537 MB
+#: numpy array 0.32 s and 0.33 s.
+PICKLED_BYTES_PER_S = 100e6
 #: Why a loader that names ``fork`` stays in threads while other Python threads run (point 4).
 FORK_REFUSED = (
     "multiprocessing_context='fork' and this process runs other Python threads: "
@@ -176,17 +184,25 @@ def _too_short(last: LoaderStats, least: float) -> str:
 
 
 class _Discard:
+    """Keeps nothing of what is written to it but its size."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
     def write(self, data: bytes | pickle.PickleBuffer) -> int:
         # Protocol 5 hands a large contiguous buffer (a numpy array) over as a PickleBuffer,
         # which has no len().
-        return memoryview(data).nbytes
+        size = memoryview(data).nbytes
+        self.nbytes += size
+        return size
 
 
 class _Probe(pickle.Pickler):
     """Pickles into nothing, noting the first class or function it names from ``__main__``."""
 
     def __init__(self) -> None:
-        super().__init__(_Discard(), pickle.HIGHEST_PROTOCOL)
+        self.sink = _Discard()
+        super().__init__(self.sink, pickle.HIGHEST_PROTOCOL)
         self.from_main: str | None = None
 
     def reducer_override(self, obj: Any) -> Any:
@@ -204,11 +220,12 @@ class _Pickled:
 
     problem: str | None  # why one cannot be pickled at all
     from_main: str | None  # "its dataset needs Items": the first that names ``__main__``
+    nbytes: int = 0  # the size of all three pickled
 
 
 def _pickle_check(loader: Any) -> _Pickled:
     """What a helper process could not receive, and what it needs from ``__main__``."""
-    from_main = None
+    from_main, nbytes = None, 0
     for name in ("dataset", "collate_fn", "worker_init_fn"):
         probe = _Probe()
         try:
@@ -217,7 +234,8 @@ def _pickle_check(loader: Any) -> _Pickled:
             return _Pickled(f"its {name} cannot be pickled ({type(exc).__name__}: {exc})", None)
         if from_main is None and probe.from_main is not None:
             from_main = f"its {name} needs {probe.from_main}"
-    return _Pickled(None, from_main)
+        nbytes += probe.sink.nbytes
+    return _Pickled(None, from_main, nbytes)
 
 
 class AutoIsolation:
@@ -337,31 +355,48 @@ class AutoIsolation:
             warm_forkserver(loader.multiprocessing_context)
 
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
+        lasting = self._lasting(loader)
+        if lasting is not None:
+            return lasting
         if last.wall_s < MIN_EPOCH_S:
             return _too_short(last, MIN_EPOCH_S)
         method = start_method(loader.multiprocessing_context)
         forked = method in (None, "fork") and (zygote.may_fork() or zygote.running())
         refusal = self._refusal(loader, forked)
-        if refusal is not None or forked or last.wall_s >= MIN_EPOCH_S_SERVER:
+        if refusal is not None or forked:
             return refusal
-        # From a forkserver or spawn, whose start (an interpreter importing torch) a shorter
-        # epoch could not win back, unless the forkserver has started already (point 5).
-        if not warm_forkserver(loader.multiprocessing_context):
-            return _too_short(last, MIN_EPOCH_S_SERVER)
-        if forkserver_is_ready():
+        # Helpers from a forkserver or spawn receive what they run pickled (point 4), and one
+        # from a server that is not ready, or from spawn, waits for an interpreter to import
+        # torch, unless the forkserver started already (point 5).
+        pickled_s = self._pickle_check(loader).nbytes / PICKLED_BYTES_PER_S
+        if last.wall_s >= MIN_EPOCH_S_SERVER + pickled_s:
             return None
+        warming = warm_forkserver(loader.multiprocessing_context)
+        if warming and forkserver_is_ready():
+            least = MIN_EPOCH_S + pickled_s
+            return None if last.wall_s >= least else _too_short(last, least)
+        if not warming:
+            lost = " (the forkserver started for them exited before it was ready)"
+            return _too_short(last, MIN_EPOCH_S_SERVER + pickled_s) + lost * forkserver_lost()
         return (
             f"the epoch lasted {last.wall_s:.2f} s, and the forkserver helper processes come "
-            f"from is still importing torch: epochs of {MIN_EPOCH_S:g} s or more move once it "
-            f"is ready, of {MIN_EPOCH_S_SERVER:g} s or more until then"
+            f"from is still importing torch: epochs of {MIN_EPOCH_S + pickled_s:.2g} s or more "
+            f"move once it is ready, of {MIN_EPOCH_S_SERVER + pickled_s:.2g} s or more until then"
         )
 
-    def _refusal(self, loader: Any, forked: bool) -> str | None:
-        """Why no helper may run this loader's workers, whatever the epoch's length (point 4)."""
+    def _lasting(self, loader: Any) -> str | None:
+        """Why no helper will ever run this loader's workers, known without pickling."""
         if self._start_problem is not None:
             return self._start_problem
         if too_few_to_help(loader):
             return "helper processes need 2 workers and 2 usable CPUs to help"
+        return None
+
+    def _refusal(self, loader: Any, forked: bool) -> str | None:
+        """Why no helper may run this loader's workers, whatever the epoch's length (point 4)."""
+        lasting = self._lasting(loader)
+        if lasting is not None:
+            return lasting
         if self._fork_refused(loader):
             return FORK_REFUSED
         problem = self.pickling_problem(loader)

@@ -3,9 +3,14 @@
 multiprocessing's forkserver imports its preload modules (the main script, threadloader's
 helper, torch: 1.5 s and more) before it answers a request; a helper asked for meanwhile waits
 for those imports. ``helper_source`` preloads this module after every other one. Imported in the
-forkserver, it creates an empty file named for the server's user and pid (``mark_path``), which
-the training process can look for without asking the server (``helper_source.forkserver_ready``),
-and removes it when the server exits. Imported in any other process, it does nothing.
+forkserver, it creates an empty file named for the server's user and pid
+(``helper_source.mark_path``), which the training process can look for without asking the
+server (``helper_source.forkserver_is_ready``), and removes it when the server exits. Imported in
+any other process, it does nothing.
+
+Nothing else in threadloader imports this module or ``forkserver_exit``: the forkserver imports
+the main script first, and the script's ``import threadloader`` must not mark the server ready
+before the preloads after it, nor register ``forkserver_exit``'s handler before theirs.
 """
 
 from __future__ import annotations
@@ -13,30 +18,27 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import tempfile
 
 from threadloader.isolation.forkserver_exit import in_forkserver
+from threadloader.isolation.helper_source import mark_path
 
 
-def mark_path(pid: int) -> str:
-    """The file the forkserver with this pid creates once its imports are done."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(tempfile.gettempdir(), f"threadloader-{uid}-forkserver-{pid}.ready")
-
-
-def _unmark(path: str) -> None:
+def _unmark(path: str, pid: int) -> None:
+    if os.getpid() != pid:  # a process forked from the server, exiting: the server still runs
+        return
     with contextlib.suppress(OSError):
         os.unlink(path)
 
 
 def _mark() -> None:
-    path = mark_path(os.getpid())
+    pid = os.getpid()
+    path = mark_path(pid)
     try:
         with open(path, "wb"):
             pass
     except OSError:  # the training process then waits for a helper's start, as without a mark
         return
-    atexit.register(_unmark, path)
+    atexit.register(_unmark, path, pid)
 
 
 if in_forkserver():

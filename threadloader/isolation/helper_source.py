@@ -23,7 +23,10 @@ Where the code disagrees with these rules, the code is wrong.
 5. ``isolation="auto"`` starts a forkserver only once its measurements say the workers should
    move and this process may not be forked (``warm_forkserver``), and moves an epoch shorter
    than a forkserver's start only once the server is ready (``forkserver_is_ready``): the
-   forkserver marks that itself, after its imports (``forkserver_ready``).
+   forkserver marks that itself, after its imports (``forkserver_ready``). One it started that
+   exited before its mark is not started again that way (``forkserver_lost``).
+6. A forkserver started here imports the main script before it is ready, as multiprocessing
+   means it to (``_main_path_passed``), so its helpers do not each run the script's imports.
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ import contextlib
 import functools
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.spawn
 import multiprocessing.util
 import os
 import socket
+import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
-from threadloader.isolation import forkserver_ready, zygote
+from threadloader.isolation import zygote
 from threadloader.isolation.main_script import unguarded_main_script
 
 #: Values the loader's ``isolation=`` option accepts.
@@ -153,7 +160,7 @@ def start_helper_server(multiprocessing_context: Any = None) -> None:
         return  # this process is importing __main__ for multiprocessing: start nothing here
     if multiprocessing_context is None and zygote.ensure_running():
         return
-    _start_forkserver(helper_context(multiprocessing_context))
+    start_forkserver(helper_context(multiprocessing_context))
 
 
 def warm_forkserver(multiprocessing_context: Any = None) -> bool:
@@ -172,44 +179,119 @@ def warm_forkserver(multiprocessing_context: Any = None) -> bool:
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return False  # this process is importing __main__ for multiprocessing
+    if forkserver_lost():
+        return False  # started again, it would be lost again: helpers wait for their start
     try:
         ctx = helper_context(multiprocessing_context)
     except (RuntimeError, ValueError):  # no helper may start: nothing to warm
         return False
-    return _start_forkserver(ctx)
+    if ctx.get_start_method() != "forkserver":
+        return False
+    started = start_forkserver(ctx)
+    if started is not None:
+        _warmed.add(started)
+    return started is not None
 
 
 def forkserver_is_ready() -> bool:
     """Whether a forkserver runs with its imports done: a helper asked for now starts at once.
 
     Known from the mark ``forkserver_ready`` leaves (point 5). A forkserver started without that
-    module among its preloads (by the user, or by another library before threadloader) is taken
-    as ready: it was not started for threadloader's helpers just now.
+    module among its preloads but with threadloader's helper (the user's preload list, kept) is
+    taken as ready; one without the helper (started by the user or another library for its own
+    processes) is not: each helper would import torch.
     """
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return False
-    if _READY_MARK not in getattr(server, "_preload_modules", ()):
-        return True
-    return os.path.exists(forkserver_ready.mark_path(pid))
+    preloaded = getattr(server, "_preload_modules", ())
+    if _READY_MARK not in preloaded:
+        return _PRELOAD[0] in preloaded
+    return os.path.exists(mark_path(pid))
 
 
-def _start_forkserver(ctx: Any) -> bool:
-    """Start the forkserver if ``ctx`` uses one; whether it does and runs (or starts) now."""
+def forkserver_lost() -> bool:
+    """Whether a forkserver ``warm_forkserver`` started exited before it was ready (a preload
+    module raised, the out-of-memory killer): it is not started that way again."""
+    return any(_exited(pid) and not os.path.exists(mark_path(pid)) for pid in _warmed)
+
+
+def mark_path(pid: int) -> str:
+    """The file the forkserver with this pid creates once its imports are done
+    (``forkserver_ready``)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"threadloader-{uid}-forkserver-{pid}.ready")
+
+
+def start_forkserver(ctx: Any) -> int | None:
+    """Start the forkserver if ``ctx`` uses one and none runs, without waiting for its imports.
+
+    It imports the main script as helpers would (``__mp_main__``) before it is ready, so that
+    its helpers do not each import it again (``_main_path_passed``).
+
+    Returns:
+        The forkserver's pid, or None where ``ctx`` uses none or it could not start.
+    """
     if ctx.get_start_method() != "forkserver":
-        return False
+        return None
     server = multiprocessing.forkserver._forkserver
     before = getattr(server, "_forkserver_pid", None)
     try:
-        multiprocessing.forkserver.ensure_running()
+        with _main_path_passed():
+            multiprocessing.forkserver.ensure_running()
     except OSError:  # iter() tries again, and raises what starting a helper raises
-        return False
+        return None
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None and pid != before:  # a mark left by a killed server with this pid
         with contextlib.suppress(OSError):
-            os.unlink(forkserver_ready.mark_path(pid))
-    return pid is not None
+            os.unlink(mark_path(pid))
+    return pid if isinstance(pid, int) else None
+
+
+#: Forkservers ``warm_forkserver`` started (their pids).
+_warmed: set[int] = set()
+
+
+def _exited(pid: int) -> bool:
+    """Whether this process's child ``pid`` has ended (without reaping it: multiprocessing
+    reaps its forkserver itself)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+    except (AttributeError, OSError):  # no waitid here: take it as running
+        return False
+
+
+@contextlib.contextmanager
+def _main_path_passed() -> Iterator[None]:
+    """Let a forkserver started meanwhile import the main script before it is ready.
+
+    multiprocessing means to: with ``"__main__"`` among the preloads (the default, kept by
+    ``_preload_in_forkserver``), the server imports ``main_path`` from the preparation data.
+    Python 3.11 to 3.13 look for ``main_path`` where the data has ``init_main_from_path``, so
+    the server imports nothing and every helper imports the script again, its imports included
+    (seconds for a script importing a large library). The key is added while the server starts;
+    nothing else reads it.
+    """
+    with _passing_main_path:  # one swap at a time, each undone in order
+        original = multiprocessing.spawn.get_preparation_data
+
+        def with_main_path(name: str) -> dict[str, Any]:
+            data = original(name)
+            if "init_main_from_path" in data:
+                data.setdefault("main_path", data["init_main_from_path"])
+            return data
+
+        multiprocessing.spawn.get_preparation_data = with_main_path
+        try:
+            yield
+        finally:
+            multiprocessing.spawn.get_preparation_data = original
+
+
+_passing_main_path = threading.Lock()
 
 
 def _forkserver_can_listen() -> bool:

@@ -72,7 +72,7 @@ from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
 from threadloader.device.pinned import pin_batch, pinned_allocator
 from threadloader.isolation.helper import HelperSpec
-from threadloader.isolation.helper_source import helper_context
+from threadloader.isolation.helper_source import helper_context, start_forkserver
 from threadloader.isolation.link import Links, _Link
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
@@ -169,6 +169,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
+        start_forkserver(ctx)  # if it uses one: preloading the main script, once
         self._attach(Links(_start_links(ctx, self, worker_spec, count)))
         if confirm_start:
             self._confirm_start()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
 import pytest
-from test_helpers_and_the_main_module import _PRELUDE, _PROCESS_BODY, _run
+from test_helpers_and_the_main_module import _PRELUDE, _PROCESS_BODY, _REPO, _run
 
 from threadloader.isolation import helper_source
 
@@ -165,16 +167,16 @@ def test_the_forkserver_imports_the_main_script_once_for_every_helper(tmp_path: 
     assert proc.stdout.count("SCRIPT RAN") == 2, proc.stdout
 
 
-def test_only_the_forkserver_imports_its_ready_mark_and_quick_exit() -> None:
-    """The forkserver imports the main script before its preloads: a script's
-    ``import threadloader`` must not import them (marking the server ready before its other
+def test_only_the_forkserver_imports_its_main_import_ready_mark_and_quick_exit() -> None:
+    """The forkserver imports the main script before the other preloads: a script's
+    ``import threadloader`` must not import these (marking the server ready before its other
     preloads, registering the quick exit before their exit handlers)."""
     import ast
 
     import threadloader
 
     package = Path(threadloader.__file__).parent
-    hooks = {"forkserver_ready", "forkserver_exit"}
+    hooks = {"forkserver_ready", "forkserver_exit", "forkserver_main"}
     importers = []
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -186,3 +188,40 @@ def test_only_the_forkserver_imports_its_ready_mark_and_quick_exit() -> None:
             if any(n.rsplit(".", 1)[-1] in hooks for n in names) and path.stem not in hooks:
                 importers.append(str(path.relative_to(package)))
     assert importers == []
+
+
+def test_a_script_in_another_folder_is_imported_by_the_forkserver_with_its_sys_path(
+    tmp_path: Path,
+) -> None:
+    """``python scripts/train.py`` from the project's root: the script imports a module beside
+    it, found through ``sys.path[0]``, which the forkserver (a ``python -c`` process started in
+    the root) lacks. The server imports the script with the training process's ``sys.path``,
+    once; no helper imports it again, and nothing fails on the way."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "beside.py").write_text(
+        "import torch\nfrom torch.utils.data import Dataset\n"
+        "class Many(Dataset):\n"
+        "    def __len__(self):\n        return 64\n"
+        "    def __getitem__(self, i):\n        return torch.tensor(i)\n"
+    )
+    (scripts / "train.py").write_text(
+        "import threading\nfrom beside import Many\nprint('SCRIPT RAN', flush=True)\n"
+        "if __name__ == '__main__':\n"
+        "    from threadloader import ThreadDataLoader\n"
+        "    stop = threading.Event()\n"
+        "    threading.Thread(target=stop.wait, daemon=True).start()\n"
+        "    loader = ThreadDataLoader(Many(), batch_size=4, num_workers=2, isolation='process',"
+        " helpers=2)\n"
+        "    print('BATCHES', len(list(loader)), flush=True)\n"
+        "    stop.set()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "scripts/train.py"],
+        capture_output=True, text=True, timeout=90, env=env, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "BATCHES 16" in proc.stdout
+    assert proc.stdout.count("SCRIPT RAN") == 2, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr

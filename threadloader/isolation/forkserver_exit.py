@@ -20,13 +20,7 @@ import atexit
 import os
 import sys
 
-#: The code ``multiprocessing.forkserver`` starts its server with (``python -c CODE``).
-_SERVER_CODE = "from multiprocessing.forkserver import main"
-
-
-def in_forkserver() -> bool:
-    """Whether this process is a multiprocessing forkserver."""
-    return any(_SERVER_CODE in arg for arg in getattr(sys, "orig_argv", ()))
+from threadloader.isolation.forkserver_process import in_forkserver
 
 
 def _exit_now() -> None:

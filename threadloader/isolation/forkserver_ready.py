@@ -19,7 +19,7 @@ import atexit
 import contextlib
 import os
 
-from threadloader.isolation.forkserver_exit import in_forkserver
+from threadloader.isolation.forkserver_process import in_forkserver
 from threadloader.isolation.helper_source import mark_path
 
 

@@ -25,8 +25,10 @@ Where the code disagrees with these rules, the code is wrong.
    than a forkserver's start only once the server is ready (``forkserver_is_ready``): the
    forkserver marks that itself, after its imports (``forkserver_ready``). One it started that
    exited before its mark is not started again that way (``forkserver_lost``).
-6. A forkserver started here imports the main script before it is ready, as multiprocessing
-   means it to (``_main_path_passed``), so its helpers do not each run the script's imports.
+6. A forkserver started here imports the main script before it is ready, with the training
+   process's ``sys.path``, as each helper would (``forkserver_main``, preloaded in place of
+   ``"__main__"``; ``_main_path_passed``), so its helpers do not each run the script's imports.
+   Where that import fails, each helper imports the script itself.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ ISOLATION_MODES = ("auto", "process", "threads", None)
 _READY_MARK = "threadloader.isolation.forkserver_ready"
 #: Modules the forkserver imports after the user's: the helper, its quick exit, its ready mark.
 _PRELOAD = ("threadloader.isolation.helper", "threadloader.isolation.forkserver_exit", _READY_MARK)
+#: What the forkserver preloads in place of ``"__main__"`` (point 6).
+_MAIN_IMPORT = "threadloader.isolation.forkserver_main"
 
 
 def check_isolation(isolation: object, multiprocessing_context: object = None) -> None:
@@ -266,15 +270,18 @@ def _exited(pid: int) -> bool:
 
 @contextlib.contextmanager
 def _main_path_passed() -> Iterator[None]:
-    """Let a forkserver started meanwhile import the main script before it is ready.
+    """Let a forkserver started meanwhile import the main script before it is ready (point 6).
 
-    multiprocessing means to: with ``"__main__"`` among the preloads (the default, kept by
-    ``_preload_in_forkserver``), the server imports ``main_path`` from the preparation data.
-    Python 3.11 to 3.13 look for ``main_path`` where the data has ``init_main_from_path``, so
-    the server imports nothing and every helper imports the script again, its imports included
-    (seconds for a script importing a large library). The key is added while the server starts;
-    nothing else reads it.
+    The server receives the preparation data's ``main_path`` and ``sys_path``; Python 3.11 to
+    3.13 have the path under ``init_main_from_path``, so the server never gets it. The key is
+    added while the server starts, for ``forkserver_main`` (preloaded in place of
+    ``"__main__"``, whose own import would miss the training process's ``sys.path``); nothing
+    else reads it. Not where ``"__main__"`` is still among the preloads.
     """
+    server = multiprocessing.forkserver._forkserver
+    if _MAIN_IMPORT not in getattr(server, "_preload_modules", ()):
+        yield
+        return
     with _passing_main_path:  # one swap at a time, each undone in order
         original = multiprocessing.spawn.get_preparation_data
 
@@ -326,7 +333,8 @@ def _preload_in_forkserver(ctx: Any) -> None:
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", None) is not None:
         return
-    modules = list(getattr(server, "_preload_modules", ["__main__"]))
+    asked = list(getattr(server, "_preload_modules", ["__main__"]))
+    modules = [_MAIN_IMPORT if name == "__main__" else name for name in asked]
     missing = [name for name in _PRELOAD if name not in modules]
-    if missing:
+    if missing or modules != asked:
         ctx.set_forkserver_preload([*modules, *missing])

@@ -185,19 +185,25 @@ def test_helpers_that_cannot_start_leave_the_epochs_in_threads_with_torchs_batch
     assert "could not start" in str(loader.stats().mode_reason)
 
 
-def _only_here(pid: int) -> WherePid:
-    """Unpickles a ``LoadsOnlyHere`` in the process that made it, and fails everywhere else."""
+def _load_elsewhere(pid: int, how: str) -> WherePid:
+    """Unpickles a ``LoadsElsewhere`` at once in the process that made it; anywhere else it
+    fails (``how="fail"``) or takes 30 s (``"slow"``)."""
     if os.getpid() != pid:
-        raise ModuleNotFoundError("No module named 'only_in_training'")
-    return LoadsOnlyHere()
+        if how == "fail":
+            raise ModuleNotFoundError("No module named 'only_in_training'")
+        time.sleep(30)
+    return LoadsElsewhere(how)
 
 
-class LoadsOnlyHere(WherePid):
-    """A dataset a helper process cannot load: as one whose class lives in a module only the
-    training process can import (one it loaded from a file path)."""
+class LoadsElsewhere(WherePid):
+    """A dataset a helper process cannot load (as one whose class lives in a module only the
+    training process can import: one it loaded from a file path), or loads slowly."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _only_here, (os.getpid(),)
+        return _load_elsewhere, (os.getpid(), self.how)
 
 
 @pytest.mark.usefixtures("_no_helper_left_behind")
@@ -213,7 +219,7 @@ def test_helpers_that_cannot_load_the_dataset_leave_the_epochs_in_threads_with_t
         WherePid(), epochs=3, generator=torch.Generator().manual_seed(5), **kwargs
     )
     loader = ThreadDataLoader(
-        LoadsOnlyHere(), generator=torch.Generator().manual_seed(5),
+        LoadsElsewhere("fail"), generator=torch.Generator().manual_seed(5),
         multiprocessing_context="forkserver", **kwargs,
     )  # fmt: skip
     with pytest.warns(RuntimeWarning, match="No module named 'only_in_training'"):
@@ -226,18 +232,6 @@ def test_helpers_that_cannot_load_the_dataset_leave_the_epochs_in_threads_with_t
     assert "Traceback" not in reason
 
 
-def _slow_elsewhere(pid: int) -> WherePid:
-    """Unpickles a ``SlowToLoad``: at once here, after 30 s anywhere else."""
-    if os.getpid() != pid:
-        time.sleep(30)
-    return SlowToLoad()
-
-
-class SlowToLoad(WherePid):
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _slow_elsewhere, (os.getpid(),)
-
-
 @pytest.mark.usefixtures("_no_helper_left_behind")
 def test_helpers_slower_to_load_the_dataset_than_the_timeout_leave_the_epoch_in_threads(
     monkeypatch: pytest.MonkeyPatch,
@@ -245,7 +239,7 @@ def test_helpers_slower_to_load_the_dataset_than_the_timeout_leave_the_epoch_in_
     """``timeout`` bounds the wait for the helpers to load what they run; they are ended."""
     _verdict(monkeypatch, True)
     loader = ThreadDataLoader(
-        SlowToLoad(), batch_size=4, num_workers=2, timeout=1.0,
+        LoadsElsewhere("slow"), batch_size=4, num_workers=2, timeout=1.0,
         multiprocessing_context="forkserver",
     )  # fmt: skip
     with pytest.warns(RuntimeWarning, match="had not started after 1.0 seconds"):
@@ -577,9 +571,10 @@ def test_a_slowed_step_moves_the_workers_only_when_the_loop_does_not_wait_for_da
     assert auto.slowed_the_training(slowed) is moves
 
 
-def test_helpers_started_by_a_server_need_a_longer_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where helpers would come from a forkserver (another Python thread runs, no zygote), a
-    move must win back an interpreter's start: the epoch must last MIN_EPOCH_S_SERVER."""
+def test_helpers_from_spawn_need_a_longer_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where helpers would come from spawn (another Python thread runs, no zygote, no
+    forkserver), a move must win back an interpreter's start: the epoch must last
+    MIN_EPOCH_S_SERVER. (A forkserver's: test_a_short_epoch_moves_once_the_forkserver_...)"""
     _verdict(monkeypatch, True)
     monkeypatch.setattr(auto, "MIN_EPOCH_S_SERVER", 1e9)
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)

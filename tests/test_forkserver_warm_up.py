@@ -225,3 +225,41 @@ def test_a_script_in_another_folder_is_imported_by_the_forkserver_with_its_sys_p
     assert "BATCHES 16" in proc.stdout
     assert proc.stdout.count("SCRIPT RAN") == 2, proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_forkserver_imports_the_script_with_its_arguments_and_not_as_the_main_process(
+    tmp_path: Path,
+) -> None:
+    """A script that parses its arguments at its top level (one required) and builds its
+    dataset from them: the server imports it with the training process's ``sys.argv``, so
+    helpers see the value given (not a default, not an argparse exit that would end the
+    server), and under a process name that is not ``"MainProcess"``."""
+    (tmp_path / "train.py").write_text(
+        "import argparse, multiprocessing, threading, torch\n"
+        "from torch.utils.data import Dataset\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--scale', type=int, required=True)\n"
+        "ARGS = parser.parse_args()\n"
+        "print('SCRIPT RAN', multiprocessing.current_process().name, flush=True)\n"
+        "class Scaled(Dataset):\n"
+        "    def __len__(self):\n        return 64\n"
+        "    def __getitem__(self, i):\n        return torch.tensor(i * ARGS.scale)\n"
+        "if __name__ == '__main__':\n"
+        "    from threadloader import ThreadDataLoader\n"
+        "    stop = threading.Event()\n"
+        "    threading.Thread(target=stop.wait, daemon=True).start()\n"
+        "    loader = ThreadDataLoader(Scaled(), batch_size=4, num_workers=2, isolation='process',"
+        " helpers=2)\n"
+        "    print('TOTAL', int(sum(b.sum() for b in loader)), flush=True)\n"
+        "    stop.set()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--scale", "3"],
+        capture_output=True, text=True, timeout=90, env=env, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"TOTAL {3 * sum(range(64))}" in proc.stdout, proc.stdout
+    ran = sorted(line for line in proc.stdout.splitlines() if line.startswith("SCRIPT RAN"))
+    assert ran == ["SCRIPT RAN MainProcess", "SCRIPT RAN threadloader-forkserver"], proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -459,7 +459,8 @@ def test_helpers_that_receive_a_large_dataset_pickled_need_a_longer_epoch(
     loader, last = _short_epoch()
     nbytes = auto._pickle_check(loader).nbytes
     assert nbytes >= len(pickle.dumps(loader.dataset, protocol=pickle.HIGHEST_PROTOCOL))
-    monkeypatch.setattr(auto, "PICKLED_BYTES_PER_S", nbytes / 1.0)  # one second to pickle
+    # One second to pickle for every helper, one after another.
+    monkeypatch.setattr(auto, "PICKLED_BYTES_PER_S", nbytes * auto.helper_count(loader) / 1.0)
     choice = auto.AutoIsolation().next_epoch(loader, last)
     assert choice.mode == "threads", choice
     assert "too short to win back starting helper processes (epochs of 1.3 s" in choice.reason

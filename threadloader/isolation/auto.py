@@ -41,8 +41,8 @@ Where the code disagrees with these rules, the code is wrong.
    epoch's length: mid-way through the first epoch (``mid_epoch`` calls ``warm_up``), or at
    the next ``iter()``. It imports the main script and torch while the epochs go on in threads,
    and once it is ready (``helper_source`` point 5) an epoch of ``MIN_EPOCH_S`` moves, plus the
-   time to pickle and unpickle what the helpers run (``PICKLED_BYTES_PER_S``; that time is
-   added to ``MIN_EPOCH_S_SERVER`` too). A forkserver that exits before it is ready is not
+   time to pickle and unpickle what the helpers run, once per helper (``PICKLED_BYTES_PER_S``;
+   added to ``MIN_EPOCH_S_SERVER`` and for zygote helpers too). A forkserver that exits before it is ready is not
    started again for a warm-up. Otherwise ``"auto"`` starts a forkserver only to start helpers
    from it: it costs an interpreter with torch imported, kept until the training process exits.
 6. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
@@ -61,6 +61,7 @@ from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader.isolation import zygote
 from threadloader.isolation.helper_source import (
+    forkserver_foreign,
     forkserver_is_ready,
     forkserver_lost,
     rerun_reason,
@@ -361,28 +362,39 @@ class AutoIsolation:
         if last.wall_s < MIN_EPOCH_S:
             return _too_short(last, MIN_EPOCH_S)
         method = start_method(loader.multiprocessing_context)
-        forked = method in (None, "fork") and (zygote.may_fork() or zygote.running())
+        forking = method in (None, "fork") and zygote.may_fork()  # this process: nothing pickled
+        forked = forking or (method is None and zygote.running())
         refusal = self._refusal(loader, forked)
-        if refusal is not None or forked:
+        if refusal is not None or forking:
             return refusal
-        # Helpers from a forkserver or spawn receive what they run pickled (point 4), and one
-        # from a server that is not ready, or from spawn, waits for an interpreter to import
-        # torch, unless the forkserver started already (point 5).
-        pickled_s = self._pickle_check(loader).nbytes / PICKLED_BYTES_PER_S
+        # Helpers from the zygote, a forkserver or spawn receive what they run pickled, once per
+        # helper, one after another here (point 4); one from a forkserver that is not ready, or
+        # from spawn, waits for an interpreter to import torch, unless the forkserver started
+        # already (point 5).
+        nbytes = self._pickle_check(loader).nbytes * helper_count(loader)
+        pickled_s = nbytes / PICKLED_BYTES_PER_S
+        if forked:
+            return self._long_enough(last, MIN_EPOCH_S + pickled_s)
         if last.wall_s >= MIN_EPOCH_S_SERVER + pickled_s:
             return None
         warming = warm_forkserver(loader.multiprocessing_context)
         if warming and forkserver_is_ready():
-            least = MIN_EPOCH_S + pickled_s
-            return None if last.wall_s >= least else _too_short(last, least)
+            return self._long_enough(last, MIN_EPOCH_S + pickled_s)
+        reason = _too_short(last, MIN_EPOCH_S_SERVER + pickled_s)
+        if forkserver_foreign():
+            return f"{reason}: the forkserver here was started without threadloader's helper"
         if not warming:
             lost = " (the forkserver started for them exited before it was ready)"
-            return _too_short(last, MIN_EPOCH_S_SERVER + pickled_s) + lost * forkserver_lost()
+            return reason + lost * forkserver_lost()
         return (
             f"the epoch lasted {last.wall_s:.2f} s, and the forkserver helper processes come "
             f"from is still importing torch: epochs of {MIN_EPOCH_S + pickled_s:.2g} s or more "
             f"move once it is ready, of {MIN_EPOCH_S_SERVER + pickled_s:.2g} s or more until then"
         )
+
+    @staticmethod
+    def _long_enough(last: LoaderStats, least: float) -> str | None:
+        return None if last.wall_s >= least else _too_short(last, least)
 
     def _lasting(self, loader: Any) -> str | None:
         """Why no helper will ever run this loader's workers, known without pickling."""

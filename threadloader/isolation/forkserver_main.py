@@ -8,10 +8,14 @@ so each helper imports the script again, its imports included: seconds per helpe
 that imports a large library. ``helper_source`` preloads this module in place of ``"__main__"``
 and passes the path as ``main_path`` (beside ``sys_path``, which the server receives too).
 
-Imported in the forkserver, it puts the training process's ``sys.path`` in place and imports
-the script as ``__mp_main__``, as each helper would; helpers forked from the server then find
-it imported. If that import fails, nothing is left half-done and each helper imports the script
-itself, as without this module. Imported in any other process, it does nothing.
+Imported in the forkserver, it imports the script as ``__mp_main__`` as a helper's start would:
+with the training process's ``sys.path`` and ``sys.argv`` (``helper_source`` passes them with the
+path) and a process name other than ``"MainProcess"``. Helpers forked from the server then find
+it imported. If the import fails (whatever it raises, ``SystemExit`` included), ``sys.path`` is
+put back and each helper imports the script itself, as without this module. What the script's
+top level does outside its ``if __name__ == "__main__":`` block runs in the server, once: a
+thread started there would be copied, stopped, into every helper forked from it. Imported in any
+other process, it does nothing.
 
 Nothing else in threadloader imports this module (``forkserver_ready`` says why).
 """
@@ -24,24 +28,37 @@ import sys
 
 from threadloader.isolation.forkserver_process import in_forkserver, server_arguments
 
+#: The process name the script sees while the forkserver imports it.
+SERVER_NAME = "threadloader-forkserver"
+
 
 def _import_main() -> None:
     given = server_arguments(list(getattr(sys, "orig_argv", ())))
-    main_path, sys_path = given.get("main_path"), given.get("sys_path")
-    if not isinstance(main_path, str):
+    script, sys_path = given.get("main_path"), given.get("sys_path")
+    if not isinstance(script, dict):
+        return  # not from helper_source (no arguments to run the script with): import nothing
+    main_path, argv = script.get("path"), script.get("argv")
+    if not isinstance(main_path, str) or not isinstance(argv, list):
         return
     if getattr(sys.modules.get("__main__"), "__file__", None) == main_path:
-        return  # imported already (the server did, with "__main__" among its preloads)
+        return  # imported already
+    process = multiprocessing.current_process()
+    saved = list(sys.path), list(sys.argv), process.name
     if isinstance(sys_path, list):
         sys.path[:] = [entry for entry in sys_path if isinstance(entry, str)]
-    process = multiprocessing.current_process()
+    # As a helper's start sets them before it imports the script: the training process's
+    # arguments (a script may parse them at its top level) and a name that is not the main
+    # process's (a script may guard its work with it).
+    sys.argv[:] = [str(arg) for arg in argv]
+    process.name = SERVER_NAME
     process._inheriting = True  # type: ignore[attr-defined]  # as multiprocessing marks it
     try:
         multiprocessing.spawn.import_main_path(main_path)
-    except Exception:  # noqa: BLE001, S110  # each helper imports the script, and says why
-        pass
+    except BaseException:  # noqa: BLE001  # even SystemExit: each helper imports the script
+        sys.path[:] = saved[0]
     finally:
         del process._inheriting  # type: ignore[attr-defined]
+        sys.argv[:], process.name = saved[1], saved[2]
 
 
 if in_forkserver():

@@ -41,6 +41,7 @@ import multiprocessing.spawn
 import multiprocessing.util
 import os
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -183,16 +184,19 @@ def warm_forkserver(multiprocessing_context: Any = None) -> bool:
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return False  # this process is importing __main__ for multiprocessing
-    if forkserver_lost():
-        return False  # started again, it would be lost again: helpers wait for their start
     try:
         ctx = helper_context(multiprocessing_context)
     except (RuntimeError, ValueError):  # no helper may start: nothing to warm
         return False
     if ctx.get_start_method() != "forkserver":
         return False
+    if forkserver_is_ready():
+        return True
+    if forkserver_lost():
+        return False  # started again, it would be lost again: helpers wait for their start
+    before = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     started = start_forkserver(ctx)
-    if started is not None:
+    if started is not None and started != before:
         _warmed.add(started)
     return started is not None
 
@@ -213,6 +217,15 @@ def forkserver_is_ready() -> bool:
     if _READY_MARK not in preloaded:
         return _PRELOAD[0] in preloaded
     return os.path.exists(mark_path(pid))
+
+
+def forkserver_foreign() -> bool:
+    """Whether the forkserver that runs was started without threadloader's helper among its
+    preloads (by the user or another library): it never gets ready for helpers."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        return False
+    return _PRELOAD[0] not in getattr(server, "_preload_modules", ())
 
 
 def forkserver_lost() -> bool:
@@ -241,8 +254,9 @@ def start_forkserver(ctx: Any) -> int | None:
         return None
     server = multiprocessing.forkserver._forkserver
     before = getattr(server, "_forkserver_pid", None)
+    passing = _main_path_passed() if before is None else contextlib.nullcontext()
     try:
-        with _main_path_passed():
+        with passing:
             multiprocessing.forkserver.ensure_running()
     except OSError:  # iter() tries again, and raises what starting a helper raises
         return None
@@ -272,11 +286,12 @@ def _exited(pid: int) -> bool:
 def _main_path_passed() -> Iterator[None]:
     """Let a forkserver started meanwhile import the main script before it is ready (point 6).
 
-    The server receives the preparation data's ``main_path`` and ``sys_path``; Python 3.11 to
-    3.13 have the path under ``init_main_from_path``, so the server never gets it. The key is
-    added while the server starts, for ``forkserver_main`` (preloaded in place of
-    ``"__main__"``, whose own import would miss the training process's ``sys.path``); nothing
-    else reads it. Not where ``"__main__"`` is still among the preloads.
+    The server receives only the preparation data's ``main_path`` and ``sys_path``; Python 3.11
+    to 3.13 have the path under ``init_main_from_path``, so the server never gets it. While the
+    server starts, ``main_path`` carries the path and ``sys.argv`` for ``forkserver_main``
+    (preloaded in place of ``"__main__"``, whose own import would miss the training process's
+    ``sys.path`` and arguments); nothing else reads it where ``"__main__"`` is not preloaded,
+    and nothing is added where it still is.
     """
     server = multiprocessing.forkserver._forkserver
     if _MAIN_IMPORT not in getattr(server, "_preload_modules", ()):
@@ -287,8 +302,9 @@ def _main_path_passed() -> Iterator[None]:
 
         def with_main_path(name: str) -> dict[str, Any]:
             data = original(name)
-            if "init_main_from_path" in data:
-                data.setdefault("main_path", data["init_main_from_path"])
+            path = data.get("init_main_from_path")
+            if path is not None and "main_path" not in data:
+                data["main_path"] = {"path": path, "argv": list(data.get("sys_argv", sys.argv))}
             return data
 
         multiprocessing.spawn.get_preparation_data = with_main_path

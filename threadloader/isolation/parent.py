@@ -192,10 +192,13 @@ class IsolatedDataLoaderIter(DispatchingIter):
                 raise RuntimeError(
                     f"threadloader: helper processes had not started after {self._timeout} seconds"
                 ) from None
-        except BaseException:
+        except BaseException as exc:
             self._finalizer.detach()
             self._links.reap()
-            raise
+            if isinstance(exc, (Exception, KeyboardInterrupt)):
+                raise
+            # A helper's SystemExit (an import it ran called sys.exit): this process goes on.
+            raise RuntimeError(f"threadloader: a helper process exited starting: {exc!r}") from exc
 
     @classmethod
     def take_over(cls, epoch: Any, count: int) -> None:

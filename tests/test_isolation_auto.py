@@ -177,8 +177,10 @@ def test_helpers_that_cannot_start_leave_the_epochs_in_threads_with_torchs_batch
     loader = ThreadDataLoader(
         WherePid(), isolation="auto", generator=torch.Generator().manual_seed(5), **kwargs
     )
-    with pytest.warns(RuntimeWarning, match="no more processes"):
+    with pytest.warns(RuntimeWarning, match="no more processes") as caught:
         ours, modes = _epochs(loader, 3)
+    # Attributed to the loop's line (in _epochs, here), not to threadloader's or torch's code.
+    assert {w.filename for w in caught if "no more processes" in str(w.message)} == {__file__}
     for epoch in range(3):
         assert_epochs_equal(ours[epoch], [b[:2] for b in theirs[epoch]])
     assert modes == ["threads"] * 3 and starts == [1]

@@ -266,8 +266,9 @@ def test_a_helper_that_fails_to_start_is_reported_and_the_epoch_goes_on_here(
         warnings.simplefilter("always")
         batches = list(loader)
     assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert any("no more processes" in str(w.message) for w in caught)
-    assert loader.stats().mode == "threads"
+    reported = [w for w in caught if "no more processes" in str(w.message)]
+    assert reported and loader.stats().mode == "threads"
+    assert reported[0].filename == __file__  # the loop's line: list(loader), not ours
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")

@@ -43,6 +43,7 @@ from threadloader._engine.state_codec import RNG_KEYS, decode_state, encode_rng
 from threadloader._engine.stats import EpochStats, LoaderStats
 from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader._primitives.concurrency import usable_cpus
+from threadloader._primitives.warn import warn_user
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
 from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice, one_line
@@ -429,11 +430,10 @@ class ThreadDataLoader(DataLoader[T_co]):
             except Exception as exc:  # noqa: BLE001  # "auto" runs the epoch in threads instead
                 undo_draw()  # the threads' iterator makes the failed one's base-seed draw
                 self._epoch_choice = self._auto.helpers_failed(exc)
-                warnings.warn(
+                warn_user(
                     f"threadloader: isolation='auto' could not start helper processes "
                     f"({one_line(exc)}); this loader's epochs run in worker threads",
                     RuntimeWarning,
-                    stacklevel=3,
                 )
         epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self._options.log_every_s)
         if first:  # "auto" moves its first epoch into helpers once it has measured enough

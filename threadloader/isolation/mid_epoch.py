@@ -37,19 +37,20 @@ code disagrees with these rules, the code is wrong.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from threadloader._engine.options import options_of
 from threadloader._engine.stats import LoaderStats
 from threadloader._engine.threaded import ThreadedDataLoaderIter
+from threadloader._primitives.warn import warn_user
 from threadloader.isolation import zygote
 from threadloader.isolation.auto import (
     PROCESS,
     Choice,
     epoch_signal,
     helper_count,
+    one_line,
     too_few_to_help,
 )
 from threadloader.isolation.helper_source import start_method
@@ -163,11 +164,10 @@ class MidEpochMove:
         try:
             IsolatedDataLoaderIter.take_over(epoch, self._helpers)
         except Exception as exc:  # noqa: BLE001  # the epoch goes on in this process
-            warnings.warn(
+            warn_user(
                 f"threadloader: isolation='auto' could not start helper processes mid-epoch "
-                f"({type(exc).__name__}: {exc}); the epoch goes on in this process",
+                f"({one_line(exc)}); the epoch goes on in this process",
                 RuntimeWarning,
-                stacklevel=2,
             )
             return False
         assert self._stats is not None

@@ -190,6 +190,30 @@ def test_only_the_forkserver_imports_its_main_import_ready_mark_and_quick_exit()
     assert importers == []
 
 
+def _helpers_in_a_thread_loop(dataset: str, printed: str) -> str:
+    """A script's guarded main: a monitor thread runs, so ``isolation="process"``'s two helpers
+    come from the forkserver; it prints ``printed`` (evaluated over ``loader``)."""
+    return (
+        "if __name__ == '__main__':\n"
+        "    from threadloader import ThreadDataLoader\n"
+        "    stop = threading.Event()\n"
+        "    threading.Thread(target=stop.wait, daemon=True).start()\n"
+        f"    loader = ThreadDataLoader({dataset}, batch_size=4, num_workers=2,"
+        " isolation='process', helpers=2)\n"
+        f"    print({printed}, flush=True)\n"
+        "    stop.set()\n"
+    )
+
+
+def _run_in(folder: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python *argv`` in ``folder``, the zygote off (helpers come from the forkserver)."""
+    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
+    return subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True, text=True, timeout=90, env=env, check=False, cwd=folder,
+    )  # fmt: skip
+
+
 def test_a_script_in_another_folder_is_imported_by_the_forkserver_with_its_sys_path(
     tmp_path: Path,
 ) -> None:
@@ -207,20 +231,9 @@ def test_a_script_in_another_folder_is_imported_by_the_forkserver_with_its_sys_p
     )
     (scripts / "train.py").write_text(
         "import threading\nfrom beside import Many\nprint('SCRIPT RAN', flush=True)\n"
-        "if __name__ == '__main__':\n"
-        "    from threadloader import ThreadDataLoader\n"
-        "    stop = threading.Event()\n"
-        "    threading.Thread(target=stop.wait, daemon=True).start()\n"
-        "    loader = ThreadDataLoader(Many(), batch_size=4, num_workers=2, isolation='process',"
-        " helpers=2)\n"
-        "    print('BATCHES', len(list(loader)), flush=True)\n"
-        "    stop.set()\n"
+        + _helpers_in_a_thread_loop("Many()", "'BATCHES', len(list(loader))")
     )
-    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
-    proc = subprocess.run(
-        [sys.executable, "scripts/train.py"],
-        capture_output=True, text=True, timeout=90, env=env, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    proc = _run_in(tmp_path, "scripts/train.py")
     assert proc.returncode == 0, proc.stderr
     assert "BATCHES 16" in proc.stdout
     assert proc.stdout.count("SCRIPT RAN") == 2, proc.stdout
@@ -244,20 +257,9 @@ def test_the_forkserver_imports_the_script_with_its_arguments_and_not_as_the_mai
         "class Scaled(Dataset):\n"
         "    def __len__(self):\n        return 64\n"
         "    def __getitem__(self, i):\n        return torch.tensor(i * ARGS.scale)\n"
-        "if __name__ == '__main__':\n"
-        "    from threadloader import ThreadDataLoader\n"
-        "    stop = threading.Event()\n"
-        "    threading.Thread(target=stop.wait, daemon=True).start()\n"
-        "    loader = ThreadDataLoader(Scaled(), batch_size=4, num_workers=2, isolation='process',"
-        " helpers=2)\n"
-        "    print('TOTAL', int(sum(b.sum() for b in loader)), flush=True)\n"
-        "    stop.set()\n"
+        + _helpers_in_a_thread_loop("Scaled()", "'TOTAL', int(sum(b.sum() for b in loader))")
     )
-    env = {**os.environ, "PYTHONPATH": _REPO, "THREADLOADER_ZYGOTE": "0"}
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--scale", "3"],
-        capture_output=True, text=True, timeout=90, env=env, check=False, cwd=tmp_path,
-    )  # fmt: skip
+    proc = _run_in(tmp_path, "train.py", "--scale", "3")
     assert proc.returncode == 0, proc.stderr
     assert f"TOTAL {3 * sum(range(64))}" in proc.stdout, proc.stdout
     ran = sorted(line for line in proc.stdout.splitlines() if line.startswith("SCRIPT RAN"))

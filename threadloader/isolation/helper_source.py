@@ -194,7 +194,7 @@ def warm_forkserver(multiprocessing_context: Any = None) -> bool:
         return True
     if forkserver_lost():
         return False  # started again, it would be lost again: helpers wait for their start
-    before = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    before = _server_pid()
     started = start_forkserver(ctx)
     if started is not None and started != before:
         _warmed.add(started)
@@ -209,23 +209,18 @@ def forkserver_is_ready() -> bool:
     taken as ready; one without the helper (started by the user or another library for its own
     processes) is not: each helper would import torch.
     """
-    server = multiprocessing.forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
+    pid = _server_pid()
     if pid is None:
         return False
-    preloaded = getattr(server, "_preload_modules", ())
-    if _READY_MARK not in preloaded:
-        return _PRELOAD[0] in preloaded
+    if _READY_MARK not in _server_preloads():
+        return not forkserver_foreign()
     return os.path.exists(mark_path(pid))
 
 
 def forkserver_foreign() -> bool:
     """Whether the forkserver that runs was started without threadloader's helper among its
     preloads (by the user or another library): it never gets ready for helpers."""
-    server = multiprocessing.forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is None:
-        return False
-    return _PRELOAD[0] not in getattr(server, "_preload_modules", ())
+    return _server_pid() is not None and _PRELOAD[0] not in _server_preloads()
 
 
 def forkserver_lost() -> bool:
@@ -252,19 +247,30 @@ def start_forkserver(ctx: Any) -> int | None:
     """
     if ctx.get_start_method() != "forkserver":
         return None
-    server = multiprocessing.forkserver._forkserver
-    before = getattr(server, "_forkserver_pid", None)
+    before = _server_pid()
     passing = _main_path_passed() if before is None else contextlib.nullcontext()
     try:
         with passing:
             multiprocessing.forkserver.ensure_running()
     except OSError:  # iter() tries again, and raises what starting a helper raises
         return None
-    pid = getattr(server, "_forkserver_pid", None)
+    pid = _server_pid()
     if pid is not None and pid != before:  # a mark left by a killed server with this pid
         with contextlib.suppress(OSError):
             os.unlink(mark_path(pid))
+    return pid
+
+
+def _server_pid() -> int | None:
+    """The pid of the forkserver multiprocessing started from this process, if it did."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
     return pid if isinstance(pid, int) else None
+
+
+def _server_preloads() -> list[str]:
+    """The modules the forkserver preloads (or will, once started): multiprocessing's default
+    is ``["__main__"]``."""
+    return list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", ["__main__"]))
 
 
 #: Forkservers ``warm_forkserver`` started (their pids).
@@ -293,8 +299,7 @@ def _main_path_passed() -> Iterator[None]:
     ``sys.path`` and arguments); nothing else reads it where ``"__main__"`` is not preloaded,
     and nothing is added where it still is.
     """
-    server = multiprocessing.forkserver._forkserver
-    if _MAIN_IMPORT not in getattr(server, "_preload_modules", ()):
+    if _MAIN_IMPORT not in _server_preloads():
         yield
         return
     with _passing_main_path:  # one swap at a time, each undone in order
@@ -326,7 +331,7 @@ def _forkserver_can_listen() -> bool:
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return False
-    if getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None:
+    if _server_pid() is not None:
         return True
     return _socket_path_fits(multiprocessing.util.get_temp_dir())
 
@@ -346,10 +351,9 @@ def _socket_path_fits(folder: str) -> bool:
 
 def _preload_in_forkserver(ctx: Any) -> None:
     # The preload list only counts when the forkserver starts; keep what the user asked for.
-    server = multiprocessing.forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None:
+    if _server_pid() is not None:
         return
-    asked = list(getattr(server, "_preload_modules", ["__main__"]))
+    asked = _server_preloads()
     modules = [_MAIN_IMPORT if name == "__main__" else name for name in asked]
     missing = [name for name in _PRELOAD if name not in modules]
     if missing or modules != asked:

@@ -265,3 +265,63 @@ def test_the_forkserver_imports_the_script_with_its_arguments_and_not_as_the_mai
     ran = sorted(line for line in proc.stdout.splitlines() if line.startswith("SCRIPT RAN"))
     assert ran == ["SCRIPT RAN MainProcess", "SCRIPT RAN threadloader-forkserver"], proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+_LONG_PRELUDE = (
+    _WARM_PRELUDE
+    + """
+import random
+from torch.utils.data import DataLoader
+mid_epoch.MIN_REMAINING_S = 0.0
+
+class Long(Dataset):
+    '''Item i: i, the worker's draws from torch and random, the items its copy made before.'''
+    def __init__(self):
+        self.made = 0
+    def __len__(self):
+        return 200_000
+    def __getitem__(self, i):
+        made, self.made = self.made, self.made + 1
+        return torch.tensor([i, int(torch.randint(0, 10**6, ())), random.randrange(10**6), made])
+
+def seeded():
+    return torch.Generator().manual_seed(3)
+"""
+)
+
+_LONG_BODY = """
+monitor.start()
+loader = ThreadDataLoader(Long(), batch_size=4, num_workers=2, shuffle=True, generator=seeded())
+ours, moved_at = [], None
+deadline = time.monotonic() + 30
+for batch in loader:
+    ours.append(batch.tolist())
+    if moved_at is None and loader.stats().mode == "process":
+        moved_at = len(ours)
+    if len(ours) >= (moved_at or 10**9) + 50 or time.monotonic() > deadline:
+        break
+print("MOVED AT", moved_at, flush=True)
+print("WHY", loader.stats().mode_reason, flush=True)
+theirs = []
+for batch in DataLoader(Long(), batch_size=4, num_workers=2, shuffle=True, generator=seeded()):
+    theirs.append(batch.tolist())
+    if len(theirs) == len(ours):
+        break
+print("SAME AS TORCH", ours == theirs, len(ours), flush=True)
+stop.set()
+"""
+
+
+def test_a_long_first_epoch_moves_into_forkserver_helpers_once_the_server_is_ready(
+    tmp_path: Path,
+) -> None:
+    """A progress bar's thread runs through one long epoch: the forkserver starts mid-way and
+    once it is ready the epoch's workers move into its helpers, pickled as they stand; the
+    batches, the workers' draws and their copies' counts are torch's throughout."""
+    proc = _run(tmp_path, _LONG_BODY, guarded=True, prelude=_LONG_PRELUDE)
+    assert proc.returncode == 0, proc.stderr
+    moved_at = _line(proc.stdout, "MOVED AT")
+    assert moved_at != "None" and int(moved_at) > 1, proc.stdout  # threads first
+    assert "first epoch" in _line(proc.stdout, "WHY")
+    assert _line(proc.stdout, "SAME AS TORCH").startswith("True"), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr

@@ -980,6 +980,39 @@ def test_dataset_is_pickled_once_per_helper_whatever_the_workers(persistent_work
     gc.collect()
 
 
+class MadeWhenPickled(Dataset[Any]):
+    """Pickles as a tensor it makes then: nothing else holds it."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, index: int) -> int:
+        return self.values[index]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _remade, (torch.tensor(self.values),)
+
+
+def _remade(values: torch.Tensor) -> MadeWhenPickled:
+    return MadeWhenPickled(values.tolist())
+
+
+def test_a_tensor_made_while_pickling_the_dataset_reaches_the_helper() -> None:
+    """A tensor travels to a helper as shared memory whose descriptor is sent after pickling:
+    one that pickling made, and nothing kept, would close it first (torch's forkserver workers
+    exit unexpectedly there)."""
+    loader = IsolatedLoader(
+        MadeWhenPickled(list(range(8))),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context=PICKLED,
+    )
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_helper_runs_one_set_of_threads_per_loader() -> None:
     """The helper runs num_workers runner threads (and its main thread); the dataset is loaded once."""
     iterator = iter(IsolatedLoader(ThreadsInHelper(), batch_size=None, num_workers=3))

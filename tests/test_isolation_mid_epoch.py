@@ -9,6 +9,7 @@ Whether items hold the GIL is a measurement a loaded machine can change: these t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import threading
@@ -94,14 +95,14 @@ def _pids(batches: list[Any]) -> list[set[int]]:
 
 def _torch(epochs: int = 1, **extra: Any) -> list[list[Any]]:
     theirs = torch_epochs(
-        Counting(), epochs=epochs, generator=torch.Generator().manual_seed(7), **KWARGS, **extra
+        Counting(), epochs=epochs, generator=torch.Generator().manual_seed(7), **{**KWARGS, **extra}
     )
     return [[_data(b) for b in epoch] for epoch in theirs]
 
 
 def _ours(**extra: Any) -> ThreadDataLoader[Any]:
     return ThreadDataLoader(
-        Counting(), generator=torch.Generator().manual_seed(7), **KWARGS, **extra
+        Counting(), generator=torch.Generator().manual_seed(7), **{**KWARGS, **extra}
     )
 
 
@@ -173,10 +174,22 @@ def test_a_state_saved_after_a_move_resumes_the_rest_of_the_epoch_exactly() -> N
 
 @pytest.fixture
 def warmed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The multiprocessing contexts ``auto`` started a forkserver for (none is started)."""
+    """The multiprocessing contexts ``auto`` started a forkserver for (none is started, none is
+    ready, and no zygote runs: another test's may)."""
     calls: list[Any] = []
     monkeypatch.setattr(auto, "warm_forkserver", lambda context: calls.append(context) or True)
+    monkeypatch.setattr(auto, "forkserver_is_ready", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
     return calls
+
+
+@pytest.fixture
+def server_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forkserver counts as ready (it starts with the first helper, if it did not run), and
+    this process may not be forked (``move_soon`` counts threads: one another test left may end
+    meanwhile)."""
+    monkeypatch.setattr(auto, "forkserver_is_ready", lambda: True)
+    monkeypatch.setattr(mid_epoch.zygote, "may_fork", lambda besides=0: False)
 
 
 @contextlib.contextmanager
@@ -193,8 +206,9 @@ def _another_thread() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "warmed")
-def test_no_move_while_another_python_thread_runs() -> None:
-    """Forking would copy a lock the other thread may hold: the epoch stays in threads."""
+def test_no_move_while_another_python_thread_runs_and_no_forkserver_is_ready() -> None:
+    """Forking would copy a lock the other thread may hold, and a helper from a forkserver
+    that is not ready would wait for it to import torch: the epoch stays in threads."""
     with _another_thread():
         loader = _ours()
         batches = list(loader)
@@ -257,7 +271,7 @@ def test_a_thread_started_while_the_workers_joined_keeps_the_epoch_in_this_proce
 def test_a_helper_that_fails_to_start_is_reported_and_the_epoch_goes_on_here(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def fail(epoch: Any, count: int) -> None:
+    def fail(epoch: Any, count: int, carried: Any = None) -> None:
         raise OSError("no more processes")
 
     monkeypatch.setattr(IsolatedDataLoaderIter, "take_over", fail)
@@ -386,3 +400,128 @@ def test_a_move_after_a_live_weight_change_on_the_lean_path_finishes_the_epoch(
     assert mode == "process"
     stayed, _ = run("threads")
     assert_epochs_equal(moved, stayed)
+
+
+# --------------------------------------------------------------------------------------------
+# While another Python thread runs: the workers travel pickled to helpers from a forkserver
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_move_while_another_thread_runs_carries_the_workers_into_forkserver_helpers() -> None:
+    """This process may not be forked (a progress bar's thread runs): the helpers come from the
+    forkserver and receive each worker pickled, its copy's counts and its generators as they
+    stand. Every batch, draw and per-copy count is torch's; worker_init_fn ran once per worker;
+    the worker threads are gone once the helpers took over."""
+    with _another_thread():
+        loader = _ours()
+        it = iter(loader)
+        assert isinstance(it, ThreadedDataLoaderIter)
+        pool = it.pool
+        batches = list(it)
+        assert pool.alive_threads == 0
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    pids = _pids(batches)
+    assert pids[0] == {os.getpid()}
+    later = set().union(*pids[len(pids) // 2 :])
+    assert os.getpid() not in later and len(later) == 2
+    assert {int(i) for b in batches for i in b[5]} == {1}
+    stats = loader.stats()
+    assert stats.mode == "process" and "first epoch" in str(stats.mode_reason)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_state_saved_after_a_pickled_move_resumes_the_rest_of_the_epoch_exactly() -> None:
+    """``state_dict()`` after the move, its generators included, resumes where torchdata's
+    StatefulDataLoader's own state would: the rest of the epoch is the uninterrupted one's."""
+    with _another_thread():
+        whole = list(_ours(save_worker_rng=True))
+        loader = _ours(save_worker_rng=True)
+        it = iter(loader)
+        got = [next(it) for _ in range(12)]
+        assert loader.stats().mode == "process"
+        state = loader.state_dict()
+        del it
+        resumed = _ours(save_worker_rng=True)
+        resumed.load_state_dict(state)
+        got += list(resumed)
+    assert_epochs_equal([_data(b)[:4] for b in got], [_data(b)[:4] for b in whole])
+
+
+class _Unloadable:
+    """What a worker_init_fn leaves on its copy that no helper can load (a class only the
+    training process can import), or cannot be pickled at all (a lock)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.lock = threading.Lock() if how == "lock" else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.how == "lock":
+            return super().__reduce__()  # TypeError: cannot pickle '_thread.lock' object
+        return _unload_elsewhere, (os.getpid(),)
+
+
+def _unload_elsewhere(pid: int) -> _Unloadable:
+    if os.getpid() != pid:
+        raise ModuleNotFoundError("No module named 'only_in_training'")
+    return _Unloadable("elsewhere")
+
+
+def _init_unloadable(how: str, worker_id: int) -> None:
+    _count_init(worker_id)
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.extra = _Unloadable(how)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [("lock", "cannot pickle"), ("elsewhere", "No module named 'only_in_training'")],
+    ids=["cannot be pickled", "cannot be loaded"],
+)
+def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(how: str, error: str) -> None:
+    """worker_init_fn left something on the worker's copy that cannot be pickled, or that a
+    helper cannot load: the move declines with a warning naming why, and the epoch goes on in
+    its worker threads with torch's batches, none lost or repeated."""
+    init = functools.partial(_init_unloadable, how)
+    with _another_thread():
+        loader = _ours(worker_init_fn=init)
+        it = iter(loader)
+        assert isinstance(it, ThreadedDataLoaderIter)
+        threads: list[int] = []
+
+        def each(batch: Any) -> Any:
+            threads.append(it.pool.alive_threads)
+            return batch
+
+        with pytest.warns(RuntimeWarning, match=error) as caught:
+            batches = [each(batch) for batch in it]
+    assert caught[0].filename == __file__
+    assert min(threads[len(threads) // 2 : -1]) == 2  # the epoch went on in its threads
+    assert_epochs_equal([_data(b) for b in batches], _torch(worker_init_fn=init)[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
+def test_a_move_waits_for_the_forkserver_to_be_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the forkserver is ready, a helper would wait for it to import torch: no move; the
+    first check that finds it ready moves the epoch."""
+    ready = [False]
+    monkeypatch.setattr(auto, "forkserver_is_ready", lambda: ready[0])
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: True)
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(mid_epoch.zygote, "may_fork", lambda besides=0: False)
+    with _another_thread():
+        loader = _ours()
+        it = iter(loader)
+        first = [next(it) for _ in range(6)]
+        assert loader.stats().mode == "threads"
+        ready[0] = True
+        batches = first + list(it)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    pids = _pids(batches)
+    assert set().union(*pids[:6]) == {os.getpid()}
+    assert os.getpid() not in pids[-1]
+    assert loader.stats().mode == "process"

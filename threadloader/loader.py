@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import threading
 import warnings
 import weakref
@@ -437,14 +436,7 @@ class ThreadDataLoader(DataLoader[T_co]):
                 )
         epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self._options.log_every_s)
         if first:  # "auto" moves its first epoch into helpers once it has measured enough
-            ref = weakref.ref(self)
-            epoch.mover = mover_for(
-                self,
-                epoch,
-                on_move=functools.partial(_moved, ref),
-                pickling_problem=functools.partial(_pickling_problem, ref),
-                warm_up=functools.partial(_warm_up, ref),
-            )
+            epoch.mover = mover_for(self, epoch, _AutoPolicy(self))
         return epoch
 
     def _seed_draw_undoer(self) -> Callable[[], None]:
@@ -714,27 +706,35 @@ class ThreadDataLoader(DataLoader[T_co]):
             )
 
 
-def _moved(
-    loader_ref: weakref.ref[Any], choice: Choice, before: LoaderStats, since: LoaderStats
-) -> None:
-    """Record that the first epoch moved into helpers (``mid_epoch``), for ``stats()``."""
-    loader = loader_ref()
-    if loader is not None:
-        loader._auto.moved(choice, before, since)
-        loader._epoch_choice = choice
+class _AutoPolicy:
+    """The loader's ``"auto"`` policy as a mid-epoch move asks it (``mid_epoch.MovePolicy``),
+    holding the loader weakly: the epoch may outlive it."""
 
+    def __init__(self, loader: ThreadDataLoader[Any]) -> None:
+        self._loader = weakref.ref(loader)
 
-def _pickling_problem(loader_ref: weakref.ref[Any]) -> str | None:
-    """What a helper could not receive pickled (``AutoIsolation.pickling_problem``)."""
-    loader = loader_ref()
-    return "the loader is gone" if loader is None else loader._auto.pickling_problem(loader)
+    def moved(self, choice: Choice, before: LoaderStats, since: LoaderStats) -> None:
+        """Record that the first epoch moved into helpers, for ``stats()``."""
+        loader = self._loader()
+        if loader is not None:
+            loader._auto.moved(choice, before, since)
+            loader._epoch_choice = choice
 
+    def pickling_problem(self) -> str | None:
+        """What a helper could not receive pickled (``AutoIsolation.pickling_problem``)."""
+        loader = self._loader()
+        return "the loader is gone" if loader is None else loader._auto.pickling_problem(loader)
 
-def _warm_up(loader_ref: weakref.ref[Any]) -> None:
-    """Start the forkserver later epochs' helpers would come from (``AutoIsolation.warm_up``)."""
-    loader = loader_ref()
-    if loader is not None:
-        loader._auto.warm_up(loader)
+    def warm_up(self) -> None:
+        """Start the forkserver later epochs' helpers would come from (``AutoIsolation.warm_up``)."""
+        loader = self._loader()
+        if loader is not None:
+            loader._auto.warm_up(loader)
+
+    def unforked_start_s(self) -> float | None:
+        """``AutoIsolation.unforked_start_s``; None once the loader is gone."""
+        loader = self._loader()
+        return None if loader is None else loader._auto.unforked_start_s(loader)
 
 
 def _check_mixture_sampler(loader: ThreadDataLoader[Any]) -> None:

@@ -37,9 +37,12 @@ where the code disagrees with this, the code is wrong.
    of token windows, 30 us a batch.
 7. A move (``mover``, set by the loader: ``isolation="auto"``'s first epoch) may take the
    workers out of this process mid-epoch. Once it is due, nothing more is dispatched; once
-   every batch in flight was delivered, the worker threads are joined and the move carries the
-   workers on elsewhere (this iterator then becomes that kind of epoch), or declines, and the
-   epoch goes on here: in threads if they still run, else on the training thread (point 5).
+   every batch in flight was delivered, the move carries the workers on elsewhere (this
+   iterator then becomes that kind of epoch), or declines, and the epoch goes on here: in
+   threads if they still run, else on the training thread (point 5). Helpers forked from this
+   process take the workers after their threads were joined; helpers that receive them pickled
+   (``carry_workers``) load them while the threads wait, idle, and the threads are joined only
+   once the helpers have.
    Map-style epochs only (point 1's), since the training thread must be able to make every
    batch itself if the move declines after the threads were joined.
 """
@@ -56,7 +59,7 @@ from threadloader._engine.dispatch import DispatchingIter
 from threadloader._engine.state import Resume
 from threadloader._engine.stats import LoaderStats
 from threadloader._engine.tasks import NewEpoch, Result, Task
-from threadloader._engine.worker import Worker
+from threadloader._engine.worker import CarriedWorker, Worker
 from threadloader._engine.worker_handles import ThreadHandle
 from threadloader._engine.workers import WorkerPool
 from threadloader._primitives.concurrency import ConcurrencyController, usable_cpus
@@ -323,15 +326,24 @@ class ThreadedDataLoaderIter(DispatchingIter):
         Raises:
             KeyboardInterrupt: Ctrl-C while joining (the threads left exit on their own).
         """
-        # A live change of the index stream restarted every worker, and on the lean path only
-        # those the training thread made a batch for have started the new epoch: closing the
-        # pool drops the others' restarts, and a helper runs only a worker's current epoch.
         for worker in self._pool.workers:
             with worker.busy:
                 _start_pending_epoch(worker)
         self._threadless = True
         self._pool.close()
         self._finalizer.detach()  # after the join: a Ctrl-C in it leaves the pool to the finalizer
+
+    def carry_workers(self) -> list[CarriedWorker]:
+        """Every worker as it stands, for helpers that receive them pickled (point 7). Called
+        with nothing in flight, so their threads wait, idle; they are joined only once the
+        helpers have loaded the workers (``join_threads``), and go on if the move declines.
+        """
+        carried = []
+        for worker in self._pool.workers:
+            with worker.busy:
+                _start_pending_epoch(worker)
+                carried.append(worker.carried())
+        return carried
 
     @property
     def workers_ready(self) -> bool:
@@ -359,7 +371,13 @@ class ThreadedDataLoaderIter(DispatchingIter):
 
 
 def _start_pending_epoch(worker: Worker) -> bool:
-    """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``)."""
+    """Start the new epoch a parked worker has not seen yet, on its behalf (holding ``busy``).
+
+    A live change of the index stream restarted every worker, and on the lean path only those
+    the training thread made a batch for have started the new epoch: a move, which drops the
+    others' restarts with the pool, starts them first, as a helper runs only a worker's current
+    epoch.
+    """
     head = worker.tasks.head()
     if isinstance(head, NewEpoch) and worker.tasks.take_head_if(head):
         worker.start_epoch(head.generation, head.seed, head.rewind, head.begins)

@@ -9,6 +9,7 @@ says what that means); ``Worker.enter`` makes the calling thread act as this wor
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 import threading
 import time
@@ -58,6 +59,40 @@ def _make_rngs(base_seed: int, worker_id: int) -> tuple[Any, WorkerRNGs]:
     return rng, WorkerRNGs(rng, numpy_seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class CarriedWorker:
+    """A map-style worker as it stands between two batches, for a helper process that receives
+    it pickled and carries it on (``isolation.mid_epoch``): its dataset copy, with what
+    ``worker_init_fn`` and its batches so far did to it, and its generators' state.
+
+    Attributes:
+        worker_id: the worker's id.
+        base_seed: the epoch's base seed (the worker's seed is ``base_seed + worker_id``).
+        dataset: the worker's dataset copy.
+        generation: the epoch generation the worker runs.
+        rngs: its generators, themselves: pickled with the dataset copy, a generator the
+            copy holds stays the worker's own.
+        rng_history: the generator states kept for a rewind (``Worker.start_epoch``), if any.
+        pending_error: an error its start raised that its next batch still has to deliver.
+        started: its start made a fetcher (it did unless ``worker_init_fn`` or the dataset's
+            setup raised).
+    """
+
+    worker_id: int
+    base_seed: int
+    dataset: Any
+    generation: int
+    rngs: WorkerRNGs
+    rng_history: list[tuple[int, dict[str, Any]]] | None
+    pending_error: ExceptionWrapper | None
+    started: bool
+
+    def adopt(self, spec: WorkerSpec, recorder: StageRecorder) -> Worker:
+        """The worker, carried on with this process's ``spec`` and stage recorder; its
+        ``worker_init_fn`` ran where it was made and does not run again."""
+        return Worker(spec, self.worker_id, self.base_seed, 1, recorder, carried=self)
+
+
 class Worker:
     """One worker: its info, its task queue, and the lock held while one of its tasks runs.
 
@@ -65,6 +100,15 @@ class Worker:
     thread when it takes a task the worker has not started (``threaded``). Per-worker state (the
     dataset iterator, the worker's generators) is therefore never used by two threads at once,
     and a worker's tasks run in dispatch order, so its random draws are reproducible.
+
+    Args:
+        spec: what the loader's workers share.
+        worker_id: this worker's id.
+        base_seed: the epoch's base seed.
+        capacity: how many tasks its queue holds.
+        recorder: where its stage timings go.
+        carried: a worker made elsewhere, to carry on as it stands (its dataset copy and
+            generators, ready, ``worker_init_fn`` not run again) instead of a new one.
     """
 
     def __init__(
@@ -74,20 +118,25 @@ class Worker:
         base_seed: int,
         capacity: int,
         recorder: StageRecorder,
+        carried: CarriedWorker | None = None,
     ) -> None:
         self.id = worker_id
         self.recorder = recorder  # this epoch's; replaced (not mutated) by a new epoch
         self.spec = spec
         worker_globals.install()
         worker_threads.install()  # threads its items start are part of it
-        rng, self.rngs = _make_rngs(base_seed, worker_id)
-        # Made as this worker: a __setstate__ or __copy__ that draws must not move the
-        # training thread's RNGs (a worker process unpickles its copy itself).
-        outer = worker_globals.swap(self.rngs)
-        try:
-            dataset = worker_copy(spec.dataset)
-        finally:
-            worker_globals.swap(outer)
+        if carried is not None:
+            dataset, self.rngs = carried.dataset, carried.rngs
+            rng = self.rngs.rng
+        else:
+            rng, self.rngs = _make_rngs(base_seed, worker_id)
+            # Made as this worker: a __setstate__ or __copy__ that draws must not move the
+            # training thread's RNGs (a worker process unpickles its copy itself).
+            outer = worker_globals.swap(self.rngs)
+            try:
+                dataset = worker_copy(spec.dataset)
+            finally:
+                worker_globals.swap(outer)
         self.info = worker_info.WorkerInfo(
             id=worker_id,
             num_workers=spec.num_workers,
@@ -107,6 +156,40 @@ class Worker:
         # rewind goes back to (``start_epoch``).
         self._rng_history: collections.deque[tuple[int, dict[str, Any]]] | None = (
             collections.deque(maxlen=spec.rng_history) if spec.rng_history else None
+        )
+        if carried is not None:
+            self._carry_on(carried)
+
+    def _carry_on(self, carried: CarriedWorker) -> None:
+        """Take up ``carried``'s epoch where it stands: ready, its fetcher made anew (a
+        map-style fetcher holds nothing of the epoch)."""
+        self.generation = carried.generation
+        self._pending_error = carried.pending_error
+        if self._rng_history is not None and carried.rng_history is not None:
+            self._rng_history.extend(carried.rng_history)
+        if carried.started:
+            self._fetcher = Fetcher(
+                self.spec.dataset_kind,
+                self.info.dataset,
+                self.spec.auto_collation,
+                self.spec.collate_fn,
+                self.spec.drop_last,
+            )
+        self.ready = True
+
+    def carried(self) -> CarriedWorker:
+        """This worker as it stands, for a helper that receives it pickled; holding ``busy``,
+        between two batches of a map-style epoch, once it is ready."""
+        history = self._rng_history
+        return CarriedWorker(
+            worker_id=self.id,
+            base_seed=self.info.seed - self.id,
+            dataset=self.info.dataset,
+            generation=self.generation,
+            rngs=self.rngs,
+            rng_history=list(history) if history is not None else None,
+            pending_error=self._pending_error,
+            started=self._fetcher is not None,
         )
 
     def _where(self) -> str:

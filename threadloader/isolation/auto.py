@@ -4,7 +4,8 @@ Where the code disagrees with these rules, the code is wrong.
 
 1. The first epoch runs its workers as threads of the training process and measures. A long
    one moves into helpers before it ends, under ``mid_epoch``'s rules (which record the move
-   here, ``moved``).
+   here, ``moved``): forked from this process, or, while it runs other Python threads, from
+   the zygote or a forkserver that is ready (``unforked_start_s``).
 2. Each later epoch (each ``iter()``) is decided from the previous one's ``stats()``. After an
    epoch in threads, the workers move into helper processes (``helpers`` of them, else one per
    worker up to the usable CPUs) when its items held the GIL (``LoaderStats.gil_bound``: worker
@@ -354,6 +355,27 @@ class AutoIsolation:
         """
         if self._refusal(loader, forked=False) is None:
             warm_forkserver(loader.multiprocessing_context)
+
+    def unforked_start_s(self, loader: Any) -> float | None:
+        """Seconds that pickling what they run costs helpers not forked from this process, where
+        such helpers can start now (``mid_epoch`` point 3); else None.
+
+        They can where the loader names no ``multiprocessing_context``, they would come from
+        the zygote or from a forkserver that is ready (point 5), and nothing refuses them
+        (point 4). The seconds count the dataset, ``collate_fn`` and ``worker_init_fn`` once
+        per helper, at ``PICKLED_BYTES_PER_S``.
+
+        Args:
+            loader: the ``ThreadDataLoader``.
+        """
+        if start_method(loader.multiprocessing_context) is not None:
+            return None
+        forked = zygote.running()
+        if not forked and not forkserver_is_ready():
+            return None
+        if self._refusal(loader, forked) is not None:
+            return None
+        return self._pickle_check(loader).nbytes * helper_count(loader) / PICKLED_BYTES_PER_S
 
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
         lasting = self._lasting(loader)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import io
 import os
 import pickle
 import signal
@@ -56,7 +57,7 @@ from torch._utils import ExceptionWrapper
 
 from threadloader._engine import worker_info
 from threadloader._engine.tasks import NOTHING, Result, Task, WorkerSpec
-from threadloader._engine.worker import Worker
+from threadloader._engine.worker import CarriedWorker, Worker
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.timing import StageRecorder
 from threadloader.device.pinned import pageable_allocator, pinned_collate
@@ -113,7 +114,8 @@ class HelperSpec:
         collate_into_slots: ``collate_fn`` is torch's ``default_collate``, so batches can be
             stacked straight into shared memory.
         adopted: the training process's own workers, to carry on as they are (``mid_epoch``):
-            only in a helper forked from that process, which has them in memory.
+            the ``Worker`` objects themselves in a helper forked from that process, which has
+            them in memory; else each one's ``CarriedWorker``, pickled with this spec.
     """
 
     worker: WorkerSpec
@@ -121,7 +123,7 @@ class HelperSpec:
     max_tasks: int
     collate_into_slots: bool
     worker_ids: tuple[int, ...]
-    adopted: dict[int, Worker] | None = None
+    adopted: dict[int, Worker | CarriedWorker] | None = None
 
 
 #: Added to the error of a dataset, collate_fn or worker_init_fn that cannot be pickled.
@@ -146,16 +148,24 @@ class PickledOnce:
     def __init__(self, obj: Any) -> None:
         self.obj = obj
         self._data: bytes | None = None
+        self._kept: Any = None
 
     def __getstate__(self) -> bytes:
+        buffer = io.BytesIO()
+        pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
         try:
-            return bytes(ForkingPickler.dumps(self.obj, pickle.HIGHEST_PROTOCOL))
+            pickler.dump(self.obj)
         except Exception as exc:
             # The error keeps pickle's type; the note says why pickling was needed at all
             # (torch's fork-started workers need none).
             if hasattr(exc, "add_note"):
                 exc.add_note(UNPICKLABLE_NOTE)
             raise
+        # What pickling made (a torch.Generator's state tensor) lives as long as this object:
+        # a tensor's shared memory travels as a descriptor sent once the process is launched,
+        # after this returns, and a tensor freed before then closes it.
+        self._kept = pickler.memo.copy()
+        return buffer.getvalue()
 
     def __setstate__(self, state: bytes) -> None:
         self.obj = None

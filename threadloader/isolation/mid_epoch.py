@@ -14,22 +14,31 @@ code disagrees with these rules, the code is wrong.
    ``threaded`` point 7).
 2. After each batch, at most every ``CHECK_EVERY_S``, once the epoch has run ``MEASURE_S``: the
    move is due when the epoch so far shows what moves the next epoch (``auto`` point 2: the
-   items held the GIL, or the workers slowed the training step), and the rest of the epoch, at
-   the pace so far, lasts at least ``MIN_REMAINING_S``: long enough to win back starting the
-   helpers (20-50 ms each, forked).
-3. The helpers are forked from this process, which must then run no Python thread but the
-   training thread and the workers about to be joined. Forked, a helper carries on each of its
-   workers as they are: its dataset copy, generators, ``worker_init_fn``'s work and fetcher,
-   nothing pickled and nothing run again. So batches, their order, which worker made each, the
-   workers' random draws and ``state_dict()`` are what the epoch would have given in threads.
-   Where forking is not safe, nothing moves; the check repeats (a thread may end). The first
-   time the move is due but forking is not safe, the forkserver later epochs' helpers would
-   come from starts (``auto`` point 5).
-4. Moving: nothing more is dispatched; the batches in flight are delivered; the worker threads
-   are joined; the helpers start and the epoch goes on as an ``isolation="process"`` epoch
-   (``IsolatedDataLoaderIter.take_over``). If a thread appeared while joining, or a helper
-   fails to start (with a ``RuntimeWarning`` naming why), the epoch goes on here instead, the
-   training thread making every batch, as it does when it alone is fastest.
+   items held the GIL, or the workers slowed the training step), helpers can start now (point
+   3), and the rest of the epoch, at the pace so far, lasts at least ``MIN_REMAINING_S`` plus
+   the time to pickle what helpers that are not forked receive (``auto.PICKLED_BYTES_PER_S``):
+   long enough to win back starting them (20-50 ms each, forked or from a ready forkserver).
+3. Where this process runs no Python thread but the training thread and the workers about to
+   be joined, the helpers are forked from it: a helper carries on each of its workers as they
+   are, its dataset copy, generators, ``worker_init_fn``'s work and fetcher, nothing pickled
+   and nothing run again. Otherwise (a progress bar's monitor thread runs), unless the loader
+   names ``fork``, they come from the zygote or from a forkserver once it is ready (``auto.AutoIsolation.unforked_start_s``, which
+   refuses what ``auto`` point 4 refuses such helpers: an unguarded main script, a class of a
+   ``__main__`` they cannot import), and receive each worker pickled (``Worker.carried``): its
+   dataset copy as it stands, with what ``worker_init_fn`` and the batches so far did to it,
+   and its generators themselves; ``worker_init_fn`` does not run again. Either way, batches,
+   their order, which worker made each, the workers' random draws and ``state_dict()`` are what
+   the epoch would have given in threads. The first time the move is due but no helper can
+   start, the forkserver starts (``auto`` point 5); the check repeats.
+4. Moving: nothing more is dispatched; the batches in flight are delivered. Forked: the worker
+   threads are joined and the helpers start. Pickled: the helpers start and load the workers
+   while the idle threads wait, which are joined once every helper has loaded its workers.
+   Then the epoch goes on as an ``isolation="process"`` epoch
+   (``IsolatedDataLoaderIter.take_over``). If a helper fails to start or to load its workers
+   (a worker's dataset copy that cannot be pickled), a ``RuntimeWarning`` names why and the
+   epoch goes on in its threads; if that happens once the threads were joined (forked), or a
+   thread appeared while joining them, the training thread makes every later batch itself, as
+   it does when it alone is fastest.
 5. ``stats().mode`` says ``"process"`` from the move on, and ``mode_reason`` when and why it
    moved. Later epochs start in helpers and follow ``auto``'s rules.
 """
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from threadloader._engine.options import options_of
 from threadloader._engine.stats import LoaderStats
@@ -56,6 +65,9 @@ from threadloader.isolation.auto import (
 from threadloader.isolation.helper_source import start_method
 from threadloader.isolation.parent import IsolatedDataLoaderIter
 
+if TYPE_CHECKING:
+    from threadloader._engine.worker import CarriedWorker
+
 #: The epoch runs this long (seconds) before a move is considered: the concurrency controller
 #: settles in 0.1-0.3 s, and what it settles on is half of the GIL-bound signal.
 MEASURE_S = 0.5
@@ -65,22 +77,33 @@ CHECK_EVERY_S = 0.25
 MIN_REMAINING_S = 1.0
 
 
+class MovePolicy(Protocol):
+    """What a move asks of the loader's ``"auto"`` policy (``auto.AutoIsolation``)."""
+
+    def moved(self, choice: Choice, before: LoaderStats, since: LoaderStats) -> None:
+        """Record that the epoch moved: the ``Choice``, the stats when the move was decided and
+        those when it began (the batches in flight delivered)."""
+
+    def pickling_problem(self) -> str | None:
+        """What a helper could not receive pickled, or None (point 1)."""
+
+    def warm_up(self) -> None:
+        """Start the forkserver later epochs' helpers would come from (point 3)."""
+
+    def unforked_start_s(self) -> float | None:
+        """Seconds that pickling what they run costs helpers that are not forked from this
+        process, where such helpers can start now; else None (point 3)."""
+
+
 def mover_for(
-    loader: Any,
-    epoch: ThreadedDataLoaderIter,
-    on_move: Callable[[Choice, LoaderStats, LoaderStats], None],
-    pickling_problem: Callable[[], str | None],
-    warm_up: Callable[[], None],
+    loader: Any, epoch: ThreadedDataLoaderIter, policy: MovePolicy
 ) -> MidEpochMove | None:
     """A ``MidEpochMove`` for ``epoch`` when point 1 allows one, else None.
 
     Args:
         loader: the ``ThreadDataLoader``.
         epoch: its first epoch's threaded iterator.
-        on_move: called once it moved, with the ``Choice``, the stats when the move was decided
-            and those when it began (the batches in flight delivered).
-        pickling_problem: what a helper could not receive pickled, or None (point 1).
-        warm_up: starts the forkserver later epochs' helpers would come from (point 3).
+        policy: the loader's ``"auto"`` policy.
     """
     if (
         loader.persistent_workers
@@ -90,37 +113,32 @@ def mover_for(
         or not epoch.makes_batches_itself
     ):
         return None
-    return MidEpochMove(helper_count(loader), on_move, pickling_problem, warm_up)
+    return MidEpochMove(helper_count(loader), policy)
 
 
 class MidEpochMove:
-    """Moves one threaded epoch's workers into ``helpers`` forked helpers (module docstring).
+    """Moves one threaded epoch's workers into ``helpers`` helper processes (module docstring).
 
     Args:
         helpers: how many helper processes.
-        on_move: called once moved, with the ``Choice``, the epoch's stats when the move was
-            decided and those when it began (the batches in flight delivered).
-        pickling_problem: what a helper could not receive pickled, or None.
-        warm_up: starts the forkserver later epochs' helpers would come from; called once.
+        policy: the loader's ``"auto"`` policy.
         clock: a monotonic clock in seconds.
     """
 
     def __init__(
         self,
         helpers: int,
-        on_move: Callable[[Choice, LoaderStats, LoaderStats], None],
-        pickling_problem: Callable[[], str | None],
-        warm_up: Callable[[], None],
+        policy: MovePolicy,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._helpers = helpers
-        self._on_move = on_move
-        self._pickling_problem = pickling_problem
-        self._warm_up: Callable[[], None] | None = warm_up
+        self._policy = policy
+        self._warmed = False
         self._clock = clock
         self._next_check = 0.0
         self._signal = ""
         self._stats: LoaderStats | None = None
+        self._forked = True  # whether the due move forks this process (point 3)
 
     def due(self, epoch: ThreadedDataLoaderIter) -> bool:
         """Whether the epoch should move now (point 2)."""
@@ -136,37 +154,55 @@ class MidEpochMove:
         signal = epoch_signal(stats, "the epoch's")
         if signal is None:
             return False
-        if not zygote.may_fork(besides=epoch.pool.alive_threads):
-            warm_up, self._warm_up = self._warm_up, None
-            if warm_up is not None:
-                warm_up()
+        forked = zygote.may_fork(besides=epoch.pool.alive_threads)
+        start_s = 0.0 if forked else self._policy.unforked_start_s()
+        if start_s is None:
+            if not self._warmed:
+                self._warmed = True
+                self._policy.warm_up()
             return False
         try:
             remaining = len(epoch) - epoch.delivered
         except TypeError:  # a sampler without a length
             return False
-        if remaining * stats.wall_s / stats.batches < MIN_REMAINING_S:
+        if remaining * stats.wall_s / stats.batches < MIN_REMAINING_S + start_s:
             return False
-        if self._pickling_problem() is not None:
+        if self._policy.pickling_problem() is not None:
             epoch.mover = None  # it never will be picklable: stop asking
             return False
-        self._signal, self._stats = signal, stats
+        self._signal, self._stats, self._forked = signal, stats, forked
         return True
 
     def move(self, epoch: ThreadedDataLoaderIter) -> bool:
-        """Join the threads and carry the workers on in helpers (point 4); False: declined."""
+        """Carry on the workers in helpers (point 4); False: declined."""
+        if self._forked:
+            return self._move_forked(epoch)
+        began = epoch.stats_so_far()
+        carried = epoch.carry_workers()
+        return self._take_over(epoch, began, carried, "in its worker threads")
+
+    def _move_forked(self, epoch: ThreadedDataLoaderIter) -> bool:
         if not zygote.may_fork(besides=epoch.pool.alive_threads):
             return False  # a thread started since: stay in threads
         began = epoch.stats_so_far()  # the batches in flight were delivered: helpers' from here
         epoch.join_threads()
         if not zygote.may_fork():
             return False  # the training thread makes every batch from here on
+        return self._take_over(epoch, began, None, "in this process")
+
+    def _take_over(
+        self,
+        epoch: ThreadedDataLoaderIter,
+        began: LoaderStats,
+        carried: list[CarriedWorker] | None,
+        instead: str,
+    ) -> bool:
         try:
-            IsolatedDataLoaderIter.take_over(epoch, self._helpers)
+            IsolatedDataLoaderIter.take_over(epoch, self._helpers, carried)
         except Exception as exc:  # noqa: BLE001  # the epoch goes on in this process
             warn_user(
                 f"threadloader: isolation='auto' could not start helper processes mid-epoch "
-                f"({one_line(exc)}); the epoch goes on in this process",
+                f"({one_line(exc)}); the epoch goes on {instead}",
                 RuntimeWarning,
             )
             return False
@@ -179,5 +215,5 @@ class MidEpochMove:
             f"process{'es' if count > 1 else ''}",
             helpers=count,
         )
-        self._on_move(choice, self._stats, began)
+        self._policy.moved(choice, self._stats, began)
         return True

@@ -67,6 +67,7 @@ from threadloader._engine.dispatch import DispatchingIter
 from threadloader._engine.options import options_of
 from threadloader._engine.state import Resume
 from threadloader._engine.tasks import Result, WorkerSpec
+from threadloader._engine.worker import CarriedWorker
 from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
@@ -112,6 +113,29 @@ def _start_links(
         Links(links).reap()
         raise
     return links
+
+
+def _wait_started(links: Links, timeout: float | None) -> None:
+    """Wait until every helper has loaded what it runs (point 7); kill them all if one cannot
+    (one still loading would not see the end of its control pipe).
+
+    Raises:
+        RuntimeError: ``timeout`` expired first, or a helper exited (``SystemExit``: an import
+            it ran called ``sys.exit``; this process goes on).
+        Exception: what a helper raised loading its spec, with the original type.
+    """
+    try:
+        try:
+            links.wait_started(timeout)
+        except TimeoutError:
+            raise RuntimeError(
+                f"threadloader: helper processes had not started after {timeout} seconds"
+            ) from None
+    except BaseException as exc:
+        links.reap()
+        if isinstance(exc, (Exception, KeyboardInterrupt)):
+            raise
+        raise RuntimeError(f"threadloader: a helper process exited starting: {exc!r}") from exc
 
 
 def combined_stats(snapshots: list[Any]) -> Any:
@@ -186,34 +210,45 @@ class IsolatedDataLoaderIter(DispatchingIter):
             Exception: what a helper raised loading its spec, with the original type.
         """
         try:
-            try:
-                self._links.wait_started(self._timeout if self._timeout > 0 else None)
-            except TimeoutError:
-                raise RuntimeError(
-                    f"threadloader: helper processes had not started after {self._timeout} seconds"
-                ) from None
-        except BaseException as exc:
+            _wait_started(self._links, self._timeout if self._timeout > 0 else None)
+        except BaseException:
             self._finalizer.detach()
-            self._links.reap()
-            if isinstance(exc, (Exception, KeyboardInterrupt)):
-                raise
-            # A helper's SystemExit (an import it ran called sys.exit): this process goes on.
-            raise RuntimeError(f"threadloader: a helper process exited starting: {exc!r}") from exc
+            raise
 
     @classmethod
-    def take_over(cls, epoch: Any, count: int) -> None:
-        """Carry on ``epoch``, a threaded iterator whose worker threads were joined, with its
-        workers in ``count`` helper processes forked from this one (``mid_epoch``).
+    def take_over(cls, epoch: Any, count: int, carried: list[CarriedWorker] | None = None) -> None:
+        """Carry on ``epoch``, a threaded iterator with nothing in flight, with its workers in
+        ``count`` helper processes (``mid_epoch``).
 
-        Nothing is in flight: its progress, index stream and stats go on as they are, and the
-        helpers carry on the workers as they are (dataset copies, generators, fetchers).
+        Its progress, index stream and stats go on as they are, and the helpers carry on the
+        workers as they are (dataset copies, generators, ``worker_init_fn``'s work).
+
+        Args:
+            epoch: the threaded iterator.
+            count: how many helpers.
+            carried: None: the worker threads were joined, and the helpers are forked from
+                this process, the workers in memory. Else the workers as they stand
+                (``carry_workers``), pickled to helpers from the zygote or a forkserver; the
+                worker threads are joined once every helper has loaded its workers.
 
         Raises:
-            Exception: whatever starting a helper raises; the epoch is then unchanged.
+            Exception: whatever starting a helper or loading the workers in it raises; the
+                epoch is then unchanged (its threads still run, if they did).
         """
         spec = dataclasses.replace(epoch._pool.workers[0].spec, collate_fn=epoch._collate_fn)
-        ctx = multiprocessing.get_context("fork")
-        links = Links(_start_links(ctx, epoch, spec, count, adopted=epoch._pool.workers))
+        if carried is None:
+            ctx = multiprocessing.get_context("fork")
+            links = Links(_start_links(ctx, epoch, spec, count, adopted=epoch._pool.workers))
+        else:
+            ctx = helper_context()
+            start_forkserver(ctx)
+            links = Links(_start_links(ctx, epoch, spec, count, adopted=carried))
+            try:
+                _wait_started(links, None)
+                epoch.join_threads()
+            except BaseException:
+                links.reap()
+                raise
         epoch.__class__ = cls
         epoch._attach(links)
         epoch._stats.workers_active = None  # what the training thread's steps are timed by

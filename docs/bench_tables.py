@@ -110,6 +110,15 @@ BENCHES: dict[str, Bench] = {
             {"rows": "json"},
         ),
         Bench(
+            "loop_one_epoch_monitor",
+            "The training loop: one long epoch with a progress bar's thread",
+            (
+                *("bench/bench_loop.py", "--rounds", "3", "--epochs", "1"),
+                *("--epoch-scale", "10", "--monitor-thread", "--json", "{rows}"),
+            ),
+            {"rows": "json"},
+        ),
+        Bench(
             "loop_one_cpu",
             "The training loop on one CPU",
             ("bench/bench_loop.py", "--rounds", "3", "--cpus", "1", "--json", "{rows}"),
@@ -757,6 +766,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "loop_one_epoch": render_loop,
     "loop_one_cpu": render_loop,
     "loop_monitor": render_loop,
+    "loop_one_epoch_monitor": render_loop,
     "noisy_neighbour": render_noisy,
     "streams": render_streams,
     "remote": render_remote,

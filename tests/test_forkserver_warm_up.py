@@ -72,8 +72,27 @@ def test_a_forkserver_started_in_the_first_epoch_moves_short_epochs_once_ready(
     assert modes.startswith("['threads'"), modes  # the server was importing torch
     assert "is still importing torch" in _line(proc.stdout, "WAITED")
     assert _line(proc.stdout, "READY") == "True"
-    # The forkserver removed its mark when the script's exit ended it.
-    assert not os.path.exists(_line(proc.stdout, "MARK"))
+    # The forkserver removed its mark when the script's exit ended it, and the script its folder.
+    mark = _line(proc.stdout, "MARK")
+    assert not os.path.exists(os.path.dirname(mark))
+
+
+def test_a_forkserver_is_ready_in_a_temporary_folder_changed_after_the_import(
+    tmp_path: Path,
+) -> None:
+    """The script sets ``tempfile.tempdir`` after importing threadloader: the server, a fresh
+    interpreter, knows nothing of it, and marks itself at the path it was given."""
+    moved = (
+        "import atexit, shutil, tempfile\n"
+        "tempfile.tempdir = tempfile.mkdtemp(prefix='tl-moved-')\n"  # short: the server's socket
+        "atexit.register(shutil.rmtree, tempfile.tempdir, True)\n"
+    )
+    proc = _run(
+        tmp_path, moved + _BODY.replace("+ 60", "+ 30"), guarded=True, prelude=_WARM_PRELUDE
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _line(proc.stdout, "MODES").endswith("'process']"), proc.stdout
+    assert "/tl-moved-" in _line(proc.stdout, "MARK")
 
 
 def test_no_forkserver_starts_for_an_unguarded_script(tmp_path: Path) -> None:
@@ -92,15 +111,17 @@ def test_no_forkserver_starts_for_an_unguarded_script(tmp_path: Path) -> None:
 
 
 def test_a_forkserver_is_ready_once_it_marked_itself_or_preloads_the_helper(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``forkserver_ready`` marks a server threadloader started. One started by someone else
     without threadloader's helper (a ``multiprocessing.Pool`` of the user's) would make each
     helper import torch: not ready. One whose preloads include the helper but not the mark
     (started from a preload list the user set) counts as ready."""
-    pid = 2**22 + os.getpid()  # no live process: nothing else writes this mark
+    pid = 2**22 + os.getpid()  # no live process
     server = types.SimpleNamespace(_forkserver_pid=None, _preload_modules=["__main__"])
     monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", server)
+    mark = tmp_path / "ready"
+    monkeypatch.setitem(helper_source._marks, pid, str(mark))  # as if started here
     assert not helper_source.forkserver_is_ready()  # none runs
     server._forkserver_pid = pid
     assert not helper_source.forkserver_is_ready()  # another library's, without torch
@@ -108,12 +129,10 @@ def test_a_forkserver_is_ready_once_it_marked_itself_or_preloads_the_helper(
     assert helper_source.forkserver_is_ready()
     server._preload_modules = ["__main__", *helper_source._PRELOAD]
     assert not helper_source.forkserver_is_ready()  # ours, still importing
-    mark = Path(helper_source.mark_path(pid))
     mark.touch()
-    try:
-        assert helper_source.forkserver_is_ready()
-    finally:
-        mark.unlink()
+    assert helper_source.forkserver_is_ready()
+    monkeypatch.delitem(helper_source._marks, pid)
+    assert not helper_source.forkserver_is_ready()  # not started here: no mark to trust
 
 
 _DYING_PRELUDE = (

@@ -3,10 +3,11 @@
 multiprocessing's forkserver imports its preload modules (the main script, threadloader's
 helper, torch: 1.5 s and more) before it answers a request; a helper asked for meanwhile waits
 for those imports. ``helper_source`` preloads this module after every other one. Imported in the
-forkserver, it creates an empty file named for the server's user and pid
-(``helper_source.mark_path``), which the training process can look for without asking the
-server (``helper_source.forkserver_is_ready``), and removes it when the server exits. Imported in
-any other process, it does nothing.
+forkserver, it creates an empty file at the path the training process gave the server when it
+started it (``helper_source.mark_path``, passed in the server's arguments), which the training
+process can look for without asking the server (``helper_source.forkserver_is_ready``), and
+removes it when the server exits. Imported in any other process, or in a server given no path,
+it does nothing.
 
 Nothing else in threadloader imports this module or ``forkserver_exit``: the forkserver imports
 the main script first, and the script's ``import threadloader`` must not mark the server ready
@@ -18,9 +19,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import sys
 
-from threadloader.isolation.forkserver_process import in_forkserver
-from threadloader.isolation.helper_source import mark_path
+from threadloader.isolation.forkserver_process import in_forkserver, server_arguments
 
 
 def _unmark(path: str, pid: int) -> None:
@@ -31,8 +32,11 @@ def _unmark(path: str, pid: int) -> None:
 
 
 def _mark() -> None:
+    given = server_arguments(list(getattr(sys, "orig_argv", ()))).get("main_path")
+    path = given.get("ready") if isinstance(given, dict) else None
+    if not isinstance(path, str):
+        return  # given no path: no mark (the training process moves by the longer rule)
     pid = os.getpid()
-    path = mark_path(pid)
     try:
         with open(path, "wb"):
             pass

@@ -23,8 +23,10 @@ Where the code disagrees with these rules, the code is wrong.
 5. ``isolation="auto"`` starts a forkserver only once its measurements say the workers should
    move and this process may not be forked (``warm_forkserver``), and moves an epoch shorter
    than a forkserver's start only once the server is ready (``forkserver_is_ready``): the
-   forkserver marks that itself, after its imports (``forkserver_ready``). One it started that
-   exited before its mark is not started again that way (``forkserver_lost``).
+   forkserver marks that itself, after its imports (``forkserver_ready``), with a file whose
+   path it was given when this process started it (in a folder of this process's own, removed
+   at its exit). One it started that exited before its mark is not started again that way
+   (``forkserver_lost``).
 6. A forkserver started here imports the main script before it is ready, with the training
    process's ``sys.path``, as each helper would (``forkserver_main``, preloaded in place of
    ``"__main__"``; ``_main_path_passed``), so its helpers do not each run the script's imports.
@@ -33,6 +35,7 @@ Where the code disagrees with these rules, the code is wrong.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import multiprocessing
@@ -40,6 +43,7 @@ import multiprocessing.forkserver
 import multiprocessing.spawn
 import multiprocessing.util
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -214,7 +218,7 @@ def forkserver_is_ready() -> bool:
         return False
     if _READY_MARK not in _server_preloads():
         return not forkserver_foreign()
-    return os.path.exists(mark_path(pid))
+    return _marked(pid)
 
 
 def forkserver_foreign() -> bool:
@@ -226,14 +230,37 @@ def forkserver_foreign() -> bool:
 def forkserver_lost() -> bool:
     """Whether a forkserver ``warm_forkserver`` started exited before it was ready (a preload
     module raised, the out-of-memory killer): it is not started that way again."""
-    return any(_exited(pid) and not os.path.exists(mark_path(pid)) for pid in _warmed)
+    return any(_exited(pid) and not _marked(pid) for pid in _warmed)
 
 
-def mark_path(pid: int) -> str:
+def mark_path(pid: int) -> str | None:
     """The file the forkserver with this pid creates once its imports are done
-    (``forkserver_ready``)."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    return os.path.join(tempfile.gettempdir(), f"threadloader-{uid}-forkserver-{pid}.ready")
+    (``forkserver_ready``); None for a server this process did not start with one."""
+    return _marks.get(pid)
+
+
+def _marked(pid: int) -> bool:
+    path = _marks.get(pid)
+    return path is not None and os.path.exists(path)
+
+
+#: Forkservers started here (their pids) -> the file each creates once it is ready.
+_marks: dict[int, str] = {}
+_mark_folder: list[str] = []  # this process's folder for them, made on first use
+
+
+def _new_mark_path() -> str | None:
+    """A path for the next forkserver's ready mark, in a folder only this process's user can
+    read, removed when this process exits; None if no folder can be made (the server is then
+    never taken as ready: epochs move by the longer rule)."""
+    if not _mark_folder:
+        try:
+            folder = tempfile.mkdtemp(prefix="threadloader-forkserver-")
+        except OSError:
+            return None
+        _mark_folder.append(folder)
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return os.path.join(_mark_folder[0], f"ready-{len(_marks)}-{os.getpid()}")
 
 
 def start_forkserver(ctx: Any) -> int | None:
@@ -248,16 +275,16 @@ def start_forkserver(ctx: Any) -> int | None:
     if ctx.get_start_method() != "forkserver":
         return None
     before = _server_pid()
-    passing = _main_path_passed() if before is None else contextlib.nullcontext()
+    ready = _new_mark_path() if before is None else None
+    passing = _main_path_passed(ready) if before is None else contextlib.nullcontext()
     try:
         with passing:
             multiprocessing.forkserver.ensure_running()
     except OSError:  # iter() tries again, and raises what starting a helper raises
         return None
     pid = _server_pid()
-    if pid is not None and pid != before:  # a mark left by a killed server with this pid
-        with contextlib.suppress(OSError):
-            os.unlink(mark_path(pid))
+    if pid is not None and pid != before and ready is not None:
+        _marks[pid] = ready
     return pid
 
 
@@ -289,17 +316,18 @@ def _exited(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _main_path_passed() -> Iterator[None]:
-    """Let a forkserver started meanwhile import the main script before it is ready (point 6).
+def _main_path_passed(ready: str | None) -> Iterator[None]:
+    """Let a forkserver started meanwhile import the main script before it is ready (point 6)
+    and mark itself ready at ``ready`` (point 5).
 
     The server receives only the preparation data's ``main_path`` and ``sys_path``; Python 3.11
     to 3.13 have the path under ``init_main_from_path``, so the server never gets it. While the
     server starts, ``main_path`` carries the path and ``sys.argv`` for ``forkserver_main``
     (preloaded in place of ``"__main__"``, whose own import would miss the training process's
-    ``sys.path`` and arguments); nothing else reads it where ``"__main__"`` is not preloaded,
-    and nothing is added where it still is.
+    ``sys.path`` and arguments), and the mark's path for ``forkserver_ready``. multiprocessing
+    reads ``main_path`` only where ``"__main__"`` is preloaded: nothing is added there.
     """
-    if _MAIN_IMPORT not in _server_preloads():
+    if "__main__" in _server_preloads():
         yield
         return
     with _passing_main_path:  # one swap at a time, each undone in order
@@ -307,9 +335,13 @@ def _main_path_passed() -> Iterator[None]:
 
         def with_main_path(name: str) -> dict[str, Any]:
             data = original(name)
+            if "main_path" in data:
+                return data
+            given: dict[str, Any] = {"ready": ready}
             path = data.get("init_main_from_path")
-            if path is not None and "main_path" not in data:
-                data["main_path"] = {"path": path, "argv": list(data.get("sys_argv", sys.argv))}
+            if path is not None:
+                given.update(path=path, argv=list(data.get("sys_argv", sys.argv)))
+            data["main_path"] = given
             return data
 
         multiprocessing.spawn.get_preparation_data = with_main_path

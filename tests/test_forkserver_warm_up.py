@@ -259,6 +259,28 @@ def test_a_script_in_another_folder_is_imported_by_the_forkserver_with_its_sys_p
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_a_module_run_with_python_m_is_imported_by_the_forkserver_once(tmp_path: Path) -> None:
+    """``python -m pkg.train``: multiprocessing names the main module instead of its file, and
+    each helper would run it again (its imports included); the server runs it once for them."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text(
+        "import multiprocessing, threading, torch\n"
+        "from torch.utils.data import Dataset\n"
+        "print('SCRIPT RAN', multiprocessing.current_process().name, flush=True)\n"
+        "class Many(Dataset):\n"
+        "    def __len__(self):\n        return 64\n"
+        "    def __getitem__(self, i):\n        return torch.tensor(i)\n"
+        + _helpers_in_a_thread_loop("Many()", "'BATCHES', len(list(loader))")
+    )
+    proc = _run_in(tmp_path, "-m", "pkg.train")
+    assert proc.returncode == 0, proc.stderr
+    assert "BATCHES 16" in proc.stdout
+    ran = sorted(line for line in proc.stdout.splitlines() if line.startswith("SCRIPT RAN"))
+    assert ran == ["SCRIPT RAN MainProcess", "SCRIPT RAN threadloader-forkserver"], proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_the_forkserver_imports_the_script_with_its_arguments_and_not_as_the_main_process(
     tmp_path: Path,
 ) -> None:

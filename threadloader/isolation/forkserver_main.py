@@ -8,9 +8,10 @@ so each helper imports the script again, its imports included: seconds per helpe
 that imports a large library. ``helper_source`` preloads this module in place of ``"__main__"``
 and passes the path as ``main_path`` (beside ``sys_path``, which the server receives too).
 
-Imported in the forkserver, it imports the script as ``__mp_main__`` as a helper's start would:
-with the training process's ``sys.path`` and ``sys.argv`` (``helper_source`` passes them with the
-path) and a process name other than ``"MainProcess"``. Helpers forked from the server then find
+Imported in the forkserver, it imports the script (or the module run with ``python -m``) as
+``__mp_main__`` as a helper's start would: with the training process's ``sys.path`` and
+``sys.argv`` (``helper_source`` passes them with the path or name) and a process name other than
+``"MainProcess"``. Helpers forked from the server then find
 it imported. If the import fails (whatever it raises, ``SystemExit`` included), ``sys.path`` is
 put back and each helper imports the script itself, as without this module. What the script's
 top level does outside its ``if __name__ == "__main__":`` block runs in the server, once: a
@@ -22,6 +23,7 @@ Nothing else in threadloader imports this module (``forkserver_ready`` says why)
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.spawn
 import sys
@@ -37,11 +39,21 @@ def _import_main() -> None:
     script, sys_path = given.get("main_path"), given.get("sys_path")
     if not isinstance(script, dict):
         return  # not from helper_source (no arguments to run the script with): import nothing
-    main_path, argv = script.get("path"), script.get("argv")
-    if not isinstance(main_path, str) or not isinstance(argv, list):
+    main_path, name, argv = script.get("path"), script.get("name"), script.get("argv")
+    if not isinstance(argv, list):
         return
-    if getattr(sys.modules.get("__main__"), "__file__", None) == main_path:
-        return  # imported already
+    main = sys.modules.get("__main__")
+    if isinstance(main_path, str):
+        if getattr(main, "__file__", None) == main_path:
+            return  # imported already
+        run = functools.partial(multiprocessing.spawn.import_main_path, main_path)
+    elif isinstance(name, str):
+        if getattr(getattr(main, "__spec__", None), "name", None) == name:
+            return  # imported already
+        # What a helper's start runs for it (and skips once the server has run it).
+        run = functools.partial(multiprocessing.spawn._fixup_main_from_name, name)  # type: ignore[attr-defined]
+    else:
+        return
     process = multiprocessing.current_process()
     saved = list(sys.path), list(sys.argv), process.name
     if isinstance(sys_path, list):
@@ -53,7 +65,7 @@ def _import_main() -> None:
     process.name = SERVER_NAME
     process._inheriting = True  # type: ignore[attr-defined]  # as multiprocessing marks it
     try:
-        multiprocessing.spawn.import_main_path(main_path)
+        run()
     except BaseException:  # noqa: BLE001  # even SystemExit: each helper imports the script
         sys.path[:] = saved[0]
     finally:

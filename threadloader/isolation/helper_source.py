@@ -322,9 +322,10 @@ def _main_path_passed(ready: str | None) -> Iterator[None]:
 
     The server receives only the preparation data's ``main_path`` and ``sys_path``; Python 3.11
     to 3.13 have the path under ``init_main_from_path``, so the server never gets it. While the
-    server starts, ``main_path`` carries the path and ``sys.argv`` for ``forkserver_main``
-    (preloaded in place of ``"__main__"``, whose own import would miss the training process's
-    ``sys.path`` and arguments), and the mark's path for ``forkserver_ready``. multiprocessing
+    server starts, ``main_path`` carries the path (or, for ``python -m``, the module's name) and
+    ``sys.argv`` for ``forkserver_main`` (preloaded in place of ``"__main__"``, whose own import
+    would miss the training process's ``sys.path`` and arguments, and a module run with ``-m``),
+    and the mark's path for ``forkserver_ready``. multiprocessing
     reads ``main_path`` only where ``"__main__"`` is preloaded: nothing is added there.
     """
     if "__main__" in _server_preloads():
@@ -337,10 +338,12 @@ def _main_path_passed(ready: str | None) -> Iterator[None]:
             data = original(name)
             if "main_path" in data:
                 return data
-            given: dict[str, Any] = {"ready": ready}
-            path = data.get("init_main_from_path")
+            given: dict[str, Any] = {"ready": ready, "argv": list(data.get("sys_argv", sys.argv))}
+            path, module = data.get("init_main_from_path"), data.get("init_main_from_name")
             if path is not None:
-                given.update(path=path, argv=list(data.get("sys_argv", sys.argv)))
+                given["path"] = path
+            elif module is not None:  # python -m pkg.train
+                given["name"] = module
             data["main_path"] = given
             return data
 

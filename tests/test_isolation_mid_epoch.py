@@ -525,3 +525,83 @@ def test_a_move_waits_for_the_forkserver_to_be_ready(monkeypatch: pytest.MonkeyP
     assert set().union(*pids[:6]) == {os.getpid()}
     assert os.getpid() not in pids[-1]
     assert loader.stats().mode == "process"
+
+
+def _seed_globals(worker_id: int) -> None:
+    """torch's reproducibility recipe: seed random and numpy from the worker's torch seed."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _pairs(batch: list[Any]) -> list[Any]:
+    """A collate_fn of the user's: the items as a list of tuples, pids dropped."""
+    return [tuple(item[:6]) for item in batch]
+
+
+def _random_configuration(rng: random.Random) -> tuple[dict[str, Any], int]:
+    """Loader arguments torch accepts, and after how many batches the move is due."""
+    workers = rng.choice([2, 3, 4])
+    kwargs: dict[str, Any] = {
+        "num_workers": workers,
+        "prefetch_factor": rng.choice([1, 2, 3]),
+        "worker_init_fn": rng.choice([None, _count_init, _seed_globals]),
+    }
+    batching = rng.choice(["batch_size", "sampler", "batch_sampler"])
+    if batching == "batch_sampler":
+        order = list(range(N))
+        rng.shuffle(order)
+        sizes = [rng.randint(1, 5) for _ in range(N)]
+        batches, at = [], 0
+        for size in sizes:
+            if at >= N:
+                break
+            batches.append(order[at : at + size])
+            at += size
+        kwargs["batch_sampler"] = batches
+    else:
+        kwargs["batch_size"] = rng.choice([1, 3, 4])
+        kwargs["drop_last"] = rng.random() < 0.5
+        if batching == "sampler":
+            kwargs["sampler"] = rng.randint(N // 2, N)  # drawn with replacement (_sampler)
+        else:
+            kwargs["shuffle"] = rng.random() < 0.7
+    if rng.random() < 0.3:
+        kwargs["collate_fn"] = _pairs
+    return kwargs, rng.randint(1, 6)
+
+
+def _comparable(batch: Any) -> Any:
+    return batch if isinstance(batch, list) and isinstance(batch[0], tuple) else _data(batch)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+@pytest.mark.parametrize("seed", range(int(os.environ.get("FUZZ_SEEDS", "6"))))
+def test_random_configurations_carried_into_forkserver_helpers_give_torchs_batches(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random worker counts, helper counts, samplers, batch shapes, collate and init functions,
+    and a move due after a random number of batches: every batch and draw is torch's.
+    ``FUZZ_SEEDS=200`` runs more."""
+    rng = random.Random(seed)
+    kwargs, after = _random_configuration(rng)
+    helpers = rng.choice([None, 1, 2])
+    monkeypatch.setattr(auto, "held_the_gil", lambda stats: stats.batches >= after)
+    samples = kwargs.pop("sampler", None)
+
+    def sampler() -> dict[str, Any]:
+        if samples is None:
+            return {}
+        generator = torch.Generator().manual_seed(seed + 1)
+        return {"sampler": RandomSampler(range(N), True, samples, generator=generator)}
+
+    seeded = torch.Generator().manual_seed
+    theirs = torch_epochs(Counting(), generator=seeded(seed), **sampler(), **kwargs)[0]
+    with _another_thread():
+        loader = ThreadDataLoader(
+            Counting(), generator=seeded(seed), helpers=helpers, **sampler(), **kwargs
+        )
+        ours = list(loader)
+    assert_epochs_equal([_comparable(b) for b in ours], [_comparable(b) for b in theirs])
+    if len(ours) > after + kwargs["prefetch_factor"] * kwargs["num_workers"]:  # time to move
+        assert loader.stats().mode == "process", (kwargs, after, loader.stats().mode_reason)

@@ -13,6 +13,7 @@ import functools
 import os
 import random
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -271,7 +272,7 @@ def test_a_thread_started_while_the_workers_joined_keeps_the_epoch_in_this_proce
 def test_a_helper_that_fails_to_start_is_reported_and_the_epoch_goes_on_here(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def fail(epoch: Any, count: int, carried: Any = None) -> None:
+    def fail(epoch: Any, count: int, carried: Any = None, **limits: Any) -> None:
         raise OSError("no more processes")
 
     monkeypatch.setattr(IsolatedDataLoaderIter, "take_over", fail)
@@ -458,13 +459,15 @@ class _Unloadable:
     def __reduce__(self) -> tuple[Any, ...]:
         if self.how == "lock":
             return super().__reduce__()  # TypeError: cannot pickle '_thread.lock' object
-        return _unload_elsewhere, (os.getpid(),)
+        return _unload_elsewhere, (os.getpid(), self.how)
 
 
-def _unload_elsewhere(pid: int) -> _Unloadable:
+def _unload_elsewhere(pid: int, how: str) -> _Unloadable:
     if os.getpid() != pid:
+        if how == "slow":
+            time.sleep(60)  # a load that never ends, as far as the move can wait
         raise ModuleNotFoundError("No module named 'only_in_training'")
-    return _Unloadable("elsewhere")
+    return _Unloadable(how)
 
 
 def _init_unloadable(how: str, worker_id: int) -> None:
@@ -477,13 +480,20 @@ def _init_unloadable(how: str, worker_id: int) -> None:
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
 @pytest.mark.parametrize(
     ("how", "error"),
-    [("lock", "cannot pickle"), ("elsewhere", "No module named 'only_in_training'")],
-    ids=["cannot be pickled", "cannot be loaded"],
+    [
+        ("lock", "cannot pickle"),
+        ("elsewhere", "No module named 'only_in_training'"),
+        ("slow", "had not started after"),
+    ],
+    ids=["cannot be pickled", "cannot be loaded", "loads too slowly"],
 )
-def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(how: str, error: str) -> None:
+def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
+    how: str, error: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """worker_init_fn left something on the worker's copy that cannot be pickled, or that a
-    helper cannot load: the move declines with a warning naming why, and the epoch goes on in
-    its worker threads with torch's batches, none lost or repeated."""
+    helper cannot load, or not soon: the move declines with a warning naming why, and the epoch
+    goes on in its worker threads with torch's batches, none lost or repeated."""
+    monkeypatch.setattr(mid_epoch, "CARRIED_WAIT_S", 1.0)
     init = functools.partial(_init_unloadable, how)
     with _another_thread():
         loader = _ours(worker_init_fn=init)
@@ -605,3 +615,86 @@ def test_random_configurations_carried_into_forkserver_helpers_give_torchs_batch
     assert_epochs_equal([_comparable(b) for b in ours], [_comparable(b) for b in theirs])
     if len(ours) > after + kwargs["prefetch_factor"] * kwargs["num_workers"]:  # time to move
         assert loader.stats().mode == "process", (kwargs, after, loader.stats().mode_reason)
+
+
+def _init_mapped(worker_id: int) -> None:
+    """Maps a file onto the worker's copy (here an 8 MB array the copy alone holds)."""
+    _count_init(worker_id)
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.mapped = np.ones(2**20)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_worker_copies_holding_more_than_the_dataset_stay_in_threads_without_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What worker_init_fn put on each copy would reach each helper copied (a memory map
+    pickles as its contents): past the dataset's size and the slack, the move declines while
+    pickling; stats() says why, and the epoch goes on in its threads with torch's batches."""
+    monkeypatch.setattr(mid_epoch, "CARRIED_SLACK_BYTES", 2**20)
+    with _another_thread():
+        loader = _ours(worker_init_fn=_init_mapped)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batches = list(loader)
+    assert_epochs_equal([_data(b) for b in batches], _torch(worker_init_fn=_init_mapped)[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    stats = loader.stats()
+    assert stats.mode == "threads"
+    assert "exceeds" in str(stats.mode_reason) and "held the GIL" in str(stats.mode_reason)
+
+
+class _SharesState(Counting):
+    """A dataset whose copies share process-wide state, as RemoteFiles' read pool."""
+
+    def __copy__(self) -> _SharesState:
+        twin = _SharesState.__new__(_SharesState)
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_dataset_whose_copies_share_state_is_not_carried_pickled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pickled apart, each copy would get its own state: the epoch stays in threads, though the
+    forkserver is ready, and the warm-up runs for the next epoch, which moves the dataset whole."""
+    warmed: list[Any] = []
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    with _another_thread():
+        loader = ThreadDataLoader(
+            _SharesState(), generator=torch.Generator().manual_seed(7), **KWARGS
+        )
+        batches = list(loader)
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+    assert warmed == [None]
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_mixture_with_many_workers_per_helper_is_carried_with_its_generator_history() -> None:
+    """A mixture keeps each worker's recent generator states (for a live weight change's
+    rewind): 16 workers in one helper carry dozens of them, which travel as plain data (as
+    tensors, each would need a file descriptor: more than a message may carry). The epoch
+    moves and gives the threads' batches."""
+    from threadloader.streams import Mixture, MixtureSampler
+
+    def run(isolation: str) -> tuple[list[Any], str]:
+        mixture = Mixture({"a": range(1000, 1097), "b": range(2000, 2061)}, {"a": 0.7, "b": 0.3})
+        loader = ThreadDataLoader(
+            mixture, batch_size=2, num_workers=16, prefetch_factor=16, isolation=isolation,
+            generator=torch.Generator().manual_seed(3),
+            **({"helpers": 1} if isolation == "auto" else {}),
+            sampler=MixtureSampler(mixture, samples_per_epoch=1200),
+        )  # fmt: skip
+        batches = list(loader)
+        return batches, loader.stats().mode
+
+    with _another_thread():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            moved, mode = run("auto")
+        stayed, _ = run("threads")
+    assert mode == "process"
+    assert_epochs_equal(moved, stayed)

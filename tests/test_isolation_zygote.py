@@ -449,3 +449,37 @@ def test_the_zygote_ends_with_the_training_process(tmp_path: Any) -> None:
         time.sleep(0.05)
     gone = not psutil.pid_exists(server) or psutil.Process(server).status() == "zombie"
     assert gone
+
+
+def test_a_zygote_helper_keeps_nothing_pickling_made_in_the_training_process(
+    tmp_path: Any,
+) -> None:
+    """A dataset that pickles as a tensor it makes: the zygote's process object keeps its
+    arguments for the helper's life, but not what pickling made, nor the dataset (a helper
+    from the zygote may hold a large copy of it for as long as the epoch runs)."""
+    out = _run(
+        tmp_path,
+        """
+        import gc, weakref
+        made = []
+
+        def rows(values):
+            return Rows()
+
+        class MadeWhenPickled(Rows):
+            def __reduce__(self):
+                values = torch.arange(8.0)
+                made.append(weakref.ref(values))
+                return rows, (values,)
+
+        iso = ThreadDataLoader(MadeWhenPickled(), batch_size=4, num_workers=2,
+                               isolation="process", helpers=2)
+        with another_thread():
+            it = iter(iso)
+            next(it)
+            gc.collect()
+            print("pickled", len(made), "alive", sum(ref() is not None for ref in made))
+            del it
+        """,
+    )
+    assert out == ["pickled", "2", "alive", "0"]

@@ -736,6 +736,12 @@ class _AutoPolicy:
         loader = self._loader()
         return None if loader is None else loader._auto.unforked_start_s(loader)
 
+    def declined(self, reason: str) -> None:
+        """Say in ``stats().mode_reason`` why the epoch did not move when it was due."""
+        loader = self._loader()
+        if loader is not None:
+            loader._epoch_choice = Choice(THREADS, reason)
+
 
 def _check_mixture_sampler(loader: ThreadDataLoader[Any]) -> None:
     """Refuse a ``Mixture`` that no ``MixtureSampler`` of its own samples.

@@ -30,7 +30,7 @@ from threadloader._engine.datapipes import reseed
 from threadloader._engine.dataset_copy import worker_copy
 from threadloader._engine.fetch import Fetcher
 from threadloader._engine.tasks import NOTHING, NewEpoch, Result, Task, WorkerSpec
-from threadloader._engine.worker_rng import load_rng_state, rng_state
+from threadloader._engine.worker_rng import as_plain, load_rng_state, rng_state
 from threadloader._primitives import intra_op, worker_globals
 from threadloader._primitives.queues import BoundedQueue
 from threadloader._primitives.timing import StageRecorder
@@ -187,7 +187,8 @@ class Worker:
             dataset=self.info.dataset,
             generation=self.generation,
             rngs=self.rngs,
-            rng_history=list(history) if history is not None else None,
+            # Plain: a generator state's tensor would travel as one file descriptor each.
+            rng_history=[(i, as_plain(st)) for i, st in history] if history is not None else None,
             pending_error=self._pending_error,
             started=self._fetcher is not None,
         )

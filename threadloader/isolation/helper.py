@@ -136,6 +136,25 @@ UNPICKLABLE_NOTE = (
 )
 
 
+class PayloadTooLarge(Exception):
+    """What a helper would receive pickled is larger than its start may cost."""
+
+
+class _Capped(io.BytesIO):
+    """A pickle's bytes, refused beyond ``limit``: each write is checked before it is copied."""
+
+    def __init__(self, limit: int | None) -> None:
+        super().__init__()
+        self._limit = limit
+
+    def write(self, data: Any) -> int:
+        if self._limit is not None and self.tell() + memoryview(data).nbytes > self._limit:
+            raise PayloadTooLarge(
+                f"what a helper would receive pickled exceeds {self._limit / 1e6:.3g} MB"
+            )
+        return super().write(data)
+
+
 class PickledOnce:
     """Carries an object into the helper as bytes, unpickled by the helper's own code.
 
@@ -143,29 +162,42 @@ class PickledOnce:
     object), so torch's reductions can hand tensors over as shared memory instead of copying
     them; unpickled by ``helper_main`` inside a ``try``, so a dataset whose class cannot be
     imported there is reported as an error instead of killing the helper before it can speak.
+
+    Args:
+        obj: what to carry.
+        limit: the most bytes it may pickle to; beyond, pickling stops with
+            ``PayloadTooLarge`` (a large array is refused before it is copied).
     """
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, limit: int | None = None) -> None:
         self.obj = obj
+        self._limit = limit
         self._data: bytes | None = None
-        self._kept: Any = None
+        self._pickler: Any = None
 
     def __getstate__(self) -> bytes:
-        buffer = io.BytesIO()
+        buffer = _Capped(self._limit)
         pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
         try:
             pickler.dump(self.obj)
+        except PayloadTooLarge:
+            raise
         except Exception as exc:
             # The error keeps pickle's type; the note says why pickling was needed at all
             # (torch's fork-started workers need none).
             if hasattr(exc, "add_note"):
                 exc.add_note(UNPICKLABLE_NOTE)
             raise
-        # What pickling made (a torch.Generator's state tensor) lives as long as this object:
-        # a tensor's shared memory travels as a descriptor sent once the process is launched,
-        # after this returns, and a tensor freed before then closes it.
-        self._kept = pickler.memo.copy()
+        # What pickling made (a torch.Generator's state tensor) lives in the pickler's memo
+        # until ``release``: a tensor's shared memory travels as a descriptor sent once the
+        # process is launched, after this returns, and a tensor freed before then closes it.
+        self._pickler = pickler
         return buffer.getvalue()
+
+    def release(self) -> None:
+        """Drop the object and what pickling made: call once the process started (it has its
+        copy, and the descriptors were sent)."""
+        self.obj = self._pickler = None
 
     def __setstate__(self, state: bytes) -> None:
         self.obj = None

@@ -120,12 +120,14 @@ class _Link:
         ctx: what starts the helper: a multiprocessing context or ``zygote.ZygoteContext``.
         spec: what the helper runs.
         name: the helper's process name, e.g. ``threadloader-helper-7f3a``.
+        limit: the most bytes ``spec`` may pickle to (``PickledOnce``), if any.
 
     Raises:
+        PayloadTooLarge: ``spec`` pickles to more than ``limit`` bytes.
         Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
     """
 
-    def __init__(self, ctx: Any, spec: HelperSpec, name: str) -> None:
+    def __init__(self, ctx: Any, spec: HelperSpec, name: str, limit: int | None = None) -> None:
         control_r, control_w = ctx.Pipe(duplex=False)
         mailbox_r, mailbox_w = ctx.Pipe(duplex=False)  # raw records, never Connection.send
         tasks_r, tasks_w = ctx.Pipe(duplex=False)  # every worker's tasks (``task_board``)
@@ -143,11 +145,12 @@ class _Link:
         self.spin = False  # poll before sleeping on the next wait (point 6)
         self.polled = self.spun = 0  # waits that polled; of them, ended without sleeping
         theirs = [control_r, mailbox_r, tasks_r, result_there]
+        payload = PickledOnce(spec, limit)
         try:
             self.process = _start_process(
                 ctx,
                 target=helper_main,
-                args=(PickledOnce(spec), control_r, mailbox_r, tasks_r, result_there),
+                args=(payload, control_r, mailbox_r, tasks_r, result_there),
                 name=name,
                 daemon=True,  # multiprocessing ends it at interpreter exit too
             )
@@ -156,6 +159,8 @@ class _Link:
                 conn.close()
             self.closed = True
             raise
+        finally:
+            payload.release()  # a zygote's process keeps its arguments
         for conn in theirs:
             conn.close()
         self._waiting = select.poll()

@@ -35,16 +35,26 @@ code disagrees with these rules, the code is wrong.
    while the idle threads wait, which are joined once every helper has loaded its workers.
    Then the epoch goes on as an ``isolation="process"`` epoch
    (``IsolatedDataLoaderIter.take_over``). If a helper fails to start or to load its workers
-   (a worker's dataset copy that cannot be pickled), a ``RuntimeWarning`` names why and the
-   epoch goes on in its threads; if that happens once the threads were joined (forked), or a
-   thread appeared while joining them, the training thread makes every later batch itself, as
-   it does when it alone is fastest.
-5. ``stats().mode`` says ``"process"`` from the move on, and ``mode_reason`` when and why it
+   (a worker's dataset copy that cannot be pickled; ``CARRIED_WAIT_S`` passed), a
+   ``RuntimeWarning`` names why and the epoch goes on in its threads; if that happens once the
+   threads were joined (forked), or a thread appeared while joining them, the training thread
+   makes every later batch itself, as it does when it alone is fastest.
+5. Pickled, each helper may receive at most what the rest of the epoch wins back at
+   ``auto.PICKLED_BYTES_PER_S`` (beyond ``MIN_REMAINING_S``), and at most the dataset once
+   plus once per worker it carries, plus ``CARRIED_SLACK_BYTES``: workers' copies that hold
+   more (a file ``worker_init_fn`` mapped, which each helper would receive copied) stay in
+   threads, checked while pickling, before anything large is copied (``PayloadTooLarge``);
+   ``mode_reason`` says so, and the next epoch, which sends the dataset and runs
+   ``worker_init_fn`` in the helpers, moves instead. A dataset whose class defines
+   ``__copy__`` (its copies share process-wide state, as ``RemoteFiles``' read pool, which
+   pickling would split) moves only at the next epoch too (``auto.unforked_start_s``).
+6. ``stats().mode`` says ``"process"`` from the move on, and ``mode_reason`` when and why it
    moved. Later epochs start in helpers and follow ``auto``'s rules.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -55,6 +65,7 @@ from threadloader._engine.threaded import ThreadedDataLoaderIter
 from threadloader._primitives.warn import warn_user
 from threadloader.isolation import zygote
 from threadloader.isolation.auto import (
+    PICKLED_BYTES_PER_S,
     PROCESS,
     Choice,
     epoch_signal,
@@ -62,6 +73,7 @@ from threadloader.isolation.auto import (
     one_line,
     too_few_to_help,
 )
+from threadloader.isolation.helper import PayloadTooLarge
 from threadloader.isolation.helper_source import start_method
 from threadloader.isolation.parent import IsolatedDataLoaderIter
 
@@ -75,6 +87,12 @@ MEASURE_S = 0.5
 CHECK_EVERY_S = 0.25
 #: The rest of the epoch must last at least this long (seconds, at the pace so far).
 MIN_REMAINING_S = 1.0
+#: Helpers that receive the workers pickled may take this long to load them (seconds), plus
+#: four times the time pickling the dataset takes (point 4); then the epoch stays in threads.
+CARRIED_WAIT_S = 10.0
+#: What each helper may receive pickled beyond the dataset and its workers' copies of it
+#: (point 5): what their items cached, ``worker_init_fn``'s additions.
+CARRIED_SLACK_BYTES = 64 * 2**20
 
 
 class MovePolicy(Protocol):
@@ -93,6 +111,9 @@ class MovePolicy(Protocol):
     def unforked_start_s(self) -> float | None:
         """Seconds that pickling what they run costs helpers that are not forked from this
         process, where such helpers can start now; else None (point 3)."""
+
+    def declined(self, reason: str) -> None:
+        """Record why a move that was due did not happen: the epoch goes on in threads."""
 
 
 def mover_for(
@@ -113,7 +134,7 @@ def mover_for(
         or not epoch.makes_batches_itself
     ):
         return None
-    return MidEpochMove(helper_count(loader), policy)
+    return MidEpochMove(helper_count(loader), policy, loader.num_workers)
 
 
 class MidEpochMove:
@@ -122,6 +143,7 @@ class MidEpochMove:
     Args:
         helpers: how many helper processes.
         policy: the loader's ``"auto"`` policy.
+        workers: how many workers the epoch runs.
         clock: a monotonic clock in seconds.
     """
 
@@ -129,10 +151,14 @@ class MidEpochMove:
         self,
         helpers: int,
         policy: MovePolicy,
+        workers: int,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._helpers = helpers
         self._policy = policy
+        self._workers = workers
+        self._limit: int | None = None  # the most bytes each helper may receive pickled
+        self._wait_s = CARRIED_WAIT_S
         self._warmed = False
         self._clock = clock
         self._next_check = 0.0
@@ -165,13 +191,24 @@ class MidEpochMove:
             remaining = len(epoch) - epoch.delivered
         except TypeError:  # a sampler without a length
             return False
-        if remaining * stats.wall_s / stats.batches < MIN_REMAINING_S + start_s:
+        remaining_s = remaining * stats.wall_s / stats.batches
+        if remaining_s < MIN_REMAINING_S + start_s:
             return False
         if self._policy.pickling_problem() is not None:
             epoch.mover = None  # it never will be picklable: stop asking
             return False
         self._signal, self._stats, self._forked = signal, stats, forked
+        if not forked:
+            self._limit = self._carried_limit(start_s, remaining_s - MIN_REMAINING_S)
+            self._wait_s = CARRIED_WAIT_S + 4 * start_s
         return True
+
+    def _carried_limit(self, start_s: float, budget_s: float) -> int:
+        """The most bytes each helper may receive pickled (point 5)."""
+        helpers = self._helpers
+        dataset = start_s * PICKLED_BYTES_PER_S / helpers  # the dataset, as each helper gets it
+        copies = dataset * (1 + math.ceil(self._workers / helpers)) + CARRIED_SLACK_BYTES
+        return int(min(budget_s * PICKLED_BYTES_PER_S / helpers, copies))
 
     def move(self, epoch: ThreadedDataLoaderIter) -> bool:
         """Carry on the workers in helpers (point 4); False: declined."""
@@ -198,7 +235,16 @@ class MidEpochMove:
         instead: str,
     ) -> bool:
         try:
-            IsolatedDataLoaderIter.take_over(epoch, self._helpers, carried)
+            IsolatedDataLoaderIter.take_over(
+                epoch, self._helpers, carried, limit=self._limit, wait_s=self._wait_s
+            )
+        except PayloadTooLarge as exc:
+            self._policy.declined(
+                f"{self._signal} over the first epoch's first {epoch.delivered} batches, but "
+                f"{exc}, more than the rest of the epoch wins back or the dataset holds: the "
+                "epoch goes on in worker threads"
+            )
+            return False
         except Exception as exc:  # noqa: BLE001  # the epoch goes on in this process
             warn_user(
                 f"threadloader: isolation='auto' could not start helper processes mid-epoch "

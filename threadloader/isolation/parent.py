@@ -88,11 +88,13 @@ def _start_links(
     worker_spec: WorkerSpec,
     count: int,
     adopted: list[Any] | None = None,
+    limit: int | None = None,
 ) -> list[_Link]:
     """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails.
 
-    With ``adopted`` (this process's workers, carried on by helpers forked from it), each
-    helper takes over its workers as they are instead of building new ones.
+    With ``adopted`` (this process's workers, or their ``CarriedWorker``), each helper takes
+    over its workers as they are instead of building new ones. ``limit``: the most bytes each
+    helper's spec may pickle to (``PickledOnce``).
     """
     it: Any = owner
     links: list[_Link] = []
@@ -108,7 +110,7 @@ def _start_links(
                 adopted={i: adopted[i] for i in ids} if adopted is not None else None,
             )
             name = f"threadloader-helper-{id(owner):x}" + (f"-{helper}" if count > 1 else "")
-            links.append(_Link(ctx, spec, name=name))
+            links.append(_Link(ctx, spec, name=name, limit=limit))
     except BaseException:
         Links(links).reap()
         raise
@@ -216,7 +218,15 @@ class IsolatedDataLoaderIter(DispatchingIter):
             raise
 
     @classmethod
-    def take_over(cls, epoch: Any, count: int, carried: list[CarriedWorker] | None = None) -> None:
+    def take_over(
+        cls,
+        epoch: Any,
+        count: int,
+        carried: list[CarriedWorker] | None = None,
+        *,
+        limit: int | None = None,
+        wait_s: float | None = None,
+    ) -> None:
         """Carry on ``epoch``, a threaded iterator with nothing in flight, with its workers in
         ``count`` helper processes (``mid_epoch``).
 
@@ -230,10 +240,14 @@ class IsolatedDataLoaderIter(DispatchingIter):
                 this process, the workers in memory. Else the workers as they stand
                 (``carry_workers``), pickled to helpers from the zygote or a forkserver; the
                 worker threads are joined once every helper has loaded its workers.
+            limit: with ``carried``, the most bytes each helper may receive pickled.
+            wait_s: with ``carried``, how long the helpers may take to load their workers.
 
         Raises:
-            Exception: whatever starting a helper or loading the workers in it raises; the
-                epoch is then unchanged (its threads still run, if they did).
+            PayloadTooLarge: a helper would receive more than ``limit`` bytes.
+            Exception: whatever starting a helper or loading the workers in it raises, or
+                ``RuntimeError`` when they took longer than ``wait_s``; the epoch is then
+                unchanged (its threads still run, if they did).
         """
         spec = dataclasses.replace(epoch._pool.workers[0].spec, collate_fn=epoch._collate_fn)
         if carried is None:
@@ -242,9 +256,9 @@ class IsolatedDataLoaderIter(DispatchingIter):
         else:
             ctx = helper_context()
             start_forkserver(ctx)
-            links = Links(_start_links(ctx, epoch, spec, count, adopted=carried))
+            links = Links(_start_links(ctx, epoch, spec, count, adopted=carried, limit=limit))
             try:
-                _wait_started(links, None)
+                _wait_started(links, wait_s)
                 epoch.join_threads()
             except BaseException:
                 links.reap()

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -407,25 +407,28 @@ def test_a_move_after_a_live_weight_change_on_the_lean_path_finishes_the_epoch(
 # While another Python thread runs: the workers travel pickled to helpers from a forkserver
 
 
+#: No worker_init_fn: what one sets outside the copies cannot be carried (see the test below).
+PICKLED: dict[str, Any] = {"worker_init_fn": None}
+
+
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
 def test_a_move_while_another_thread_runs_carries_the_workers_into_forkserver_helpers() -> None:
     """This process may not be forked (a progress bar's thread runs): the helpers come from the
     forkserver and receive each worker pickled, its copy's counts and its generators as they
-    stand. Every batch, draw and per-copy count is torch's; worker_init_fn ran once per worker;
-    the worker threads are gone once the helpers took over."""
+    stand. Every batch, draw and per-copy count is torch's; the worker threads are gone once
+    the helpers took over."""
     with _another_thread():
-        loader = _ours()
+        loader = _ours(**PICKLED)
         it = iter(loader)
         assert isinstance(it, ThreadedDataLoaderIter)
         pool = it.pool
         batches = list(it)
         assert pool.alive_threads == 0
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
     pids = _pids(batches)
     assert pids[0] == {os.getpid()}
     later = set().union(*pids[len(pids) // 2 :])
     assert os.getpid() not in later and len(later) == 2
-    assert {int(i) for b in batches for i in b[5]} == {1}
     stats = loader.stats()
     assert stats.mode == "process" and "first epoch" in str(stats.mode_reason)
 
@@ -435,21 +438,21 @@ def test_a_state_saved_after_a_pickled_move_resumes_the_rest_of_the_epoch_exactl
     """``state_dict()`` after the move, its generators included, resumes where torchdata's
     StatefulDataLoader's own state would: the rest of the epoch is the uninterrupted one's."""
     with _another_thread():
-        whole = list(_ours(save_worker_rng=True))
-        loader = _ours(save_worker_rng=True)
+        whole = list(_ours(save_worker_rng=True, **PICKLED))
+        loader = _ours(save_worker_rng=True, **PICKLED)
         it = iter(loader)
         got = [next(it) for _ in range(12)]
         assert loader.stats().mode == "process"
         state = loader.state_dict()
         del it
-        resumed = _ours(save_worker_rng=True)
+        resumed = _ours(save_worker_rng=True, **PICKLED)
         resumed.load_state_dict(state)
         got += list(resumed)
     assert_epochs_equal([_data(b)[:4] for b in got], [_data(b)[:4] for b in whole])
 
 
 class _Unloadable:
-    """What a worker_init_fn leaves on its copy that no helper can load (a class only the
+    """What an item leaves on its worker's copy that no helper can load (a class only the
     training process can import), or cannot be pickled at all (a lock)."""
 
     def __init__(self, how: str) -> None:
@@ -470,11 +473,16 @@ def _unload_elsewhere(pid: int, how: str) -> _Unloadable:
     return _Unloadable(how)
 
 
-def _init_unloadable(how: str, worker_id: int) -> None:
-    _count_init(worker_id)
-    info = get_worker_info()
-    assert info is not None
-    info.dataset.extra = _Unloadable(how)
+class LeavesBehind(Counting):
+    """Counting, whose items leave ``leave()`` on the worker's copy."""
+
+    def __init__(self, leave: Callable[[], Any]) -> None:
+        super().__init__()
+        self.leave = leave
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        self.left = self.leave()
+        return super().__getitem__(index)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
@@ -490,13 +498,16 @@ def _init_unloadable(how: str, worker_id: int) -> None:
 def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
     how: str, error: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """worker_init_fn left something on the worker's copy that cannot be pickled, or that a
-    helper cannot load, or not soon: the move declines with a warning naming why, and the epoch
-    goes on in its worker threads with torch's batches, none lost or repeated."""
+    """Items left something on the worker's copy that cannot be pickled, or that a helper
+    cannot load, or not soon: the move declines with a warning naming why, and the epoch goes
+    on in its worker threads with torch's batches, none lost or repeated."""
     monkeypatch.setattr(mid_epoch, "CARRIED_WAIT_S", 1.0)
-    init = functools.partial(_init_unloadable, how)
     with _another_thread():
-        loader = _ours(worker_init_fn=init)
+        loader = ThreadDataLoader(
+            LeavesBehind(functools.partial(_Unloadable, how)),
+            generator=torch.Generator().manual_seed(7),
+            **{**KWARGS, **PICKLED},
+        )
         it = iter(loader)
         assert isinstance(it, ThreadedDataLoaderIter)
         threads: list[int] = []
@@ -509,7 +520,7 @@ def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
             batches = [each(batch) for batch in it]
     assert caught[0].filename == __file__
     assert min(threads[len(threads) // 2 : -1]) == 2  # the epoch went on in its threads
-    assert_epochs_equal([_data(b) for b in batches], _torch(worker_init_fn=init)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
     assert set().union(*_pids(batches)) == {os.getpid()}
     assert loader.stats().mode == "threads"
 
@@ -524,24 +535,17 @@ def test_a_move_waits_for_the_forkserver_to_be_ready(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(auto.zygote, "running", lambda: False)
     monkeypatch.setattr(mid_epoch.zygote, "may_fork", lambda besides=0: False)
     with _another_thread():
-        loader = _ours()
+        loader = _ours(**PICKLED)
         it = iter(loader)
         first = [next(it) for _ in range(6)]
         assert loader.stats().mode == "threads"
         ready[0] = True
         batches = first + list(it)
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
     pids = _pids(batches)
     assert set().union(*pids[:6]) == {os.getpid()}
     assert os.getpid() not in pids[-1]
     assert loader.stats().mode == "process"
-
-
-def _seed_globals(worker_id: int) -> None:
-    """torch's reproducibility recipe: seed random and numpy from the worker's torch seed."""
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 def _pairs(batch: list[Any]) -> list[Any]:
@@ -555,7 +559,6 @@ def _random_configuration(rng: random.Random) -> tuple[dict[str, Any], int]:
     kwargs: dict[str, Any] = {
         "num_workers": workers,
         "prefetch_factor": rng.choice([1, 2, 3]),
-        "worker_init_fn": rng.choice([None, _count_init, _seed_globals]),
     }
     batching = rng.choice(["batch_size", "sampler", "batch_sampler"])
     if batching == "batch_sampler":
@@ -617,28 +620,29 @@ def test_random_configurations_carried_into_forkserver_helpers_give_torchs_batch
         assert loader.stats().mode == "process", (kwargs, after, loader.stats().mode_reason)
 
 
-def _init_mapped(worker_id: int) -> None:
-    """Maps a file onto the worker's copy (here an 8 MB array the copy alone holds)."""
-    _count_init(worker_id)
-    info = get_worker_info()
-    assert info is not None
-    info.dataset.mapped = np.ones(2**20)
+def _mapped() -> np.ndarray:
+    """A file mapped onto a worker's copy (here an 8 MB array the copy alone holds)."""
+    return np.ones(2**20)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
 def test_worker_copies_holding_more_than_the_dataset_stay_in_threads_without_a_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What worker_init_fn put on each copy would reach each helper copied (a memory map
-    pickles as its contents): past the dataset's size and the slack, the move declines while
-    pickling; stats() says why, and the epoch goes on in its threads with torch's batches."""
+    """What items put on each copy would reach each helper copied (a memory map pickles as its
+    contents): past the dataset's size and the slack, the move declines while pickling;
+    stats() says why, and the epoch goes on in its threads with torch's batches."""
     monkeypatch.setattr(mid_epoch, "CARRIED_SLACK_BYTES", 2**20)
     with _another_thread():
-        loader = _ours(worker_init_fn=_init_mapped)
+        loader = ThreadDataLoader(
+            LeavesBehind(_mapped),
+            generator=torch.Generator().manual_seed(7),
+            **{**KWARGS, **PICKLED},
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             batches = list(loader)
-    assert_epochs_equal([_data(b) for b in batches], _torch(worker_init_fn=_init_mapped)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
     assert set().union(*_pids(batches)) == {os.getpid()}
     stats = loader.stats()
     assert stats.mode == "threads"
@@ -664,7 +668,7 @@ def test_a_dataset_whose_copies_share_state_is_not_carried_pickled(
     monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
     with _another_thread():
         loader = ThreadDataLoader(
-            _SharesState(), generator=torch.Generator().manual_seed(7), **KWARGS
+            _SharesState(), generator=torch.Generator().manual_seed(7), **{**KWARGS, **PICKLED}
         )
         batches = list(loader)
     assert set().union(*_pids(batches)) == {os.getpid()}
@@ -698,3 +702,32 @@ def test_a_mixture_with_many_workers_per_helper_is_carried_with_its_generator_hi
         stayed, _ = run("threads")
     assert mode == "process"
     assert_epochs_equal(moved, stayed)
+
+
+_GLOBAL = {"scale": 1}
+
+
+def _set_global(worker_id: int) -> None:
+    """Sets a module's global that items read: not part of the worker's copy."""
+    _GLOBAL["scale"] = 10
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_worker_init_fn_keeps_the_first_epoch_from_moving_pickled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a worker_init_fn set outside the worker's copy (a module's global) would not reach
+    helpers that receive the workers pickled: the epoch stays in threads, the forkserver warms
+    up, and the next epoch, whose helpers run worker_init_fn, moves."""
+    warmed: list[Any] = []
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    monkeypatch.setattr(auto, "MIN_EPOCH_S", 0.0)
+    with _another_thread():
+        loader = _ours(worker_init_fn=_set_global)
+        first = list(loader)
+        assert loader.stats().mode == "threads" and warmed == [None]
+        second = list(loader)
+        assert loader.stats().mode == "process"
+    assert set().union(*_pids(first)) == {os.getpid()}
+    assert os.getpid() not in set().union(*_pids(second))
+    _GLOBAL["scale"] = 1

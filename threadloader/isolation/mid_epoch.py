@@ -24,9 +24,9 @@ code disagrees with these rules, the code is wrong.
    and nothing run again. Otherwise (a progress bar's monitor thread runs), unless the loader
    names ``fork``, they come from the zygote or from a forkserver once it is ready (``auto.AutoIsolation.unforked_start_s``, which
    refuses what ``auto`` point 4 refuses such helpers: an unguarded main script, a class of a
-   ``__main__`` they cannot import), and receive each worker pickled (``Worker.carried``): its
-   dataset copy as it stands, with what ``worker_init_fn`` and the batches so far did to it,
-   and its generators themselves; ``worker_init_fn`` does not run again. Either way, batches,
+   ``__main__`` they cannot import, point 5's), and receive each worker pickled
+   (``Worker.carried``): its dataset copy as it stands, with what the batches so far did to
+   it, and its generators themselves. Either way, batches,
    their order, which worker made each, the workers' random draws and ``state_dict()`` are what
    the epoch would have given in threads. The first time the move is due but no helper can
    start, the forkserver starts (``auto`` point 5); the check repeats.
@@ -45,9 +45,11 @@ code disagrees with these rules, the code is wrong.
    more (a file ``worker_init_fn`` mapped, which each helper would receive copied) stay in
    threads, checked while pickling, before anything large is copied (``PayloadTooLarge``);
    ``mode_reason`` says so, and the next epoch, which sends the dataset and runs
-   ``worker_init_fn`` in the helpers, moves instead. A dataset whose class defines
-   ``__copy__`` (its copies share process-wide state, as ``RemoteFiles``' read pool, which
-   pickling would split) moves only at the next epoch too (``auto.unforked_start_s``).
+   ``worker_init_fn`` in the helpers, moves instead. So do a loader with a
+   ``worker_init_fn`` (what it did outside the dataset copy and the generators, a module's
+   global it set, would not reach the helpers) and a dataset whose class defines ``__copy__``
+   (its copies share process-wide state, as ``RemoteFiles``' read pool, which pickling would
+   split): ``auto.unforked_start_s``.
 6. ``stats().mode`` says ``"process"`` from the move on, and ``mode_reason`` when and why it
    moved. Later epochs start in helpers and follow ``auto``'s rules.
 """

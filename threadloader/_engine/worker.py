@@ -168,14 +168,20 @@ class Worker:
         if self._rng_history is not None and carried.rng_history is not None:
             self._rng_history.extend(carried.rng_history)
         if carried.started:
-            self._fetcher = Fetcher(
-                self.spec.dataset_kind,
-                self.info.dataset,
-                self.spec.auto_collation,
-                self.spec.collate_fn,
-                self.spec.drop_last,
-            )
+            self._fetcher = self._new_fetcher()
         self.ready = True
+
+    def _new_fetcher(self) -> Fetcher:
+        """A fetcher of this worker's dataset copy for a new epoch (``iter(dataset)`` for an
+        IterableDataset), with the spec's collate_fn."""
+        spec = self.spec
+        return Fetcher(
+            spec.dataset_kind,
+            self.info.dataset,
+            spec.auto_collation,
+            spec.collate_fn,
+            spec.drop_last,
+        )
 
     def carried(self) -> CarriedWorker:
         """This worker as it stands, for a helper that receives it pickled; holding ``busy``,
@@ -238,13 +244,7 @@ class Worker:
         try:
             self.enter()
             reseed(self.info.dataset, seed)
-            self._fetcher = Fetcher(
-                self.spec.dataset_kind,
-                self.info.dataset,
-                self.spec.auto_collation,
-                self.spec.collate_fn,
-                self.spec.drop_last,
-            )
+            self._fetcher = self._new_fetcher()
         except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
             self._pending_error = ExceptionWrapper(where=self._where())
         finally:

@@ -77,6 +77,45 @@ def test_a_forkserver_started_in_the_first_epoch_moves_short_epochs_once_ready(
     assert not os.path.exists(os.path.dirname(mark))
 
 
+_RESTARTED = """
+import multiprocessing, os, signal, time
+from threadloader.isolation import helper_source
+
+def nothing():
+    pass
+
+def ready_within(seconds):
+    deadline = time.monotonic() + seconds
+    while not helper_source.forkserver_is_ready() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return helper_source.forkserver_is_ready()
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("forkserver")
+    helper_source.helper_context(ctx)  # threadloader's preloads, as a helper's start sets them
+    first = ctx.Process(target=nothing)  # multiprocessing starts the server itself
+    first.start()
+    first.join()
+    print("FIRST", ready_within(30), flush=True)
+    os.kill(helper_source._server_pid(), signal.SIGKILL)
+    time.sleep(0.3)
+    second = ctx.Process(target=nothing)  # multiprocessing starts another: the first died
+    second.start()
+    second.join()
+    print("SECOND", second.exitcode, ready_within(30), flush=True)
+"""
+
+
+def test_a_forkserver_multiprocessing_starts_itself_is_ready_too(tmp_path: Path) -> None:
+    """A helper's start starts the server when none runs (an epoch that moves before any
+    warm-up), and starts another when the first died (a Ctrl-C): each marks itself ready."""
+    (tmp_path / "train.py").write_text(_RESTARTED)
+    proc = _run_in(tmp_path, "train.py")
+    assert proc.returncode == 0, proc.stderr
+    assert _line(proc.stdout, "FIRST") == "True", proc.stdout
+    assert _line(proc.stdout, "SECOND") == "0 True", proc.stdout
+
+
 def test_a_forkserver_is_ready_in_a_temporary_folder_changed_after_the_import(
     tmp_path: Path,
 ) -> None:
@@ -120,8 +159,8 @@ def test_a_forkserver_is_ready_once_it_marked_itself_or_preloads_the_helper(
     pid = 2**22 + os.getpid()  # no live process
     server = types.SimpleNamespace(_forkserver_pid=None, _preload_modules=["__main__"])
     monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", server)
-    mark = tmp_path / "ready"
-    monkeypatch.setitem(helper_source._marks, pid, str(mark))  # as if started here
+    monkeypatch.setattr(helper_source, "_mark_folder", [str(tmp_path)])
+    mark = Path(str(helper_source.mark_path(pid)))
     assert not helper_source.forkserver_is_ready()  # none runs
     server._forkserver_pid = pid
     assert not helper_source.forkserver_is_ready()  # another library's, without torch
@@ -131,8 +170,6 @@ def test_a_forkserver_is_ready_once_it_marked_itself_or_preloads_the_helper(
     assert not helper_source.forkserver_is_ready()  # ours, still importing
     mark.touch()
     assert helper_source.forkserver_is_ready()
-    monkeypatch.delitem(helper_source._marks, pid)
-    assert not helper_source.forkserver_is_ready()  # not started here: no mark to trust
 
 
 _DYING_PRELUDE = (

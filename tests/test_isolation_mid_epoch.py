@@ -593,8 +593,9 @@ def _comparable(batch: Any) -> Any:
 def test_random_configurations_carried_into_forkserver_helpers_give_torchs_batches(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Random worker counts, helper counts, samplers, batch shapes, collate and init functions,
-    and a move due after a random number of batches: every batch and draw is torch's.
+    """Random worker counts, helper counts, prefetch factors, samplers, batch shapes, collate
+    functions, and a move due after a random number of batches: every batch and draw is
+    torch's.
     ``FUZZ_SEEDS=200`` runs more."""
     rng = random.Random(seed)
     kwargs, after = _random_configuration(rng)
@@ -731,3 +732,34 @@ def test_a_worker_init_fn_keeps_the_first_epoch_from_moving_pickled(
     assert set().union(*_pids(first)) == {os.getpid()}
     assert os.getpid() not in set().union(*_pids(second))
     _GLOBAL["scale"] = 1
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_helper_source_gone_between_the_check_and_the_move_keeps_the_epoch_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The move was due on a ready forkserver (or a live zygote); by the time the batches in
+    flight were delivered it was gone: the move asks again and declines, rather than waiting
+    for a server that imports torch."""
+    answers = iter([True])
+    monkeypatch.setattr(auto, "forkserver_is_ready", lambda: next(answers, False))
+    with _another_thread():
+        loader = _ours(**PICKLED)
+        batches = list(loader)
+    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
+@pytest.mark.parametrize("budget_s", [0.0, 0.5, 1e6])
+@pytest.mark.parametrize("start_s", [0.0, 0.01, 2.0])
+def test_a_helper_may_always_receive_the_dataset_and_the_slack(
+    start_s: float, budget_s: float
+) -> None:
+    """However little of the epoch is left when the move is due, each helper may receive the
+    dataset and the slack; however much, no more than every copy it carries and the slack."""
+    move = mid_epoch.MidEpochMove(2, policy=None, workers=4)  # type: ignore[arg-type]
+    dataset = start_s * auto.PICKLED_BYTES_PER_S / 2
+    limit = move._carried_limit(start_s, budget_s)
+    assert dataset + mid_epoch.CARRIED_SLACK_BYTES <= limit + 1
+    assert limit <= dataset * 3 + mid_epoch.CARRIED_SLACK_BYTES

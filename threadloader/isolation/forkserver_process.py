@@ -7,11 +7,17 @@ Shared by the modules ``helper_source`` preloads into the forkserver (``forkserv
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from typing import Any
 
 #: The code ``multiprocessing.forkserver`` starts its server with (``python -c CODE``).
 _SERVER_CODE = "from multiprocessing.forkserver import main"
+
+
+def ready_mark(folder: str, pid: int) -> str:
+    """The file the forkserver with this pid creates in ``folder`` once it is ready."""
+    return os.path.join(folder, f"forkserver-{pid}.ready")
 
 
 def in_forkserver() -> bool:

@@ -3,11 +3,11 @@
 multiprocessing's forkserver imports its preload modules (the main script, threadloader's
 helper, torch: 1.5 s and more) before it answers a request; a helper asked for meanwhile waits
 for those imports. ``helper_source`` preloads this module after every other one. Imported in the
-forkserver, it creates an empty file at the path the training process gave the server when it
-started it (``helper_source.mark_path``, passed in the server's arguments), which the training
-process can look for without asking the server (``helper_source.forkserver_is_ready``), and
-removes it when the server exits. Imported in any other process, or in a server given no path,
-it does nothing.
+forkserver, it creates an empty file named for its pid in the folder the training process
+passed in the server's arguments (``helper_source.mark_path``), which the training process can
+look for without asking the server (``helper_source.forkserver_is_ready``), and removes it when
+the server exits. Imported in any other process, or in a server given no folder, it does
+nothing.
 
 Nothing else in threadloader imports this module or ``forkserver_exit``: the forkserver imports
 the main script first, and the script's ``import threadloader`` must not mark the server ready
@@ -21,7 +21,7 @@ import contextlib
 import os
 import sys
 
-from threadloader.isolation.forkserver_process import in_forkserver, server_arguments
+from threadloader.isolation.forkserver_process import in_forkserver, ready_mark, server_arguments
 
 
 def _unmark(path: str, pid: int) -> None:
@@ -33,10 +33,11 @@ def _unmark(path: str, pid: int) -> None:
 
 def _mark() -> None:
     given = server_arguments(list(getattr(sys, "orig_argv", ()))).get("main_path")
-    path = given.get("ready") if isinstance(given, dict) else None
-    if not isinstance(path, str):
-        return  # given no path: no mark (the training process moves by the longer rule)
+    folder = given.get("ready") if isinstance(given, dict) else None
+    if not isinstance(folder, str):
+        return  # given no folder: no mark (the training process moves by the longer rule)
     pid = os.getpid()
+    path = ready_mark(folder, pid)
     try:
         with open(path, "wb"):
             pass

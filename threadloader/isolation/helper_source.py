@@ -23,13 +23,13 @@ Where the code disagrees with these rules, the code is wrong.
 5. ``isolation="auto"`` starts a forkserver only once its measurements say the workers should
    move and this process may not be forked (``warm_forkserver``), and moves an epoch shorter
    than a forkserver's start only once the server is ready (``forkserver_is_ready``): the
-   forkserver marks that itself, after its imports (``forkserver_ready``), with a file whose
-   path it was given when this process started it (in a folder of this process's own, removed
-   at its exit). One it started that exited before its mark is not started again that way
-   (``forkserver_lost``).
+   forkserver marks that itself, after its imports (``forkserver_ready``), with a file named
+   for its pid in a folder this process passes every forkserver it starts (its own, removed at
+   its exit; ``_pass_main_path``). One it started that exited before its mark is not started
+   again that way (``forkserver_lost``).
 6. A forkserver started here imports the main script before it is ready, with the training
    process's ``sys.path``, as each helper would (``forkserver_main``, preloaded in place of
-   ``"__main__"``; ``_main_path_passed``), so its helpers do not each run the script's imports.
+   ``"__main__"``; ``_pass_main_path``), so its helpers do not each run the script's imports.
    Where that import fails, each helper imports the script itself.
 """
 
@@ -48,10 +48,10 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 from threadloader.isolation import zygote
+from threadloader.isolation.forkserver_process import ready_mark
 from threadloader.isolation.main_script import unguarded_main_script
 
 #: Values the loader's ``isolation=`` option accepts.
@@ -235,23 +235,22 @@ def forkserver_lost() -> bool:
 
 def mark_path(pid: int) -> str | None:
     """The file the forkserver with this pid creates once its imports are done
-    (``forkserver_ready``); None for a server this process did not start with one."""
-    return _marks.get(pid)
+    (``forkserver_ready``), in this process's folder for such marks; None where there is none
+    (no forkserver was started with one)."""
+    return ready_mark(_mark_folder[0], pid) if _mark_folder else None
 
 
 def _marked(pid: int) -> bool:
-    path = _marks.get(pid)
+    path = mark_path(pid)
     return path is not None and os.path.exists(path)
 
 
-#: Forkservers started here (their pids) -> the file each creates once it is ready.
-_marks: dict[int, str] = {}
-_mark_folder: list[str] = []  # this process's folder for them, made on first use
+_mark_folder: list[str] = []  # this process's folder for ready marks, made on first use
 
 
-def _new_mark_path() -> str | None:
-    """A path for the next forkserver's ready mark, in a folder only this process's user can
-    read, removed when this process exits; None if no folder can be made (the server is then
+def _new_mark_folder() -> str | None:
+    """This process's folder for forkservers' ready marks: only this process's user can read
+    it, and it is removed when this process exits. None if none can be made (a server is then
     never taken as ready: epochs move by the longer rule)."""
     if not _mark_folder:
         try:
@@ -260,31 +259,31 @@ def _new_mark_path() -> str | None:
             return None
         _mark_folder.append(folder)
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return os.path.join(_mark_folder[0], f"ready-{len(_marks)}-{os.getpid()}")
+    return _mark_folder[0]
 
 
 def start_forkserver(ctx: Any) -> int | None:
     """Start the forkserver if ``ctx`` uses one and none runs, without waiting for its imports.
 
     It imports the main script as helpers would (``__mp_main__``) before it is ready, so that
-    its helpers do not each import it again (``_main_path_passed``).
+    its helpers do not each import it again (``_pass_main_path``).
 
     Returns:
         The forkserver's pid, or None where ``ctx`` uses none or it could not start.
     """
     if ctx.get_start_method() != "forkserver":
         return None
+    _pass_main_path()
     before = _server_pid()
-    ready = _new_mark_path() if before is None else None
-    passing = _main_path_passed(ready) if before is None else contextlib.nullcontext()
     try:
-        with passing:
-            multiprocessing.forkserver.ensure_running()
+        multiprocessing.forkserver.ensure_running()
     except OSError:  # iter() tries again, and raises what starting a helper raises
         return None
     pid = _server_pid()
-    if pid is not None and pid != before and ready is not None:
-        _marks[pid] = ready
+    stale = mark_path(pid) if pid is not None and pid != before else None
+    if stale is not None:  # a mark left by a killed server with this pid
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
     return pid
 
 
@@ -315,30 +314,34 @@ def _exited(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _main_path_passed(ready: str | None) -> Iterator[None]:
-    """Let a forkserver started meanwhile import the main script before it is ready (point 6)
-    and mark itself ready at ``ready`` (point 5).
+def _pass_main_path() -> None:
+    """Let every forkserver this process starts from now on import the main script before it
+    is ready (point 6) and mark itself ready in this process's folder (point 5), however it
+    starts: from ``start_forkserver``, or from multiprocessing itself when a helper starts and
+    no server runs (again, if one died).
 
     The server receives only the preparation data's ``main_path`` and ``sys_path``; Python 3.11
-    to 3.13 have the path under ``init_main_from_path``, so the server never gets it. While the
-    server starts, ``main_path`` carries the path (or, for ``python -m``, the module's name) and
-    ``sys.argv`` for ``forkserver_main`` (preloaded in place of ``"__main__"``, whose own import
-    would miss the training process's ``sys.path`` and arguments, and a module run with ``-m``),
-    and the mark's path for ``forkserver_ready``. multiprocessing
-    reads ``main_path`` only where ``"__main__"`` is preloaded: nothing is added there.
+    to 3.13 have the path under ``init_main_from_path``, so the server never gets it. For the
+    server's start (the data multiprocessing asks for under the name ``"ignore"``), ``main_path``
+    carries the path (or, for ``python -m``, the module's name) and ``sys.argv`` for
+    ``forkserver_main`` (preloaded in place of ``"__main__"``, whose own import would miss the
+    training process's ``sys.path`` and arguments, and a module run with ``-m``), and the
+    marks' folder for ``forkserver_ready``. multiprocessing reads ``main_path`` only where
+    ``"__main__"`` is preloaded: nothing is added there.
     """
-    if "__main__" in _server_preloads():
-        yield
-        return
-    with _passing_main_path:  # one swap at a time, each undone in order
+    with _passing_main_path:
+        if _main_path_passing:
+            return
         original = multiprocessing.spawn.get_preparation_data
 
         def with_main_path(name: str) -> dict[str, Any]:
             data = original(name)
-            if "main_path" in data:
+            if name != "ignore" or "main_path" in data or "__main__" in _server_preloads():
                 return data
-            given: dict[str, Any] = {"ready": ready, "argv": list(data.get("sys_argv", sys.argv))}
+            given: dict[str, Any] = {
+                "ready": _new_mark_folder(),
+                "argv": list(data.get("sys_argv", sys.argv)),
+            }
             path, module = data.get("init_main_from_path"), data.get("init_main_from_name")
             if path is not None:
                 given["path"] = path
@@ -348,12 +351,10 @@ def _main_path_passed(ready: str | None) -> Iterator[None]:
             return data
 
         multiprocessing.spawn.get_preparation_data = with_main_path
-        try:
-            yield
-        finally:
-            multiprocessing.spawn.get_preparation_data = original
+        _main_path_passing.append(original)
 
 
+_main_path_passing: list[Any] = []  # what _pass_main_path replaced, once it did
 _passing_main_path = threading.Lock()
 
 
@@ -388,6 +389,7 @@ def _preload_in_forkserver(ctx: Any) -> None:
     # The preload list only counts when the forkserver starts; keep what the user asked for.
     if _server_pid() is not None:
         return
+    _pass_main_path()
     asked = _server_preloads()
     modules = [_MAIN_IMPORT if name == "__main__" else name for name in asked]
     missing = [name for name in _PRELOAD if name not in modules]

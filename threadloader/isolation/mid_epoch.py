@@ -40,8 +40,9 @@ code disagrees with these rules, the code is wrong.
    threads were joined (forked), or a thread appeared while joining them, the training thread
    makes every later batch itself, as it does when it alone is fastest.
 5. Pickled, each helper may receive at most what the rest of the epoch wins back at
-   ``auto.PICKLED_BYTES_PER_S`` (beyond ``MIN_REMAINING_S``), and at most the dataset once
-   plus once per worker it carries, plus ``CARRIED_SLACK_BYTES``: workers' copies that hold
+   ``auto.PICKLED_BYTES_PER_S`` (beyond ``MIN_REMAINING_S``; never less than the dataset once
+   plus ``CARRIED_SLACK_BYTES``), and at most the dataset once plus once per worker it
+   carries, plus ``CARRIED_SLACK_BYTES``: workers' copies that hold
    more (a file ``worker_init_fn`` mapped, which each helper would receive copied) stay in
    threads, checked while pickling, before anything large is copied (``PayloadTooLarge``);
    ``mode_reason`` says so, and the next epoch, which sends the dataset and runs
@@ -210,12 +211,15 @@ class MidEpochMove:
         helpers = self._helpers
         dataset = start_s * PICKLED_BYTES_PER_S / helpers  # the dataset, as each helper gets it
         copies = dataset * (1 + math.ceil(self._workers / helpers)) + CARRIED_SLACK_BYTES
-        return int(min(budget_s * PICKLED_BYTES_PER_S / helpers, copies))
+        wins_back = budget_s * PICKLED_BYTES_PER_S / helpers
+        return int(min(max(wins_back, dataset + CARRIED_SLACK_BYTES), copies))
 
     def move(self, epoch: ThreadedDataLoaderIter) -> bool:
         """Carry on the workers in helpers (point 4); False: declined."""
         if self._forked:
             return self._move_forked(epoch)
+        if self._policy.unforked_start_s() is None:
+            return False  # the zygote exited since: a forkserver might not be ready
         began = epoch.stats_so_far()
         carried = epoch.carry_workers()
         return self._take_over(epoch, began, carried, "in its worker threads")

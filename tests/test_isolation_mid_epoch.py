@@ -743,6 +743,7 @@ def test_a_helper_source_gone_between_the_check_and_the_move_keeps_the_epoch_in_
     for a server that imports torch."""
     answers = iter([True])
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: next(answers, False))
+    monkeypatch.setattr(auto.zygote, "running", lambda: False)  # another test's may run
     with _another_thread():
         loader = _ours(**PICKLED)
         batches = list(loader)

@@ -726,7 +726,8 @@ class _AutoPolicy:
         return "the loader is gone" if loader is None else loader._auto.pickling_problem(loader)
 
     def warm_up(self) -> None:
-        """Start the forkserver later epochs' helpers would come from (``AutoIsolation.warm_up``)."""
+        """Start the forkserver later epochs' helpers would come from
+        (``AutoIsolation.warm_up``)."""
         loader = self._loader()
         if loader is not None:
             loader._auto.warm_up(loader)

@@ -43,8 +43,8 @@ Where the code disagrees with these rules, the code is wrong.
    the next ``iter()``. It imports the main script and torch while the epochs go on in threads,
    and once it is ready (``helper_source`` point 5) an epoch of ``MIN_EPOCH_S`` moves, plus the
    time to pickle and unpickle what the helpers run, once per helper (``PICKLED_BYTES_PER_S``;
-   added to ``MIN_EPOCH_S_SERVER`` and for zygote helpers too). A forkserver that exits before it is ready is not
-   started again for a warm-up. Otherwise ``"auto"`` starts a forkserver only to start helpers
+   added to ``MIN_EPOCH_S_SERVER`` and for zygote helpers too). A forkserver that exits before
+   it is ready is not started again for a warm-up. Otherwise ``"auto"`` starts a forkserver only to start helpers
    from it: it costs an interpreter with torch imported, kept until the training process exits.
 6. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
@@ -366,8 +366,7 @@ class AutoIsolation:
         mid-epoch), the dataset's class defines no ``__copy__`` (its copies share process-wide
         state, as ``RemoteFiles``' read pool: each copy pickled apart would get its own), they
         would come from the zygote or from a forkserver that is ready (point 5), and nothing
-        refuses them (point 4). The seconds count the dataset, ``collate_fn`` and ``worker_init_fn`` once
-        per helper, at ``PICKLED_BYTES_PER_S``.
+        refuses them (point 4). The seconds are ``_pickled_s``'s.
 
         Args:
             loader: the ``ThreadDataLoader``.
@@ -383,6 +382,11 @@ class AutoIsolation:
             return None
         if self._refusal(loader, forked) is not None:
             return None
+        return self._pickled_s(loader)
+
+    def _pickled_s(self, loader: Any) -> float:
+        """Seconds to pickle and unpickle the dataset, ``collate_fn`` and ``worker_init_fn``
+        once per helper, one helper after another (point 4), at ``PICKLED_BYTES_PER_S``."""
         return self._pickle_check(loader).nbytes * helper_count(loader) / PICKLED_BYTES_PER_S
 
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:
@@ -397,12 +401,10 @@ class AutoIsolation:
         refusal = self._refusal(loader, forked)
         if refusal is not None or forking:
             return refusal
-        # Helpers from the zygote, a forkserver or spawn receive what they run pickled, once per
-        # helper, one after another here (point 4); one from a forkserver that is not ready, or
-        # from spawn, waits for an interpreter to import torch, unless the forkserver started
-        # already (point 5).
-        nbytes = self._pickle_check(loader).nbytes * helper_count(loader)
-        pickled_s = nbytes / PICKLED_BYTES_PER_S
+        # Helpers from the zygote, a forkserver or spawn receive what they run pickled; one from
+        # a forkserver that is not ready, or from spawn, waits for an interpreter to import
+        # torch, unless the forkserver started already (point 5).
+        pickled_s = self._pickled_s(loader)
         if forked:
             return self._long_enough(last, MIN_EPOCH_S + pickled_s)
         if last.wall_s >= MIN_EPOCH_S_SERVER + pickled_s:

@@ -51,7 +51,8 @@ def _import_main() -> None:
         if getattr(getattr(main, "__spec__", None), "name", None) == name:
             return  # imported already
         # What a helper's start runs for it (and skips once the server has run it).
-        run = functools.partial(multiprocessing.spawn._fixup_main_from_name, name)  # type: ignore[attr-defined]
+        fixup = multiprocessing.spawn._fixup_main_from_name  # type: ignore[attr-defined]
+        run = functools.partial(fixup, name)
     else:
         return
     process = multiprocessing.current_process()

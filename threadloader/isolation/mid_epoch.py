@@ -22,11 +22,11 @@ code disagrees with these rules, the code is wrong.
    be joined, the helpers are forked from it: a helper carries on each of its workers as they
    are, its dataset copy, generators, ``worker_init_fn``'s work and fetcher, nothing pickled
    and nothing run again. Otherwise (a progress bar's monitor thread runs), unless the loader
-   names ``fork``, they come from the zygote or from a forkserver once it is ready (``auto.AutoIsolation.unforked_start_s``, which
-   refuses what ``auto`` point 4 refuses such helpers: an unguarded main script, a class of a
-   ``__main__`` they cannot import, point 5's), and receive each worker pickled
-   (``Worker.carried``): its dataset copy as it stands, with what the batches so far did to
-   it, and its generators themselves. Either way, batches,
+   names ``fork``, they come from the zygote or from a forkserver once it is ready
+   (``auto.AutoIsolation.unforked_start_s``, which refuses what ``auto`` point 4 refuses such
+   helpers: an unguarded main script, a class of a ``__main__`` they cannot import, point 5's),
+   and receive each worker pickled (``Worker.carried``): its dataset copy as it stands, with
+   what the batches so far did to it, and its generators themselves. Either way, batches,
    their order, which worker made each, the workers' random draws and ``state_dict()`` are what
    the epoch would have given in threads. The first time the move is due but no helper can
    start, the forkserver starts (``auto`` point 5); the check repeats.

@@ -254,8 +254,8 @@ class IsolatedDataLoaderIter(DispatchingIter):
             ctx = multiprocessing.get_context("fork")
             links = Links(_start_links(ctx, epoch, spec, count, adopted=epoch._pool.workers))
         else:
+            # The zygote or a forkserver that is ready (``mid_epoch``): nothing to start first.
             ctx = helper_context()
-            start_forkserver(ctx)
             links = Links(_start_links(ctx, epoch, spec, count, adopted=carried, limit=limit))
             try:
                 _wait_started(links, wait_s)

@@ -407,10 +407,6 @@ def test_a_move_after_a_live_weight_change_on_the_lean_path_finishes_the_epoch(
 # While another Python thread runs: the workers travel pickled to helpers from a forkserver
 
 
-#: No worker_init_fn: what one sets outside the copies cannot be carried (see the test below).
-PICKLED: dict[str, Any] = {"worker_init_fn": None}
-
-
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
 def test_a_move_while_another_thread_runs_carries_the_workers_into_forkserver_helpers() -> None:
     """This process may not be forked (a progress bar's thread runs): the helpers come from the
@@ -418,13 +414,13 @@ def test_a_move_while_another_thread_runs_carries_the_workers_into_forkserver_he
     stand. Every batch, draw and per-copy count is torch's; the worker threads are gone once
     the helpers took over."""
     with _another_thread():
-        loader = _ours(**PICKLED)
+        loader = _ours()
         it = iter(loader)
         assert isinstance(it, ThreadedDataLoaderIter)
         pool = it.pool
         batches = list(it)
         assert pool.alive_threads == 0
-    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     pids = _pids(batches)
     assert pids[0] == {os.getpid()}
     later = set().union(*pids[len(pids) // 2 :])
@@ -438,14 +434,14 @@ def test_a_state_saved_after_a_pickled_move_resumes_the_rest_of_the_epoch_exactl
     """``state_dict()`` after the move, its generators included, resumes where torchdata's
     StatefulDataLoader's own state would: the rest of the epoch is the uninterrupted one's."""
     with _another_thread():
-        whole = list(_ours(save_worker_rng=True, **PICKLED))
-        loader = _ours(save_worker_rng=True, **PICKLED)
+        whole = list(_ours(save_worker_rng=True))
+        loader = _ours(save_worker_rng=True)
         it = iter(loader)
         got = [next(it) for _ in range(12)]
         assert loader.stats().mode == "process"
         state = loader.state_dict()
         del it
-        resumed = _ours(save_worker_rng=True, **PICKLED)
+        resumed = _ours(save_worker_rng=True)
         resumed.load_state_dict(state)
         got += list(resumed)
     assert_epochs_equal([_data(b)[:4] for b in got], [_data(b)[:4] for b in whole])
@@ -506,7 +502,7 @@ def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
         loader = ThreadDataLoader(
             LeavesBehind(functools.partial(_Unloadable, how)),
             generator=torch.Generator().manual_seed(7),
-            **{**KWARGS, **PICKLED},
+            **KWARGS,
         )
         it = iter(loader)
         assert isinstance(it, ThreadedDataLoaderIter)
@@ -520,7 +516,7 @@ def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
             batches = [each(batch) for batch in it]
     assert caught[0].filename == __file__
     assert min(threads[len(threads) // 2 : -1]) == 2  # the epoch went on in its threads
-    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     assert set().union(*_pids(batches)) == {os.getpid()}
     assert loader.stats().mode == "threads"
 
@@ -535,13 +531,13 @@ def test_a_move_waits_for_the_forkserver_to_be_ready(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(auto.zygote, "running", lambda: False)
     monkeypatch.setattr(mid_epoch.zygote, "may_fork", lambda besides=0: False)
     with _another_thread():
-        loader = _ours(**PICKLED)
+        loader = _ours()
         it = iter(loader)
         first = [next(it) for _ in range(6)]
         assert loader.stats().mode == "threads"
         ready[0] = True
         batches = first + list(it)
-    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     pids = _pids(batches)
     assert set().union(*pids[:6]) == {os.getpid()}
     assert os.getpid() not in pids[-1]
@@ -581,6 +577,8 @@ def _random_configuration(rng: random.Random) -> tuple[dict[str, Any], int]:
             kwargs["shuffle"] = rng.random() < 0.7
     if rng.random() < 0.3:
         kwargs["collate_fn"] = _pairs
+    if rng.random() < 0.5:
+        kwargs["worker_init_fn"] = _count_init
     return kwargs, rng.randint(1, 6)
 
 
@@ -638,12 +636,12 @@ def test_worker_copies_holding_more_than_the_dataset_stay_in_threads_without_a_w
         loader = ThreadDataLoader(
             LeavesBehind(_mapped),
             generator=torch.Generator().manual_seed(7),
-            **{**KWARGS, **PICKLED},
+            **KWARGS,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             batches = list(loader)
-    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     assert set().union(*_pids(batches)) == {os.getpid()}
     stats = loader.stats()
     assert stats.mode == "threads"
@@ -669,7 +667,7 @@ def test_a_dataset_whose_copies_share_state_is_not_carried_pickled(
     monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
     with _another_thread():
         loader = ThreadDataLoader(
-            _SharesState(), generator=torch.Generator().manual_seed(7), **{**KWARGS, **PICKLED}
+            _SharesState(), generator=torch.Generator().manual_seed(7), **KWARGS
         )
         batches = list(loader)
     assert set().union(*_pids(batches)) == {os.getpid()}
@@ -708,30 +706,79 @@ def test_a_mixture_with_many_workers_per_helper_is_carried_with_its_generator_hi
 _GLOBAL = {"scale": 1}
 
 
-def _set_global(worker_id: int) -> None:
-    """Sets a module's global that items read: not part of the worker's copy."""
+class Scaled(Counting):
+    """Counting, whose items also carry a module's global that ``worker_init_fn`` sets."""
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        return *super().__getitem__(index), _GLOBAL["scale"]
+
+
+def _init_outside_and_in(worker_id: int) -> None:
+    """Sets a module's global that items read (outside the worker's copy), counts itself on
+    the copy (twice would be wrong) and draws from the worker's generators."""
+    _count_init(worker_id)
+    random.random()
+    torch.rand(())
     _GLOBAL["scale"] = 10
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
-def test_a_worker_init_fn_keeps_the_first_epoch_from_moving_pickled(
+def test_a_worker_init_fn_runs_again_in_pickled_helpers_for_what_it_set_outside_the_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What a worker_init_fn set outside the worker's copy (a module's global) would not reach
-    helpers that receive the workers pickled: the epoch stays in threads, the forkserver warms
-    up, and the next epoch, whose helpers run worker_init_fn, moves."""
-    warmed: list[Any] = []
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
-    monkeypatch.setattr(auto, "MIN_EPOCH_S", 0.0)
+    """Helpers from the forkserver import this module afresh: the global worker_init_fn set
+    reaches them only if it runs there again; it does so on a scratch copy with fresh
+    generators, so the carried copy counts one run and the items' draws are torch's."""
+    monkeypatch.setitem(_GLOBAL, "scale", 1)
+    kwargs = {**KWARGS, "worker_init_fn": _init_outside_and_in}
+    theirs = torch_epochs(Scaled(), generator=torch.Generator().manual_seed(7), **kwargs)[0]
+    assert _GLOBAL["scale"] == 1  # torch's worker processes set their own
     with _another_thread():
-        loader = _ours(worker_init_fn=_set_global)
-        first = list(loader)
-        assert loader.stats().mode == "threads" and warmed == [None]
-        second = list(loader)
-        assert loader.stats().mode == "process"
-    assert set().union(*_pids(first)) == {os.getpid()}
-    assert os.getpid() not in set().union(*_pids(second))
-    _GLOBAL["scale"] = 1
+        loader = ThreadDataLoader(Scaled(), generator=torch.Generator().manual_seed(7), **kwargs)
+        batches = list(loader)
+    assert loader.stats().mode == "process"
+    pids = _pids(batches)
+    assert os.getpid() not in pids[-1]
+    assert_epochs_equal([[*_data(b), b[7]] for b in batches], [[*_data(b), b[7]] for b in theirs])
+    assert all(b[5].tolist() == [1] * len(b[5]) for b in batches)  # inits: once on each copy
+    assert all(b[7].tolist() == [10] * len(b[7]) for b in batches)
+
+
+def _fails_elsewhere(training: int, worker_id: int) -> None:
+    if os.getpid() != training:
+        raise OSError("only the training process has the shard index")
+    _count_init(worker_id)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_worker_init_fn_failing_in_a_helper_keeps_the_epoch_in_its_threads() -> None:
+    """Run again in the helper, worker_init_fn raised: the move declines with a warning naming
+    the error, and the epoch goes on in its threads with torch's batches."""
+    with _another_thread():
+        loader = _ours(worker_init_fn=functools.partial(_fails_elsewhere, os.getpid()))
+        with pytest.warns(RuntimeWarning, match="only the training process") as caught:
+            batches = list(loader)
+    assert caught[0].filename == __file__
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_slow_worker_init_fn_counts_in_the_helpers_start() -> None:
+    """Helpers run worker_init_fn again before they carry on: one that took longer than the
+    rest of the epoch would last keeps the epoch in its threads."""
+    with _another_thread():
+        loader = _ours()
+        it = iter(loader)
+        assert isinstance(it, ThreadedDataLoaderIter)
+        batches = [next(it)]
+        for worker in it.pool.workers:
+            worker.init_s = 1e6
+        batches += list(it)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
@@ -745,9 +792,9 @@ def test_a_helper_source_gone_between_the_check_and_the_move_keeps_the_epoch_in_
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: next(answers, False))
     monkeypatch.setattr(auto.zygote, "running", lambda: False)  # another test's may run
     with _another_thread():
-        loader = _ours(**PICKLED)
+        loader = _ours()
         batches = list(loader)
-    assert_epochs_equal([_data(b) for b in batches], _torch(**PICKLED)[0])
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     assert set().union(*_pids(batches)) == {os.getpid()}
     assert loader.stats().mode == "threads"
 

@@ -88,8 +88,26 @@ class CarriedWorker:
     started: bool
 
     def adopt(self, spec: WorkerSpec, recorder: StageRecorder) -> Worker:
-        """The worker, carried on with this process's ``spec`` and stage recorder; its
-        ``worker_init_fn`` ran where it was made and does not run again."""
+        """The worker, carried on with this process's ``spec`` and stage recorder.
+
+        Its ``worker_init_fn`` ran where it was made: what it did to the dataset copy and the
+        generators travels with them, so it must not run on them again (``dataset.start +=
+        ...`` would shard twice). What it did outside them (a module's global that items read,
+        a library it configured) did not travel: it runs again here first, as this worker at
+        its epoch's start, on a scratch copy of the dataset with freshly seeded generators,
+        both dropped after. Not for a worker whose start failed (its error is pending).
+
+        Raises:
+            Exception: what ``worker_init_fn`` raised: the helper cannot carry on the worker.
+        """
+        if self.started and spec.worker_init_fn is not None:
+            scratch = Worker(spec, self.worker_id, self.base_seed, 1, recorder)
+            previous = current_context()
+            try:
+                scratch.enter()
+                spec.worker_init_fn(self.worker_id)
+            finally:
+                leave(previous)
         return Worker(spec, self.worker_id, self.base_seed, 1, recorder, carried=self)
 
 
@@ -148,6 +166,7 @@ class Worker:
         self.tasks: BoundedQueue[Task | NewEpoch] = BoundedQueue(capacity, f"worker{worker_id}")
         self.busy = threading.Lock()
         self.ready = False  # worker_init_fn ran and the fetcher exists (set under `busy`)
+        self.init_s = 0.0  # how long its worker_init_fn took (a pickled move runs it again)
         self.generation = 0
         self._fetcher: Any = None
         self._pending_error: ExceptionWrapper | None = None
@@ -265,7 +284,9 @@ class Worker:
         """Run ``worker_init_fn`` and create the fetcher, as torch's worker does at start."""
         try:
             if self.spec.worker_init_fn is not None:
+                began = time.perf_counter()
                 self.spec.worker_init_fn(self.id)
+                self.init_s = time.perf_counter() - began
             # After worker_init_fn: the saved state already includes what it drew. Before the
             # dataset is settled: running its iterator to its end draws as the worker did then.
             rng = self.spec.resume_rng

@@ -360,21 +360,17 @@ class AutoIsolation:
         """Seconds that pickling what they run costs helpers not forked from this process, where
         such helpers can start now (``mid_epoch`` point 3); else None.
 
-        They can where the loader names no ``multiprocessing_context`` and no
-        ``worker_init_fn`` (what it did outside the dataset copies and the generators, a
-        module's global it set, would not reach the helpers, and it does not run again
-        mid-epoch), the dataset's class defines no ``__copy__`` (its copies share process-wide
-        state, as ``RemoteFiles``' read pool: each copy pickled apart would get its own), they
-        would come from the zygote or from a forkserver that is ready (point 5), and nothing
-        refuses them (point 4). The seconds are ``_pickled_s``'s.
+        They can where the loader names no ``multiprocessing_context``, the dataset's class
+        defines no ``__copy__`` (its copies share process-wide state, as ``RemoteFiles``' read
+        pool: each copy pickled apart would get its own), they would come from the zygote or
+        from a forkserver that is ready (point 5), and nothing refuses them (point 4). The
+        seconds are ``_pickled_s``'s.
 
         Args:
             loader: the ``ThreadDataLoader``.
         """
         if start_method(loader.multiprocessing_context) is not None:
             return None
-        if loader.worker_init_fn is not None:
-            return None  # what it set outside the copies (a module's global) stays behind
         if getattr(type(loader.dataset), "__copy__", None) is not None:
             return None  # its copies share process-wide state: pickled apart, they would not
         forked = zygote.running()

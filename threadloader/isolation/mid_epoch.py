@@ -28,7 +28,10 @@ code disagrees with these rules, the code is wrong.
    and receive each worker pickled (``Worker.carried``): its dataset copy as it stands, with
    what the batches so far did to it, and its generators themselves. Either way, batches,
    their order, which worker made each, the workers' random draws and ``state_dict()`` are what
-   the epoch would have given in threads. The first time the move is due but no helper can
+   the epoch would have given in threads. A ``worker_init_fn`` runs once more per worker in
+   its helper, on a scratch copy with fresh generators (``CarriedWorker.adopt``), for what it
+   did outside the copy (a module's global that items read); the time it took in the threads
+   counts in the helpers' start. The first time the move is due but no helper can
    start, the forkserver starts (``auto`` point 5); the check repeats.
 4. Moving: nothing more is dispatched; the batches in flight are delivered. Forked: the worker
    threads are joined and the helpers start. Pickled: the helpers start and load the workers
@@ -46,11 +49,9 @@ code disagrees with these rules, the code is wrong.
    more (a file ``worker_init_fn`` mapped, which each helper would receive copied) stay in
    threads, checked while pickling, before anything large is copied (``PayloadTooLarge``);
    ``mode_reason`` says so, and the next epoch, which sends the dataset and runs
-   ``worker_init_fn`` in the helpers, moves instead. So do a loader with a
-   ``worker_init_fn`` (what it did outside the dataset copy and the generators, a module's
-   global it set, would not reach the helpers) and a dataset whose class defines ``__copy__``
-   (its copies share process-wide state, as ``RemoteFiles``' read pool, which pickling would
-   split): ``auto.unforked_start_s``.
+   ``worker_init_fn`` in the helpers, moves instead. So does a dataset whose class defines
+   ``__copy__`` (its copies share process-wide state, as ``RemoteFiles``' read pool, which
+   pickling would split): ``auto.unforked_start_s``.
 6. ``stats().mode`` says ``"process"`` from the move on, and ``mode_reason`` when and why it
    moved. Later epochs start in helpers and follow ``auto``'s rules.
 """
@@ -190,6 +191,10 @@ class MidEpochMove:
                 self._warmed = True
                 self._policy.warm_up()
             return False
+        if not forked:  # each helper runs its workers' worker_init_fn again, one after another
+            start_s += math.ceil(self._workers / self._helpers) * max(
+                w.init_s for w in epoch.pool.workers
+            )
         try:
             remaining = len(epoch) - epoch.delivered
         except TypeError:  # a sampler without a length

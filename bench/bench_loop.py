@@ -10,7 +10,9 @@ then); with ``--epochs 1``, over the one epoch, start-up included: a run of one 
 ``--monitor-thread``, a thread like a progress bar's monitor (tqdm's) starts once the loader is
 built, as ``for batch in tqdm(loader)`` starts one: the training process is no longer forked, and
 helpers come from the zygote (``isolation="process"``, which starts it when built) or a
-forkserver (``"auto"``). Loaders take turns within a round, in
+forkserver (``"auto"``). With ``--seed-workers``, the loaders that take a ``worker_init_fn``
+(DataLoader, ThreadDataLoader) get one that reseeds each worker's global RNGs from
+``torch.initial_seed()``, as Hugging Face Trainer's ``seed_worker`` does. Loaders take turns within a round, in
 an order that rotates each round; ratios are taken within a round, against the best of
 DataLoader, torchdata.nodes and SPDL in that round.
 
@@ -22,6 +24,7 @@ Run::
     python bench/bench_loop.py --workloads python --rounds 1  # one workload, quickly
     python bench/bench_loop.py --epochs 1 --epoch-scale 5     # one long epoch, start included
     python bench/bench_loop.py --monitor-thread --epochs 5    # a progress bar's thread runs
+    python bench/bench_loop.py --monitor-thread --seed-workers --epochs 1 --epoch-scale 10
 
 Loaders, each with 2 workers (32 on ``latency``, 10 ms reads): ``dl`` DataLoader; ``torchdata``
 torchdata.nodes ParallelMapper (threads) of whole batches; ``spdl`` SPDL DataLoader (threads);
@@ -66,6 +69,19 @@ class LatencyReads:
         return torch.full((1024,), index, dtype=torch.int32)
 
 
+def seed_worker(worker_id: int) -> None:
+    """What Hugging Face Trainer's ``seed_worker`` does: reseed the worker's global RNGs."""
+    import random
+
+    import numpy as np
+    import torch
+
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def _monitor(stop: threading.Event) -> None:
     """What tqdm's monitor thread does: wake every few seconds, check, sleep again."""
     while not stop.wait(10.0):
@@ -73,7 +89,13 @@ def _monitor(stop: threading.Event) -> None:
 
 
 def _child(
-    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1, monitor: bool = False
+    workload: str,
+    loader: str,
+    step_ops: int,
+    epochs: int,
+    scale: int = 1,
+    monitor: bool = False,
+    seeded: bool = False,
 ) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, Subset
@@ -91,15 +113,18 @@ def _child(
     count = min(len(dataset), EPOCH_BATCHES[workload] * scale * bs)
     ds = Subset(dataset, range(count))
     workers = WORKERS.get(workload, 2)
+    init = {"worker_init_fn": seed_worker} if seeded else {}
     if loader == "dl":
-        epochs_of: Any = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers)
+        epochs_of: Any = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, **init)
     elif loader in ("thread", "threads", "iso"):
         extra: dict[str, Any] = {
             "thread": {},
             "threads": {"isolation": "threads"},
             "iso": {"isolation": "process", "helpers": 2},
         }[loader]
-        epochs_of = ThreadDataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, **extra)
+        epochs_of = ThreadDataLoader(
+            ds, batch_size=bs, shuffle=True, num_workers=workers, **extra, **init
+        )
     elif loader == "torchdata":
         import torchdata.nodes as tn
         from bench_loaders import _MapAndCollate
@@ -160,7 +185,13 @@ def _child(
 
 
 def measure(
-    workload: str, loader: str, step_ops: int, epochs: int, scale: int = 1, monitor: bool = False
+    workload: str,
+    loader: str,
+    step_ops: int,
+    epochs: int,
+    scale: int = 1,
+    monitor: bool = False,
+    seeded: bool = False,
 ) -> dict[str, Any]:
     """One measurement in a fresh interpreter.
 
@@ -172,7 +203,7 @@ def measure(
     for attempt in range(tries):
         done = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--one", workload, loader,
-             str(step_ops), str(epochs), str(scale), str(int(monitor))],
+             str(step_ops), str(epochs), str(scale), str(int(monitor)), str(int(seeded))],
             check=False, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         if done.returncode == 0:
@@ -197,11 +228,18 @@ def main() -> None:
     parser.add_argument(
         "--monitor-thread", action="store_true", help="a progress bar's thread runs (tqdm's)"
     )
-    parser.add_argument("--one", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--seed-workers",
+        action="store_true",
+        help="a worker_init_fn reseeds each worker (Hugging Face Trainer's seed_worker)",
+    )
+    parser.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        workload, loader, step_ops, epochs, scale, monitor = args.one
-        out = _child(workload, loader, int(step_ops), int(epochs), int(scale), monitor == "1")
+        workload, loader, step_ops, epochs, scale, monitor, seeded = args.one
+        out = _child(
+            workload, loader, int(step_ops), int(epochs), int(scale), monitor == "1", seeded == "1"
+        )
         print(json.dumps(out))
         return
     if args.cpus:  # measurements are child processes: they inherit the affinity
@@ -209,7 +247,7 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     loaders = tuple(args.loaders.split(","))
     rows: list[dict[str, Any]] = []
-    extra = (args.epoch_scale, args.monitor_thread)
+    extra = (args.epoch_scale, args.monitor_thread, args.seed_workers)
     for workload in args.workloads.split(","):
         measure(workload, "threads", 0, 1)  # builds the workload's files outside the timing
         for r in range(args.rounds):
@@ -239,6 +277,7 @@ def main() -> None:
                 "epochs": args.epochs,
                 "epoch_scale": args.epoch_scale,
                 "monitor_thread": args.monitor_thread,
+                "seed_workers": args.seed_workers,
                 "cpus": cpus,
                 "rows": rows,
             }

@@ -119,6 +119,17 @@ BENCHES: dict[str, Bench] = {
             {"rows": "json"},
         ),
         Bench(
+            "loop_trainer_shape",
+            "The training loop shaped like Hugging Face Trainer's: one long epoch, a progress "
+            "bar's thread, a worker_init_fn",
+            (
+                *("bench/bench_loop.py", "--rounds", "3", "--epochs", "1", "--epoch-scale", "10"),
+                *("--monitor-thread", "--seed-workers", "--workloads", "python,tensors"),
+                *("--json", "{rows}"),
+            ),
+            {"rows": "json"},
+        ),
+        Bench(
             "loop_one_cpu",
             "The training loop on one CPU",
             ("bench/bench_loop.py", "--rounds", "3", "--cpus", "1", "--json", "{rows}"),
@@ -465,22 +476,28 @@ LOOP_LOADERS = {
 def _loop_epochs(out: dict[str, Any]) -> str:
     epochs, scale = out["epochs"], out.get("epoch_scale", 1)
     if epochs == 1:
-        return (
+        text = (
             f"Each loader runs one epoch, {scale}x the usual length (about {scale} s of loading), "
             "in a fresh interpreter; the pace counts all of it, start-up included: a run of one "
             'long epoch, which `isolation="auto"` moves into helper processes mid-epoch when its '
             "items hold the GIL. "
         )
-    text = (
-        f"Each loader runs {epochs} epochs in a fresh interpreter; the pace counts the epochs "
-        'after the first (`isolation="auto"` decides after the first). '
-    )
+    else:
+        text = (
+            f"Each loader runs {epochs} epochs in a fresh interpreter; the pace counts the epochs "
+            'after the first (`isolation="auto"` decides after the first). '
+        )
     if out.get("monitor_thread"):
         text += (
             "A thread like a progress bar's monitor (tqdm's) starts once the loader is built, so "
             'the training process is not forked: `isolation="process"` forks its helpers from '
             "the zygote it started when built, and the default starts a forkserver once an epoch "
-            "says the workers should move, and moves the first epoch after it has imported torch. "
+            "says the workers should move, and moves after it has imported torch. "
+        )
+    if out.get("seed_workers"):
+        text += (
+            "DataLoader and ThreadDataLoader get a `worker_init_fn` that reseeds each worker's "
+            "global RNGs from `torch.initial_seed()`, as Hugging Face Trainer's `seed_worker`. "
         )
     return text
 
@@ -767,6 +784,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "loop_one_cpu": render_loop,
     "loop_monitor": render_loop,
     "loop_one_epoch_monitor": render_loop,
+    "loop_trainer_shape": render_loop,
     "noisy_neighbour": render_noisy,
     "streams": render_streams,
     "remote": render_remote,

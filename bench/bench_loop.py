@@ -35,6 +35,7 @@ same with ``isolation="threads"``; ``iso`` ``isolation="process", helpers=2``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -88,15 +89,27 @@ def _monitor(stop: threading.Event) -> None:
         pass
 
 
-def _child(
-    workload: str,
-    loader: str,
-    step_ops: int,
-    epochs: int,
-    scale: int = 1,
-    monitor: bool = False,
-    seeded: bool = False,
-) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The loop each loader runs: its step, epochs, epoch length, monitor thread, seeding."""
+
+    step_ops: int
+    epochs: int
+    scale: int = 1
+    monitor: bool = False
+    seeded: bool = False
+
+    def argv(self) -> list[str]:
+        """As ``--one`` passes it to the measuring interpreter."""
+        return [str(int(v)) for v in dataclasses.astuple(self)]
+
+    @classmethod
+    def from_argv(cls, argv: list[str]) -> Shape:
+        step_ops, epochs, scale, monitor, seeded = (int(v) for v in argv)
+        return cls(step_ops, epochs, scale, bool(monitor), bool(seeded))
+
+
+def _child(workload: str, loader: str, shape: Shape) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, Subset
 
@@ -110,10 +123,10 @@ def _child(
         dataset, bs = spec.dataset, spec.batch_size
     else:
         bs = LatencyReads.batch_size
-    count = min(len(dataset), EPOCH_BATCHES[workload] * scale * bs)
+    count = min(len(dataset), EPOCH_BATCHES[workload] * shape.scale * bs)
     ds = Subset(dataset, range(count))
     workers = WORKERS.get(workload, 2)
-    init = {"worker_init_fn": seed_worker} if seeded else {}
+    init = {"worker_init_fn": seed_worker} if shape.seeded else {}
     if loader == "dl":
         epochs_of: Any = DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, **init)
     elif loader in ("thread", "threads", "iso"):
@@ -147,18 +160,18 @@ def _child(
         raise ValueError(f"unknown loader {loader!r}")
     stop = threading.Event()
     watcher = threading.Thread(target=_monitor, args=(stop,), name="monitor", daemon=True)
-    if monitor:
+    if shape.monitor:
         watcher.start()
     w = torch.ones(8)
 
     def step(batch: Any) -> None:
         x = batch[0] if isinstance(batch, (list, tuple)) else batch
         v = w * float(x.reshape(-1)[0])  # reads the batch, so it must really be there
-        for _ in range(step_ops // 2):
+        for _ in range(shape.step_ops // 2):
             v = v.mul(1.0001).add_(1e-4)
 
     paces, modes, batches_after_first, seconds_after_first = [], [], 0, 0.0
-    for epoch in range(epochs):
+    for epoch in range(shape.epochs):
         start, n = time.perf_counter(), 0
         for batch in epochs_of:
             step(batch)
@@ -170,7 +183,7 @@ def _child(
         if epoch:
             batches_after_first += n
             seconds_after_first += took
-    if monitor:
+    if shape.monitor:
         stop.set()
         watcher.join()
     mode = None
@@ -184,15 +197,7 @@ def _child(
     }
 
 
-def measure(
-    workload: str,
-    loader: str,
-    step_ops: int,
-    epochs: int,
-    scale: int = 1,
-    monitor: bool = False,
-    seeded: bool = False,
-) -> dict[str, Any]:
+def measure(workload: str, loader: str, shape: Shape) -> dict[str, Any]:
     """One measurement in a fresh interpreter.
 
     A baseline's interpreter that fails is run once more, with a note on stderr (torchdata's
@@ -202,8 +207,7 @@ def measure(
     tries = 2 if loader in BASELINES else 1
     for attempt in range(tries):
         done = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--one", workload, loader,
-             str(step_ops), str(epochs), str(scale), str(int(monitor)), str(int(seeded))],
+            [sys.executable, os.path.abspath(__file__), "--one", workload, loader, *shape.argv()],
             check=False, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         if done.returncode == 0:
@@ -236,10 +240,8 @@ def main() -> None:
     parser.add_argument("--one", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        workload, loader, step_ops, epochs, scale, monitor, seeded = args.one
-        out = _child(
-            workload, loader, int(step_ops), int(epochs), int(scale), monitor == "1", seeded == "1"
-        )
+        workload, loader, *shape = args.one
+        out = _child(workload, loader, Shape.from_argv(shape))
         print(json.dumps(out))
         return
     if args.cpus:  # measurements are child processes: they inherit the affinity
@@ -247,12 +249,14 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     loaders = tuple(args.loaders.split(","))
     rows: list[dict[str, Any]] = []
-    extra = (args.epoch_scale, args.monitor_thread, args.seed_workers)
+    shape = Shape(
+        args.step_ops, args.epochs, args.epoch_scale, args.monitor_thread, args.seed_workers
+    )
     for workload in args.workloads.split(","):
-        measure(workload, "threads", 0, 1)  # builds the workload's files outside the timing
+        measure(workload, "threads", Shape(0, 1))  # builds the workload's files outside the timing
         for r in range(args.rounds):
             order = loaders[r % len(loaders) :] + loaders[: r % len(loaders)]
-            got = {key: measure(workload, key, args.step_ops, args.epochs, *extra) for key in order}
+            got = {key: measure(workload, key, shape) for key in order}
             best = max(got[b]["pace"] for b in BASELINES if b in got)
             for key, out in got.items():
                 rows.append({

@@ -448,16 +448,13 @@ def test_a_state_saved_after_a_pickled_move_resumes_the_rest_of_the_epoch_exactl
 
 
 class _Unloadable:
-    """What an item leaves on its worker's copy that no helper can load (a class only the
-    training process can import), or cannot be pickled at all (a lock)."""
+    """What an item leaves on its worker's copy that no helper can load: a class only the
+    training process can import, or one that loads too slowly."""
 
     def __init__(self, how: str) -> None:
         self.how = how
-        self.lock = threading.Lock() if how == "lock" else None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        if self.how == "lock":
-            return super().__reduce__()  # TypeError: cannot pickle '_thread.lock' object
         return _unload_elsewhere, (os.getpid(), self.how)
 
 
@@ -485,17 +482,15 @@ class LeavesBehind(Counting):
 @pytest.mark.parametrize(
     ("how", "error"),
     [
-        ("lock", "cannot pickle"),
         ("elsewhere", "No module named 'only_in_training'"),
         ("slow", "had not started after"),
     ],
-    ids=["cannot be pickled", "cannot be loaded", "loads too slowly"],
+    ids=["cannot be loaded", "loads too slowly"],
 )
 def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
     how: str, error: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Items left something on the worker's copy that cannot be pickled, or that a helper
-    cannot load, or not soon: the move declines with a warning naming why, and the epoch goes
+    """Items left something on the worker's copy that a helper cannot load, or not soon: the move declines with a warning naming why, and the epoch goes
     on in its worker threads with torch's batches, none lost or repeated."""
     monkeypatch.setattr(mid_epoch, "CARRIED_WAIT_S", 1.0)
     with _another_thread():
@@ -519,6 +514,38 @@ def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
     assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     assert set().union(*_pids(batches)) == {os.getpid()}
     assert loader.stats().mode == "threads"
+
+
+def _open_on_copy(worker_id: int) -> None:
+    """Opens a file on the worker's copy, as a database handle is often opened per worker."""
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.handle = open(os.devnull, "rb")  # noqa: SIM115  # the copy's for its life
+    _count_init(worker_id)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_a_worker_copy_that_cannot_be_pickled_stays_in_threads_and_the_next_epoch_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """worker_init_fn opened a handle on each copy: the copies cannot be carried, so the first
+    epoch goes on in its threads without a warning, stats() says why, and the next epoch,
+    whose helpers receive the dataset as built and run worker_init_fn, moves."""
+    monkeypatch.setattr(auto, "MIN_EPOCH_S", 0.0)
+    with _another_thread():
+        loader = _ours(worker_init_fn=_open_on_copy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            first = list(loader)
+        reason = str(loader.stats().mode_reason)
+        assert loader.stats().mode == "threads"
+        second = list(loader)
+        assert loader.stats().mode == "process"
+    assert "cannot be pickled" in reason and "BufferedReader" in reason
+    theirs = _torch(epochs=2)
+    assert_epochs_equal([_data(b) for b in first + second], theirs[0] + theirs[1])
+    assert set().union(*_pids(first)) == {os.getpid()}
+    assert os.getpid() not in set().union(*_pids(second))
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")

@@ -136,6 +136,12 @@ UNPICKLABLE_NOTE = (
 )
 
 
+def unpicklable(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised pickling what a helper receives (``PickledOnce``), rather
+    than starting the helper or loading it there."""
+    return UNPICKLABLE_NOTE in getattr(exc, "__notes__", ())
+
+
 class PayloadTooLarge(Exception):
     """What a helper would receive pickled is larger than its start may cost."""
 

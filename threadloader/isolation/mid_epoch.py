@@ -37,8 +37,10 @@ code disagrees with these rules, the code is wrong.
    threads are joined and the helpers start. Pickled: the helpers start and load the workers
    while the idle threads wait, which are joined once every helper has loaded its workers.
    Then the epoch goes on as an ``isolation="process"`` epoch
-   (``IsolatedDataLoaderIter.take_over``). If a helper fails to start or to load its workers
-   (a worker's dataset copy that cannot be pickled; ``CARRIED_WAIT_S`` passed), a
+   (``IsolatedDataLoaderIter.take_over``). A worker's dataset copy that cannot be pickled (a
+   handle ``worker_init_fn`` or an item opened on it) keeps the epoch in its threads, as
+   point 5 does; the next epoch sends the dataset as built. If a helper fails to start or to
+   load its workers (a class only this process can import; ``CARRIED_WAIT_S`` passed), a
    ``RuntimeWarning`` names why and the epoch goes on in its threads; if that happens once the
    threads were joined (forked), or a thread appeared while joining them, the training thread
    makes every later batch itself, as it does when it alone is fastest.
@@ -77,7 +79,7 @@ from threadloader.isolation.auto import (
     one_line,
     too_few_to_help,
 )
-from threadloader.isolation.helper import PayloadTooLarge
+from threadloader.isolation.helper import PayloadTooLarge, unpicklable
 from threadloader.isolation.helper_source import start_method
 from threadloader.isolation.parent import IsolatedDataLoaderIter
 
@@ -257,6 +259,13 @@ class MidEpochMove:
             )
             return False
         except Exception as exc:  # noqa: BLE001  # the epoch goes on in this process
+            if carried is not None and unpicklable(exc):
+                self._policy.declined(
+                    f"{self._signal} over the first epoch's first {epoch.delivered} batches, "
+                    f"but a worker's dataset copy cannot be pickled ({one_line(exc)}): the "
+                    "epoch goes on in worker threads"
+                )
+                return False
             warn_user(
                 f"threadloader: isolation='auto' could not start helper processes mid-epoch "
                 f"({one_line(exc)}); the epoch goes on {instead}",

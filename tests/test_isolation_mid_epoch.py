@@ -675,6 +675,45 @@ def test_worker_copies_holding_more_than_the_dataset_stay_in_threads_without_a_w
     assert "exceeds" in str(stats.mode_reason) and "held the GIL" in str(stats.mode_reason)
 
 
+def _map_on_copy(worker_id: int) -> None:
+    """What a slow worker_init_fn does: maps a file onto the worker's copy."""
+    info = get_worker_info()
+    assert info is not None
+    info.dataset.left = _mapped()
+    _count_init(worker_id)
+
+
+class Slow(Counting):
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        time.sleep(0.005)
+        return super().__getitem__(index)
+
+
+@pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
+def test_the_time_worker_init_fn_takes_does_not_raise_what_a_helper_may_receive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Running worker_init_fn again lengthens the helpers' start, not the dataset's size: the
+    file it mapped onto each copy still exceeds what a helper may receive."""
+    monkeypatch.setattr(mid_epoch, "CARRIED_SLACK_BYTES", 2**20)
+    with _another_thread():
+        loader = ThreadDataLoader(
+            Slow(),
+            generator=torch.Generator().manual_seed(7),
+            **{**KWARGS, "worker_init_fn": _map_on_copy},
+        )
+        it = iter(loader)
+        assert isinstance(it, ThreadedDataLoaderIter)
+        batches = [next(it)]
+        for worker in it.pool.workers:
+            worker.init_s = 0.1  # 5 MB at 100 MB/s
+        batches += list(it)
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+    assert "exceeds" in str(loader.stats().mode_reason)
+
+
 class _SharesState(Counting):
     """A dataset whose copies share process-wide state, as RemoteFiles' read pool."""
 
@@ -730,14 +769,17 @@ def test_a_mixture_with_many_workers_per_helper_is_carried_with_its_generator_hi
     assert_epochs_equal(moved, stayed)
 
 
-_GLOBAL = {"scale": 1}
+_GLOBAL: dict[Any, Any] = {"scale": 1}
 
 
 class Scaled(Counting):
-    """Counting, whose items also carry a module's global that ``worker_init_fn`` sets."""
+    """Counting, whose items also carry what ``worker_init_fn`` set in a module's global: a
+    scale, and the ``WorkerInfo`` it saw (id, workers, seed's last digits) for this worker."""
 
     def __getitem__(self, index: int) -> tuple[Any, ...]:
-        return *super().__getitem__(index), _GLOBAL["scale"]
+        info = get_worker_info()
+        assert info is not None
+        return *super().__getitem__(index), _GLOBAL["scale"], *_GLOBAL[info.id]
 
 
 def _init_outside_and_in(worker_id: int) -> None:
@@ -746,7 +788,10 @@ def _init_outside_and_in(worker_id: int) -> None:
     _count_init(worker_id)
     random.random()
     torch.rand(())
+    info = get_worker_info()
+    assert info is not None
     _GLOBAL["scale"] = 10
+    _GLOBAL[worker_id] = (info.id, info.num_workers, info.seed % 1000)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
@@ -754,36 +799,46 @@ def test_a_worker_init_fn_runs_again_in_pickled_helpers_for_what_it_set_outside_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Helpers from the forkserver import this module afresh: the global worker_init_fn set
-    reaches them only if it runs there again; it does so on a scratch copy with fresh
-    generators, so the carried copy counts one run and the items' draws are torch's."""
-    monkeypatch.setitem(_GLOBAL, "scale", 1)
+    reaches them only if it runs there again, as the worker (its WorkerInfo); it does so on a
+    scratch copy with fresh generators, so the carried copy counts one run and the items'
+    draws are torch's."""
+    monkeypatch.setitem(globals(), "_GLOBAL", {"scale": 1})
     kwargs = {**KWARGS, "worker_init_fn": _init_outside_and_in}
     theirs = torch_epochs(Scaled(), generator=torch.Generator().manual_seed(7), **kwargs)[0]
-    assert _GLOBAL["scale"] == 1  # torch's worker processes set their own
+    assert _GLOBAL == {"scale": 1}  # torch's worker processes set their own
     with _another_thread():
         loader = ThreadDataLoader(Scaled(), generator=torch.Generator().manual_seed(7), **kwargs)
         batches = list(loader)
     assert loader.stats().mode == "process"
     pids = _pids(batches)
     assert os.getpid() not in pids[-1]
-    assert_epochs_equal([[*_data(b), b[7]] for b in batches], [[*_data(b), b[7]] for b in theirs])
+    assert_epochs_equal(
+        [[*_data(b), *b[7:]] for b in batches], [[*_data(b), *b[7:]] for b in theirs]
+    )
     assert all(b[5].tolist() == [1] * len(b[5]) for b in batches)  # inits: once on each copy
     assert all(b[7].tolist() == [10] * len(b[7]) for b in batches)
+    assert {int(w) for b in batches for w in b[8]} == {0, 1}
+    assert all(b[9].tolist() == [2] * len(b[9]) for b in batches)
 
 
-def _fails_elsewhere(training: int, worker_id: int) -> None:
+def _fails_elsewhere(training: int, error: type[BaseException], worker_id: int) -> None:
     if os.getpid() != training:
-        raise OSError("only the training process has the shard index")
+        raise error("only the training process has the shard index")
     _count_init(worker_id)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
-def test_a_worker_init_fn_failing_in_a_helper_keeps_the_epoch_in_its_threads() -> None:
+@pytest.mark.parametrize("error", [OSError, KeyboardInterrupt])
+def test_a_worker_init_fn_failing_in_a_helper_keeps_the_epoch_in_its_threads(
+    error: type[BaseException],
+) -> None:
     """Run again in the helper, worker_init_fn raised: the move declines with a warning naming
-    the error, and the epoch goes on in its threads with torch's batches."""
+    the error, and the epoch goes on in its threads with torch's batches (a KeyboardInterrupt
+    there is not raised in the training loop: nobody pressed Ctrl-C)."""
+    init = functools.partial(_fails_elsewhere, os.getpid(), error)
     with _another_thread():
-        loader = _ours(worker_init_fn=functools.partial(_fails_elsewhere, os.getpid()))
-        with pytest.warns(RuntimeWarning, match="only the training process") as caught:
+        loader = _ours(worker_init_fn=init)
+        with pytest.warns(RuntimeWarning, match=error.__name__) as caught:
             batches = list(loader)
     assert caught[0].filename == __file__
     assert_epochs_equal([_data(b) for b in batches], _torch()[0])

@@ -95,10 +95,13 @@ class CarriedWorker:
         ...`` would shard twice). What it did outside them (a module's global that items read,
         a library it configured) did not travel: it runs again here first, as this worker at
         its epoch's start, on a scratch copy of the dataset with freshly seeded generators,
-        both dropped after. Not for a worker whose start failed (its error is pending).
+        both dropped after (a thread it starts keeps them: it runs as that scratch worker).
+        Not for a worker whose start failed (its error is pending).
 
         Raises:
-            Exception: what ``worker_init_fn`` raised: the helper cannot carry on the worker.
+            Exception: what ``worker_init_fn`` raised (a ``KeyboardInterrupt`` or ``SystemExit``
+                as a ``RuntimeError``: nobody pressed Ctrl-C): the helper cannot carry on the
+                worker.
         """
         if self.started and spec.worker_init_fn is not None:
             scratch = Worker(spec, self.worker_id, self.base_seed, 1, recorder)
@@ -106,6 +109,12 @@ class CarriedWorker:
             try:
                 scratch.enter()
                 spec.worker_init_fn(self.worker_id)
+            except Exception:
+                raise
+            except BaseException as exc:
+                raise RuntimeError(
+                    f"worker_init_fn raised {type(exc).__name__} in a helper process"
+                ) from exc
             finally:
                 leave(previous)
         return Worker(spec, self.worker_id, self.base_seed, 1, recorder, carried=self)

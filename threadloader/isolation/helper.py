@@ -37,6 +37,7 @@ How the helper behaves; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import io
@@ -136,10 +137,14 @@ UNPICKLABLE_NOTE = (
 )
 
 
+#: Set on an exception raised while pickling what a helper receives (``unpicklable``).
+_PICKLING_FAILED = "_threadloader_pickling_failed"
+
+
 def unpicklable(exc: BaseException) -> bool:
     """Whether ``exc`` was raised pickling what a helper receives (``PickledOnce``), rather
     than starting the helper or loading it there."""
-    return UNPICKLABLE_NOTE in getattr(exc, "__notes__", ())
+    return getattr(exc, _PICKLING_FAILED, False) is True
 
 
 class PayloadTooLarge(Exception):
@@ -193,6 +198,8 @@ class PickledOnce:
             # (torch's fork-started workers need none).
             if hasattr(exc, "add_note"):
                 exc.add_note(UNPICKLABLE_NOTE)
+            with contextlib.suppress(AttributeError):  # an exception class with __slots__
+                setattr(exc, _PICKLING_FAILED, True)
             raise
         # What pickling made (a torch.Generator's state tensor) lives in the pickler's memo
         # until ``release``: a tensor's shared memory travels as a descriptor sent once the

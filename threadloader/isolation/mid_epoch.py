@@ -15,9 +15,10 @@ code disagrees with these rules, the code is wrong.
 2. After each batch, at most every ``CHECK_EVERY_S``, once the epoch has run ``MEASURE_S``: the
    move is due when the epoch so far shows what moves the next epoch (``auto`` point 2: the
    items held the GIL, or the workers slowed the training step), helpers can start now (point
-   3), and the rest of the epoch, at the pace so far, lasts at least ``MIN_REMAINING_S`` plus
-   the time to pickle what helpers that are not forked receive (``auto.PICKLED_BYTES_PER_S``):
-   long enough to win back starting them (20-50 ms each, forked or from a ready forkserver).
+   3), and the rest of the epoch, at the pace so far, lasts at least ``MIN_REMAINING_S`` plus,
+   for helpers that are not forked, the time to pickle what they receive
+   (``auto.PICKLED_BYTES_PER_S``) and to run ``worker_init_fn`` again (point 3): long enough
+   to win back starting them (20-50 ms each, forked or from a ready forkserver).
 3. Where this process runs no Python thread but the training thread and the workers about to
    be joined, the helpers are forked from it: a helper carries on each of its workers as they
    are, its dataset copy, generators, ``worker_init_fn``'s work and fetcher, nothing pickled
@@ -30,9 +31,9 @@ code disagrees with these rules, the code is wrong.
    their order, which worker made each, the workers' random draws and ``state_dict()`` are what
    the epoch would have given in threads. A ``worker_init_fn`` runs once more per worker in
    its helper, on a scratch copy with fresh generators (``CarriedWorker.adopt``), for what it
-   did outside the copy (a module's global that items read); the time it took in the threads
-   counts in the helpers' start. The first time the move is due but no helper can
-   start, the forkserver starts (``auto`` point 5); the check repeats.
+   did outside the copy (a module's global that items read); each helper's workers one after
+   another, each counted at the time its run took in the threads. The first time the move is
+   due but no helper can start, the forkserver starts (``auto`` point 5); the check repeats.
 4. Moving: nothing more is dispatched; the batches in flight are delivered. Forked: the worker
    threads are joined and the helpers start. Pickled: the helpers start and load the workers
    while the idle threads wait, which are joined once every helper has loaded its workers.
@@ -94,7 +95,8 @@ CHECK_EVERY_S = 0.25
 #: The rest of the epoch must last at least this long (seconds, at the pace so far).
 MIN_REMAINING_S = 1.0
 #: Helpers that receive the workers pickled may take this long to load them (seconds), plus
-#: four times the time pickling the dataset takes (point 4); then the epoch stays in threads.
+#: four times what pickling the dataset and running ``worker_init_fn`` again take (points 3
+#: and 4); then the epoch stays in threads.
 CARRIED_WAIT_S = 10.0
 #: What each helper may receive pickled beyond the dataset and its workers' copies of it
 #: (point 5): what their items cached, ``worker_init_fn``'s additions.
@@ -193,8 +195,9 @@ class MidEpochMove:
                 self._warmed = True
                 self._policy.warm_up()
             return False
-        if not forked:  # each helper runs its workers' worker_init_fn again, one after another
-            start_s += math.ceil(self._workers / self._helpers) * max(
+        rerun_s = 0.0  # each helper runs its workers' worker_init_fn again, one after another
+        if not forked:
+            rerun_s = math.ceil(self._workers / self._helpers) * max(
                 w.init_s for w in epoch.pool.workers
             )
         try:
@@ -202,15 +205,16 @@ class MidEpochMove:
         except TypeError:  # a sampler without a length
             return False
         remaining_s = remaining * stats.wall_s / stats.batches
-        if remaining_s < MIN_REMAINING_S + start_s:
+        if remaining_s < MIN_REMAINING_S + start_s + rerun_s:
             return False
         if self._policy.pickling_problem() is not None:
             epoch.mover = None  # it never will be picklable: stop asking
             return False
         self._signal, self._stats, self._forked = signal, stats, forked
         if not forked:
-            self._limit = self._carried_limit(start_s, remaining_s - MIN_REMAINING_S)
-            self._wait_s = CARRIED_WAIT_S + 4 * start_s
+            budget_s = remaining_s - MIN_REMAINING_S - rerun_s
+            self._limit = self._carried_limit(start_s, budget_s)
+            self._wait_s = CARRIED_WAIT_S + 4 * (start_s + rerun_s)
         return True
 
     def _carried_limit(self, start_s: float, budget_s: float) -> int:

@@ -288,6 +288,44 @@ def test_unusual_exception_classes_reraise_sensibly(kind: str) -> None:
     assert worker_ids_named(text.splitlines()[0])
 
 
+class Aborted(BaseException):
+    """A BaseException of the user's own, which is no Exception."""
+
+
+class Halts:
+    """Map-style of 8 ints; item 3 raises ``error``, which is no ``Exception``."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        if index == 3:
+            raise self.error("item 3 stops its worker")
+        return index
+
+
+@pytest.mark.parametrize("isolation", ["threads", "process"])
+@pytest.mark.parametrize("error", [SystemExit, Aborted])
+def test_a_base_exception_in_a_worker_raises_runtime_error_as_torchs_dead_worker_does(
+    error: type[BaseException], isolation: str
+) -> None:
+    """torch's worker process dies of it and its loader raises RuntimeError, which a loop that
+    catches Exception to skip a bad batch survives: the same type here, naming the original
+    (and the worker goes on: torch loses that worker's later batches)."""
+    kwargs = {"batch_size": 2, "num_workers": 2}
+    theirs = torch_outcomes(Halts(error), limit=10, **kwargs)
+    ours = _all_outcomes(ThreadDataLoader(Halts(error), isolation=isolation, **kwargs))
+    assert [type(o.error) for o in theirs if o.error is not None] == [RuntimeError]
+    errors = [o.error for o in ours if o.error is not None]
+    assert [type(e) for e in errors] == [RuntimeError]
+    assert f"Caught {error.__name__}" in str(errors[0])
+    assert "item 3 stops its worker" in str(errors[0])
+    assert [o.batch.tolist() for o in ours if o.error is None] == [[0, 1], [4, 5], [6, 7]]
+
+
 @pytest.mark.parametrize("where", ["getitem", "collate", "iter"])
 def test_without_workers_the_original_exception_propagates_like_torch(where: str) -> None:
     """With num_workers=0 an error is raised unwrapped, same type and message as torch's."""

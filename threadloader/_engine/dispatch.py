@@ -617,7 +617,9 @@ def _copied(states: list[Any] | None) -> list[Any] | None:
 
 
 def reraise(wrapper: ExceptionWrapper) -> NoReturn:
-    """Raise what ``ExceptionWrapper.reraise()`` raises: same type, torch's message format.
+    """Raise what ``ExceptionWrapper.reraise()`` raises: same type, torch's message format; a
+    ``BaseException`` that is no ``Exception`` as ``RuntimeError``, as torch's loader raises
+    when a worker process dies of one.
 
     torch's version keeps the new exception in a local of its own frame, which the exception's
     traceback references: a reference cycle that keeps the iterator, and so its workers, alive
@@ -626,7 +628,12 @@ def reraise(wrapper: ExceptionWrapper) -> NoReturn:
     """
     msg = f"Caught {wrapper.exc_type.__name__} {wrapper.where}.\nOriginal {wrapper.exc_msg}"
     exc: BaseException
-    if wrapper.exc_type is KeyError:
+    if not issubclass(wrapper.exc_type, Exception):
+        # SystemExit, a KeyboardInterrupt the code raised, another BaseException: torch's
+        # worker process dies of it and its loader raises RuntimeError, which a loop catching
+        # Exception to skip a bad batch survives. (A Ctrl-C reaches the training thread only.)
+        exc = RuntimeError(msg)
+    elif wrapper.exc_type is KeyError:
         exc = KeyError(KeyErrorMessage(msg))
     elif getattr(wrapper.exc_type, "message", None):
         exc = wrapper.exc_type(message=msg)

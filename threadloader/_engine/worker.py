@@ -99,9 +99,8 @@ class CarriedWorker:
         Not for a worker whose start failed (its error is pending).
 
         Raises:
-            Exception: what ``worker_init_fn`` raised (a ``KeyboardInterrupt`` or ``SystemExit``
-                as a ``RuntimeError``: nobody pressed Ctrl-C): the helper cannot carry on the
-                worker.
+            BaseException: what ``worker_init_fn`` raised: the helper cannot carry on the worker
+                (the training process raises it as ``dispatch.reraise`` does).
         """
         if self.started and spec.worker_init_fn is not None:
             scratch = Worker(spec, self.worker_id, self.base_seed, 1, recorder)
@@ -109,12 +108,6 @@ class CarriedWorker:
             try:
                 scratch.enter()
                 spec.worker_init_fn(self.worker_id)
-            except Exception:
-                raise
-            except BaseException as exc:
-                raise RuntimeError(
-                    f"worker_init_fn raised {type(exc).__name__} in a helper process"
-                ) from exc
             finally:
                 leave(previous)
         return Worker(spec, self.worker_id, self.base_seed, 1, recorder, carried=self)

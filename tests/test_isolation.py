@@ -363,6 +363,123 @@ def test_dataset_that_cannot_be_loaded_in_the_helper_raises_its_error() -> None:
         next(iterator)
 
 
+class ExitsInHelper(CannotLoadInHelper):
+    """Loading it elsewhere ends the process (a module it imports calls ``sys.exit``)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["pid"] != os.getpid():
+            sys.exit("no configuration in this process")
+        self.__dict__.update(state)
+
+
+def test_a_helper_exiting_while_it_loads_the_dataset_raises_runtime_error_as_torch() -> None:
+    """torch's worker process dies: its loader raises RuntimeError. Here the same type, naming
+    the SystemExit, which a loop catching Exception survives."""
+    loader = IsolatedLoader(ExitsInHelper(), num_workers=2, multiprocessing_context=PICKLED)
+    with pytest.raises(RuntimeError, match="Caught SystemExit in threadloader's isolation helper"):
+        next(iter(loader))
+
+
+def _made_at_run_time() -> type[Exception]:
+    """An exception class made at run time, as botocore makes ``NoSuchKey``: pickle cannot
+    find it by name."""
+    return type("NoSuchKey", (LookupError,), {})
+
+
+class MissingKey(Dataset[int]):
+    """Item 2 raises an exception whose class cannot be pickled; so does loading it in a helper,
+    with ``on_load``."""
+
+    def __init__(self, on_load: bool = False) -> None:
+        self.pid, self.on_load = os.getpid(), on_load
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> int:
+        if index == 2:
+            raise _made_at_run_time()("The key 'shard-0002.tar' does not exist")
+        return index
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["on_load"] and state["pid"] != os.getpid():
+            raise _made_at_run_time()("The key 'index.json' does not exist")
+        self.__dict__.update(state)
+
+
+def test_an_error_whose_class_cannot_be_pickled_keeps_its_message_and_traceback() -> None:
+    """The helper cannot send the class: it sends the nearest base class that pickles, with the
+    original message and traceback, and the epoch goes on with the next batches."""
+    iterator = iter(IsolatedLoader(MissingKey(), batch_size=2, num_workers=2))
+    found: list[Any] = []
+    while True:
+        try:
+            found.append(next(iterator))
+        except StopIteration:
+            break
+        except LookupError as raised:
+            found.append(raised)
+    del iterator
+    error = found[1]
+    assert type(error) is LookupError
+    text = str(error)
+    assert "a NoSuchKey, whose class cannot be pickled" in text
+    assert "The key 'shard-0002.tar' does not exist" in text
+    assert "Traceback (most recent call last)" in text and "__getitem__" in text
+    assert [b.tolist() for b in (found[0], found[2])] == [[0, 1], [4, 5]]
+
+
+def test_a_start_error_whose_class_cannot_be_pickled_keeps_its_message() -> None:
+    """The same for an error the helper raises while it loads the dataset."""
+    loader = IsolatedLoader(
+        MissingKey(on_load=True), num_workers=2, multiprocessing_context=PICKLED
+    )
+    with pytest.raises(LookupError, match="whose class cannot be pickled") as info:
+        next(iter(loader))
+    assert "The key 'index.json' does not exist" in str(info.value)
+
+
+class OwnStats(Dataset[int]):
+    """A dataset whose ``stats()`` is its own: it raises, or takes long."""
+
+    def __init__(self, how: str) -> None:
+        self.how, self.calls = how, 0
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def stats(self) -> int:
+        if self.how == "raises":
+            raise IndexError("no statistics yet")
+        self.calls += 1
+        time.sleep(0.1)  # computes something over the data
+        return self.calls
+
+
+class ChannelStats(OwnStats):
+    """Its ``stats`` needs an argument."""
+
+    def stats(self, channel: int) -> int:  # type: ignore[override]
+        raise AssertionError("called without its argument")
+
+
+@pytest.mark.parametrize("how", ["needs an argument", "raises", "slow"])
+def test_a_dataset_method_named_stats_does_not_break_or_slow_the_helpers(how: str) -> None:
+    """Helpers send a dataset's ``stats()`` with their batches (RemoteFiles' read counters):
+    one that needs an argument is not called, one that raises is no longer asked, and a slow
+    one is not taken with every batch. The batches are the dataset's either way."""
+    dataset = ChannelStats(how) if how == "needs an argument" else OwnStats(how)
+    loader = ThreadDataLoader(dataset, batch_size=1, num_workers=2, isolation="process", helpers=1)
+    assert [int(b) for b in loader] == list(range(16))
+    if how == "slow":
+        assert loader.stats().dataset == 1  # one call in the helper, not one per batch
+    else:
+        assert loader.stats().dataset is None
+
+
 class Unpicklable(Dataset[int]):
     def __init__(self) -> None:
         self.lock = threading.Lock()

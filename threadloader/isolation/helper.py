@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import io
 import os
 import pickle
@@ -99,6 +100,10 @@ PARENT_CHECK_S = 1.0
 #: reads them when it reads that task). A slot costs memory only once written, and free slots
 #: are reused last-freed-first, so spare slots cost address space, not memory.
 SPARE_SLOTS = 4
+#: A dataset's ``stats()`` that took this long (seconds) is taken again only once
+#: ``STATS_COST`` times that has passed: it costs the helper at most ~1/STATS_COST of its time.
+STATS_SLOW_S = 0.02
+STATS_COST = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,13 +367,35 @@ class _Pacer:
             return limit
 
 
+def sendable(error: ExceptionWrapper) -> ExceptionWrapper:
+    """``error``, or, when its exception's class cannot be pickled (a class made at run time,
+    as botocore makes ``NoSuchKey``), a copy naming the nearest base class that can: the
+    message and the original traceback travel either way.
+
+    Returns:
+        What the training process can unpickle and raise (``dispatch.reraise``).
+    """
+    for base in error.exc_type.__mro__:
+        try:
+            pickle.dumps(base)
+        except Exception:  # noqa: BLE001, S112  # try its base class
+            continue
+        if base is error.exc_type:
+            return error
+        copy = ExceptionWrapper.__new__(ExceptionWrapper)
+        copy.exc_type, copy.exc_msg = base, error.exc_msg
+        copy.where = f"{error.where} (a {error.exc_type.__name__}, whose class cannot be pickled)"
+        return copy
+    return error  # unreachable: BaseException pickles
+
+
 def _runner_loop(first: Worker, helper: _Helper) -> None:
     """A runner thread's body; a failure of the helper's own code ends the helper, loudly."""
     try:
         _run_tasks(first, helper)
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
         where = f"in threadloader's isolation helper process, runner thread {first.id}"
-        helper.sender.send((FATAL, ExceptionWrapper(where=where)))
+        helper.sender.send((FATAL, sendable(ExceptionWrapper(where=where))))
         _exit_now(1)
 
 
@@ -415,10 +442,11 @@ def _send_result(
     sender: _Sender, result: Result, timings: Any, limit: int, dataset_stats: Any
 ) -> None:
     head = (RESULT, result.idx, result.worker_id, result.generation)
-    msg = (*head, result.data, result.state, result.rng, timings, limit, dataset_stats)
+    data = sendable(result.data) if isinstance(result.data, ExceptionWrapper) else result.data
+    msg = (*head, data, result.state, result.rng, timings, limit, dataset_stats)
     try:
         if (
-            type(result.data) is Packed
+            type(data) is Packed
             and result.state is None
             and result.rng is None
             and dataset_stats is None
@@ -445,12 +473,13 @@ class _Helper:
         collate = _IntoSlot(spec.worker.collate_fn, self.ring, spec.collate_into_slots)
         worker_spec = dataclasses.replace(spec.worker, collate_fn=collate)
         ids = spec.worker_ids
-        # A dataset with stats() (RemoteFiles) counts its reads here: they travel with each
-        # result, for the training process's loader.stats().
+        # A dataset with stats() (RemoteFiles) counts its reads here: they travel with the
+        # results, for the training process's loader.stats() (``dataset_stats``).
         stats = getattr(spec.worker.dataset, "stats", None)
-        self._dataset_stats: Callable[[], Any] | None = stats if callable(stats) else None
+        self._dataset_stats: Callable[[], Any] | None = stats if _no_arguments(stats) else None
         self._stats_lock = threading.Lock()
         self._stats_taken = 0
+        self._stats_due = 0.0
         self.pacer = _Pacer(len(ids))
         self.board = TaskBoard(tasks, ids, limit=self.pacer.limit)
         adopted = spec.adopted
@@ -477,14 +506,46 @@ class _Helper:
         """The dataset's counters now, numbered: runner threads send results in any order, and
         the training process keeps the latest-numbered snapshot, not the last to arrive.
 
+        Taken with every batch while it is fast (a counter snapshot, as ``RemoteFiles``'
+        takes microseconds); once a call took ``STATS_SLOW_S`` or more (a method of the user's
+        that happens to be named ``stats``, computing something over the data), only once
+        ``STATS_COST`` times that has passed. A ``stats()`` that raises is not called again:
+        the helper's batches go on, and ``loader.stats().dataset`` keeps its last snapshot.
+
         Returns:
-            ``(number, stats)``, or None when the dataset has no ``stats()``.
+            ``(number, stats)``, or None when there is none to send with this batch.
         """
-        if self._dataset_stats is None:
+        if self._dataset_stats is None or time.perf_counter() < self._stats_due:
             return None
         with self._stats_lock:
+            stats = self._dataset_stats
+            if stats is None or time.perf_counter() < self._stats_due:
+                return None  # another runner took it meanwhile
+            began = time.perf_counter()
+            try:
+                snapshot = stats()
+            except Exception:  # noqa: BLE001  # not the batch's error: stop asking
+                self._dataset_stats = None
+                return None
+            ended = time.perf_counter()
+            if ended - began >= STATS_SLOW_S:
+                self._stats_due = ended + STATS_COST * (ended - began)
             self._stats_taken += 1
-            return self._stats_taken, self._dataset_stats()
+            return self._stats_taken, snapshot
+
+
+def _no_arguments(method: Any) -> bool:
+    """Whether ``method`` can be called with no arguments, as ``loader.stats()`` calls a
+    dataset's ``stats()``."""
+    if not callable(method):
+        return False
+    try:
+        inspect.signature(method).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (some builtins): try it
+        return True
+    return True
 
 
 def _wait_for_the_end(control: Connection, ring: RingWriter) -> None:
@@ -538,7 +599,7 @@ def helper_main(
         helper = _Helper(helper_spec, tasks, sender, mailbox.fileno())
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost
         error = ExceptionWrapper(where="in threadloader's isolation helper process, starting")
-        sender.send((FATAL, error))
+        sender.send((FATAL, sendable(error)))
         _exit_now(1)
         return
     sender.send((STARTED,))

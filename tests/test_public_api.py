@@ -228,6 +228,23 @@ def test_prefetch_factor_zero_with_workers_fails_at_iter_like_torch() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("isolation", ["threads", "process", "auto"])
+def test_negative_workers_set_after_construction_fail_at_iter_like_torch(isolation: str) -> None:
+    """The constructor refuses num_workers=-1; set afterwards, torch's iterator refuses it
+    (AssertionError): never an empty epoch, nor a message about a queue's capacity."""
+
+    def first(make: Callable[..., DataLoader], **options: Any) -> BaseException | None:
+        loader = make(Squares(), batch_size=2, num_workers=2, **options)
+        loader.num_workers = -1
+        return call_with_args(lambda: next(iter(loader)))
+
+    theirs, ours = first(DataLoader), first(ThreadDataLoader, isolation=isolation)
+    assert isinstance(theirs, AssertionError)
+    assert type(ours) is type(theirs)
+    assert str(ours) == str(theirs)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_workers_set_after_construction_fail_clearly_instead_of_an_empty_epoch() -> None:
     """num_workers raised after the constructor leaves prefetch_factor None: torch fails (a
     TypeError comparing None); so do we, with a message that says what to set."""

@@ -796,6 +796,9 @@ def test_bad_states_raise_naming_the_mismatch() -> None:
         ("worker_states", 5, "worker_states must be a list"),
         ("worker_states", [3], r"entries must be None or \{'dataset'"),
         ("workers_status", "x", "workers_status must be a list of bools"),
+        ("worker_rng_states", 5, "worker_rng_states must be a list of worker generator"),
+        ("worker_rng_states", [1, 2], "worker_rng_states must be a list of worker generator"),
+        ("worker_rng_states_at_start", "ab", "worker_rng_states_at_start must be a list"),
     ],
 )
 def test_malformed_fields_raise_before_anything_changes(key: str, value: Any, match: str) -> None:

@@ -416,6 +416,10 @@ class ThreadDataLoader(DataLoader[T_co]):
             self._epoch_choice = None
             return InlineDataLoaderIter(self, resume)
         self.check_worker_number_rationality()
+        if self.num_workers < 0:  # set after construction, which refuses it: torch's check
+            raise AssertionError(
+                "num_workers must be greater than 0 for MultiProcessingDataLoaderIter"
+            )
         first = self._options.isolation == "auto" and self._stats is None
         self._epoch_choice = choice = self._choose_mode()
         if choice.mode == PROCESS and self._options.isolation != "auto":

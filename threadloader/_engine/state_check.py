@@ -43,8 +43,9 @@ def _check_int(state: Mapping[str, Any], key: str, minimum: int | None = 0) -> N
 
 def _check_worker_fields(state: Mapping[str, Any]) -> None:
     """``worker_states``: None or a list of per-worker states, each None or (point 3 of
-    ``dataset_state``) ``{"dataset": ..., "iterator": ...}``; ``workers_status``: None or a
-    list of bools. What a dataset's own ``load_state_dict`` makes of its part is its own."""
+    ``dataset_state``) ``{"dataset": ..., "iterator": ...}``; the workers' generator states
+    (optional): None or a list of ``worker_rng.rng_state`` dicts or None; ``workers_status``:
+    None or a list of bools. What a dataset's own ``load_state_dict`` makes of its part is its own."""
     states = state["worker_states"]
     if states is not None and not isinstance(states, list):
         raise ValueError(
@@ -61,6 +62,19 @@ def _check_worker_fields(state: Mapping[str, Any]) -> None:
                     "loader state worker_states entries must be None or "
                     f"{{'dataset': ..., 'iterator': ...}}, got {entry!r}"
                 )
+    for key in ("worker_rng_states", "worker_rng_states_at_start"):  # optional
+        rngs = state.get(key)
+        if rngs is not None and (
+            not isinstance(rngs, list)
+            or not all(
+                entry is None or (isinstance(entry, Mapping) and {"random", "torch"} <= set(entry))
+                for entry in rngs
+            )
+        ):
+            raise ValueError(
+                f"loader state {key} must be a list of worker generator states (each None or "
+                f"a dict with 'random' and 'torch') or None, got {_short(rngs)}"
+            )
     status = state["workers_status"]
     if status is not None and (
         not isinstance(status, list) or not all(type(alive) is bool for alive in status)
@@ -68,6 +82,11 @@ def _check_worker_fields(state: Mapping[str, Any]) -> None:
         raise ValueError(
             f"loader state workers_status must be a list of bools or None, got {status!r}"
         )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _exact_len(loader: Any) -> bool:

@@ -36,6 +36,14 @@ def test_an_option_that_would_do_nothing_is_refused(options: dict[str, Any], mes
         ThreadDataLoader(range(10), batch_size=2, **options)
 
 
+@pytest.mark.parametrize("every", [0, -1.0, float("nan"), "1", True])
+def test_log_every_s_must_be_a_positive_number_of_seconds(every: Any) -> None:
+    """Zero, negative, nan, text or a bool would log never, always or fail at the first
+    batch: refused where the loader is built."""
+    with pytest.raises(ValueError, match="log_every_s must be a positive number of seconds"):
+        ThreadDataLoader(range(10), batch_size=2, log_every_s=every)
+
+
 @pytest.mark.parametrize(
     "options",
     [

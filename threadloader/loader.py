@@ -184,7 +184,7 @@ class ThreadDataLoader(DataLoader[T_co]):
             ``save_worker_rng=True``; ``helpers`` not a positive number, above ``num_workers``
             or with ``isolation="threads"``; ``device_prefetch`` without ``device`` (each would
             be accepted and do nothing, as torch refuses ``persistent_workers`` without
-            workers).
+            workers); ``log_every_s`` not a positive number.
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
         TypeError: ``save_worker_rng`` is not a bool, or ``helpers`` is not an int.
     """
@@ -217,8 +217,14 @@ class ThreadDataLoader(DataLoader[T_co]):
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
     ) -> None:
-        if log_every_s is not None and log_every_s <= 0:
-            raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s}")
+        if log_every_s is not None and (
+            isinstance(log_every_s, bool)
+            or not isinstance(log_every_s, (int, float))
+            or not log_every_s > 0  # nan too
+        ):
+            raise ValueError(
+                f"log_every_s must be a positive number of seconds, got {log_every_s!r}"
+            )
         if not isinstance(save_worker_rng, bool):
             raise TypeError(f"save_worker_rng must be a bool, got {type(save_worker_rng).__name__}")
         check_isolation(isolation, multiprocessing_context)

@@ -157,6 +157,16 @@ def test_helpers_apply_to_isolated_loaders_up_to_their_workers() -> None:
         threadloader.patch(isolation="threads", helpers=2)
     with pytest.raises(ValueError, match="helpers must be a positive int"):
         threadloader.patch(isolation="process", helpers=0)
+    with pytest.raises(TypeError, match="helpers must be an int"):  # as ThreadDataLoader
+        threadloader.patch(isolation="process", helpers=1.5)  # type: ignore[arg-type]
+    assert not threadloader.is_patched()
+
+
+@pytest.mark.parametrize("every", [0, float("nan"), "1", True])
+def test_log_every_s_is_checked_at_patch_as_the_loader_checks_it(every: Any) -> None:
+    """What ThreadDataLoader refuses, patch() refuses, not each DataLoader(...) built after."""
+    with pytest.raises(ValueError, match="log_every_s must be a positive number of seconds"):
+        threadloader.patch(log_every_s=every)
     assert not threadloader.is_patched()
 
 

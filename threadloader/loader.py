@@ -24,7 +24,7 @@ from threadloader._engine.device_epoch import (
 )
 from threadloader._engine.device_epoch import retire as retire_device_epoch
 from threadloader._engine.inline import InlineDataLoaderIter
-from threadloader._engine.options import Options
+from threadloader._engine.options import Options, check_helpers_type, check_log_every
 from threadloader._engine.state import (
     EndRanEarly,
     Progress,
@@ -217,14 +217,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
     ) -> None:
-        if log_every_s is not None and (
-            isinstance(log_every_s, bool)
-            or not isinstance(log_every_s, (int, float))
-            or not log_every_s > 0  # nan too
-        ):
-            raise ValueError(
-                f"log_every_s must be a positive number of seconds, got {log_every_s!r}"
-            )
+        check_log_every(log_every_s)
         if not isinstance(save_worker_rng, bool):
             raise TypeError(f"save_worker_rng must be a bool, got {type(save_worker_rng).__name__}")
         check_isolation(isolation, multiprocessing_context)
@@ -805,8 +798,7 @@ def _refuse_ignored_options(loader: ThreadDataLoader[Any]) -> None:
             "set num_workers > 0, or isolation='auto'"
         )
     if helpers is not None:
-        if isinstance(helpers, bool) or not isinstance(helpers, int):
-            raise TypeError(f"helpers must be an int, got {type(helpers).__name__}")
+        check_helpers_type(helpers)
         if options.isolation not in ("process", "auto"):
             raise ValueError(
                 f"helpers={helpers} sets how many helper processes run the worker "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Options", "options_of"]
+__all__ = ["Options", "check_helpers_type", "check_log_every", "options_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,32 @@ class Options:
         for field in dataclasses.fields(self):
             if field.name not in vars(loader):
                 setattr(loader, field.name, getattr(self, field.name))
+
+
+def check_log_every(log_every_s: object) -> None:
+    """Refuse a ``log_every_s`` that is not None or a positive number of seconds.
+
+    Raises:
+        ValueError: zero, a negative, nan, text or a bool.
+    """
+    if log_every_s is None:
+        return
+    if (
+        isinstance(log_every_s, bool)
+        or not isinstance(log_every_s, (int, float))
+        or not log_every_s > 0  # nan too
+    ):
+        raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s!r}")
+
+
+def check_helpers_type(helpers: object) -> None:
+    """Refuse a ``helpers`` that is not None or an int (its range depends on the loader).
+
+    Raises:
+        TypeError: a float, text or a bool.
+    """
+    if helpers is not None and (isinstance(helpers, bool) or not isinstance(helpers, int)):
+        raise TypeError(f"helpers must be an int, got {type(helpers).__name__}")
 
 
 #: What a loader without options of its own (torch's) runs with.

@@ -40,6 +40,7 @@ import torch
 
 from threadloader import loader as _loader
 from threadloader._engine.device_epoch import check_device_args, refuse_prefetch_without_device
+from threadloader._engine.options import check_helpers_type, check_log_every
 from threadloader.integrations import _divert
 from threadloader.isolation.helper_source import check_isolation
 
@@ -56,15 +57,14 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
     check_isolation(options.get("isolation"))
     helpers = options.get("helpers")
     if helpers is not None:
-        if isinstance(helpers, bool) or not isinstance(helpers, int) or helpers < 1:
+        check_helpers_type(helpers)
+        if helpers < 1:
             raise ValueError(f"helpers must be a positive int, got {helpers!r}")
         if options.get("isolation") in ("threads",):
             raise ValueError("helpers needs isolation='process' or 'auto' (the default)")
     check_device_args(options.get("device"), options.get("device_prefetch"))
     refuse_prefetch_without_device(options.get("device"), options.get("device_prefetch"))
-    log_every_s = options.get("log_every_s")
-    if log_every_s is not None and not log_every_s > 0:
-        raise ValueError(f"log_every_s must be a positive number of seconds, got {log_every_s}")
+    check_log_every(options.get("log_every_s"))
     if not isinstance(options.get("save_worker_rng", False), bool):
         raise TypeError("save_worker_rng must be a bool")
     return {k: v for k, v in options.items() if v is not None and v is not False}
@@ -99,10 +99,10 @@ def patch(
 
     Raises:
         ValueError: an option ``ThreadDataLoader`` would reject (unknown isolation mode,
-            ``helpers`` below 1 or with ``isolation="threads"``,
-            ``log_every_s`` <= 0, ``device_prefetch`` without ``device`` or < 1, bad device).
+            ``helpers`` below 1 or with ``isolation="threads"``, ``log_every_s`` not a
+            positive number, ``device_prefetch`` without ``device`` or < 1, bad device).
         RuntimeError: ``device`` names a CUDA device and CUDA is not available.
-        TypeError: ``save_worker_rng`` is not a bool.
+        TypeError: ``save_worker_rng`` is not a bool, or ``helpers`` is not an int.
     """
     options = _check_options(
         {

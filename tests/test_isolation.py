@@ -552,7 +552,7 @@ def test_a_state_that_cannot_be_pickled_raises_at_its_batch_and_the_epoch_goes_o
 
 def test_fork_context_is_refused() -> None:
     """multiprocessing_context='fork' is refused, naming the reason and what to pass instead."""
-    with pytest.raises(ValueError, match="not 'fork'"):
+    with pytest.raises(ValueError, match="does not take multiprocessing_context='fork'"):
         iter(IsolatedLoader(Numbers(), num_workers=2, multiprocessing_context="fork"))
     with pytest.raises(ValueError, match="isolation must be 'auto', 'process', 'threads' or None"):
         helper_source.check_isolation("processes")

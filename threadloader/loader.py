@@ -155,8 +155,9 @@ class ThreadDataLoader(DataLoader[T_co]):
             ran slower while they worked, and back when helpers ran the loop slower (never
             with ``persistent_workers``, an epoch too short to win back starting helpers, or a
             dataset that cannot be pickled; ``stats().mode`` says what ran and why). A long
-            first epoch moves mid-epoch, into helpers forked from this process, when nothing
-            but the training thread and the workers runs then.
+            first epoch moves mid-epoch: into helpers forked from this process when nothing
+            but the training thread and the workers runs then, else from the zygote or a
+            ready forkserver, each worker's dataset copy and generators pickled.
             ``"threads"`` (or ``None``): always in this process. ``"process"``: always in
             helper processes (``helpers``), so they never compete with the training thread for
             the GIL. Batches, their order and ``state_dict()`` are the same in every mode.

@@ -82,9 +82,11 @@ def check_isolation(isolation: object, multiprocessing_context: object = None) -
         )
     if isolation == "process" and start_method(multiprocessing_context) == "fork":
         raise ValueError(
-            "isolation='process' starts helper processes with 'forkserver' or 'spawn', "
-            "not 'fork': forking a process that runs threads can copy a lock another thread "
-            "holds. Pass multiprocessing_context='forkserver' or 'spawn', or none."
+            "isolation='process' does not take multiprocessing_context='fork': it forks "
+            "helpers from the training process only while that runs no other Python thread "
+            "(else from its zygote), as forking a process that runs threads can copy a lock "
+            "another thread holds. Pass multiprocessing_context='forkserver' or 'spawn', or "
+            "none."
         )
 
 

@@ -145,6 +145,78 @@ def test_process_isolation_runs_a_guarded_script(tmp_path: Path) -> None:
     assert "BATCHES [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]" in proc.stdout
 
 
+#: Items that read what the script's main part set at run time: a global, and the default dtype.
+_RUN_TIME_STATE = """
+import threading, torch
+from torch.utils.data import Dataset
+from threadloader import ThreadDataLoader
+from threadloader.isolation import auto
+auto.held_the_gil = lambda stats: True
+auto.slowed_the_training = lambda stats: False
+auto.MIN_EPOCH_S = auto.MIN_EPOCH_S_SERVER = 0.0
+auto.loop_pace = lambda stats: 100.0
+SCALE = 1
+LOCK = None
+
+class Items(Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        if LOCK is not None:
+            with LOCK:
+                pass
+        return torch.tensor(float(i * SCALE))
+
+"""
+
+_RUN_TIME_BODY = """
+SCALE = 3
+torch.set_default_dtype(torch.float64)
+LOCK = threading.Lock() if "{lock}" == "lock" else None
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()
+loader = ThreadDataLoader(Items(), batch_size=4, num_workers=2, isolation="{isolation}")
+for epoch in range(2):
+    print("EPOCH", [(b.tolist(), str(b.dtype)) for b in loader], flush=True)
+print("MODE", loader.stats().mode, "|", loader.stats().mode_reason, flush=True)
+stop.set()
+"""
+
+_SCALED = "[([0.0, 3.0, 6.0, 9.0], 'torch.float64'), ([12.0, 15.0, 18.0, 21.0], 'torch.float64')]"
+
+
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_helpers_see_what_the_script_set_at_run_time_as_forked_workers_do(
+    tmp_path: Path, isolation: str
+) -> None:
+    """A global the guarded part set (from the command line, say) and torch's default dtype:
+    torch's forked workers see them; so do helpers from the forkserver, which import the
+    script afresh and run only its top level."""
+    body = _RUN_TIME_BODY.format(lock="", isolation=isolation)
+    proc = _run(tmp_path, body, guarded=True, prelude=_RUN_TIME_STATE)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("EPOCH")] == [f"EPOCH {_SCALED}"] * 2, lines
+    mode = next(line for line in lines if line.startswith("MODE"))
+    assert mode.startswith("MODE process"), mode
+
+
+def test_auto_stays_in_threads_when_a_global_items_read_cannot_reach_helpers(
+    tmp_path: Path,
+) -> None:
+    """A lock in a global the items use cannot be pickled: helpers that are not forked would
+    not see it, so the workers stay threads, and stats() names the global."""
+    body = _RUN_TIME_BODY.format(lock="lock", isolation="auto")
+    proc = _run(tmp_path, body, guarded=True, prelude=_RUN_TIME_STATE)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("EPOCH")] == [f"EPOCH {_SCALED}"] * 2, lines
+    mode = next(line for line in lines if line.startswith("MODE"))
+    assert mode.startswith("MODE threads"), mode
+    assert "global LOCK, which the dataset's code reads, cannot be sent" in mode, mode
+    assert "RuntimeWarning" not in proc.stderr, proc.stderr
+
+
 def _main_module(
     monkeypatch: pytest.MonkeyPatch, file: str | None = None, spec_name: str | None = None
 ) -> None:

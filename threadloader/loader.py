@@ -48,7 +48,7 @@ from threadloader.device.recycle import RecyclingAllocator
 from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice, one_line
 from threadloader.isolation.helper_source import check_isolation, start_helper_server
 from threadloader.isolation.mid_epoch import mover_for
-from threadloader.isolation.parent import IsolatedDataLoaderIter
+from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -433,11 +433,17 @@ class ThreadDataLoader(DataLoader[T_co]):
             except Exception as exc:  # noqa: BLE001  # "auto" runs the epoch in threads instead
                 undo_draw()  # the threads' iterator makes the failed one's base-seed draw
                 self._epoch_choice = self._auto.helpers_failed(exc)
+                if isinstance(exc, GlobalsLeftOut):  # the script's state: nothing failed
+                    return self._threaded_epoch(resume, first)
                 warn_user(
                     f"threadloader: isolation='auto' could not start helper processes "
                     f"({one_line(exc)}); this loader's epochs run in worker threads",
                     RuntimeWarning,
                 )
+        return self._threaded_epoch(resume, first)
+
+    def _threaded_epoch(self, resume: Resume | None, first: bool) -> ThreadedDataLoaderIter:
+        """The epoch in worker threads; ``"auto"``'s first may move mid-epoch."""
         epoch = ThreadedDataLoaderIter(self, resume, log_every_s=self._options.log_every_s)
         if first:  # "auto" moves its first epoch into helpers once it has measured enough
             epoch.mover = mover_for(self, epoch, _AutoPolicy(self))

@@ -63,6 +63,7 @@ from threadloader._engine.worker import CarriedWorker, Worker
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.timing import StageRecorder
 from threadloader.device.pinned import pageable_allocator, pinned_collate
+from threadloader.isolation.main_state import MainState
 from threadloader.isolation.packing import Packed, pack
 from threadloader.isolation.shm_ring import RingWriter, Segment, SlotAllocator
 from threadloader.isolation.task_board import EPOCH, TaskBoard
@@ -122,6 +123,9 @@ class HelperSpec:
         adopted: the training process's own workers, to carry on as they are (``mid_epoch``):
             the ``Worker`` objects themselves in a helper forked from that process, which has
             them in memory; else each one's ``CarriedWorker``, pickled with this spec.
+        main_state: for a helper not forked from the training process, what its main script
+            set at run time that the helper's code reads (``main_state``), applied before any
+            worker starts.
     """
 
     worker: WorkerSpec
@@ -130,6 +134,7 @@ class HelperSpec:
     collate_into_slots: bool
     worker_ids: tuple[int, ...]
     adopted: dict[int, Worker | CarriedWorker] | None = None
+    main_state: MainState | None = None
 
 
 #: Added to the error of a dataset, collate_fn or worker_init_fn that cannot be pickled.
@@ -595,6 +600,8 @@ def helper_main(
     try:
         os.set_blocking(mailbox.fileno(), False)
         helper_spec = spec.load()
+        if helper_spec.main_state is not None:
+            helper_spec.main_state.apply()
         gc.freeze()  # point 5
         helper = _Helper(helper_spec, tasks, sender, mailbox.fileno())
     except BaseException:  # noqa: BLE001  # delivered to the training thread, not lost

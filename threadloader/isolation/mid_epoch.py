@@ -40,7 +40,9 @@ code disagrees with these rules, the code is wrong.
    Then the epoch goes on as an ``isolation="process"`` epoch
    (``IsolatedDataLoaderIter.take_over``). A worker's dataset copy that cannot be pickled (a
    handle ``worker_init_fn`` or an item opened on it) keeps the epoch in its threads, as
-   point 5 does; the next epoch sends the dataset as built. If a helper fails to start or to
+   point 5 does; the next epoch sends the dataset as built. So does a global of the main
+   script that the dataset's code reads and that cannot be sent (``main_state`` point 2). If
+   a helper fails to start or to
    load its workers (a class only this process can import; ``CARRIED_WAIT_S`` passed), a
    ``RuntimeWarning`` names why and the epoch goes on in its threads; if that happens once the
    threads were joined (forked), or a thread appeared while joining them, the training thread
@@ -82,7 +84,7 @@ from threadloader.isolation.auto import (
 )
 from threadloader.isolation.helper import PayloadTooLarge, unpicklable
 from threadloader.isolation.helper_source import start_method
-from threadloader.isolation.parent import IsolatedDataLoaderIter
+from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
 
 if TYPE_CHECKING:
     from threadloader._engine.worker import CarriedWorker
@@ -263,11 +265,15 @@ class MidEpochMove:
             )
             return False
         except Exception as exc:  # noqa: BLE001  # the epoch goes on in this process
-            if carried is not None and unpicklable(exc):
+            if carried is not None and (unpicklable(exc) or isinstance(exc, GlobalsLeftOut)):
+                what = (
+                    str(exc)
+                    if isinstance(exc, GlobalsLeftOut)
+                    else f"a worker's dataset copy cannot be pickled ({one_line(exc)})"
+                )
                 self._policy.declined(
                     f"{self._signal} over the first epoch's first {epoch.delivered} batches, "
-                    f"but a worker's dataset copy cannot be pickled ({one_line(exc)}): the "
-                    "epoch goes on in worker threads"
+                    f"but {what}: the epoch goes on in worker threads"
                 )
                 return False
             warn_user(

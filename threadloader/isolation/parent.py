@@ -72,14 +72,41 @@ from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
 from threadloader.device.pinned import pin_batch, pinned_allocator
+from threadloader.isolation import main_state
 from threadloader.isolation.helper import HelperSpec
 from threadloader.isolation.helper_source import helper_context, start_forkserver
 from threadloader.isolation.link import Links, _Link
+from threadloader.isolation.main_state import MainState
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
+
+
+class GlobalsLeftOut(RuntimeError):
+    """Globals of the main script that the helpers' code reads cannot be sent to helpers that
+    are not forked from this process (``main_state`` point 2): ``"auto"`` stays in threads."""
+
+
+def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainState | None:
+    """What helpers started by ``ctx`` need of the main script's run-time state
+    (``main_state`` point 4): None for forked ones, or where the user named the context.
+
+    Raises:
+        GlobalsLeftOut: with ``strict``, a global their code reads could not be sent.
+    """
+    if named or ctx.get_start_method() == "fork":
+        return None
+    state = main_state.capture((spec.dataset, spec.collate_fn, spec.worker_init_fn))
+    if strict and state.left_out:
+        raise GlobalsLeftOut(
+            f"the main script's global{'s' if len(state.left_out) > 1 else ''} "
+            f"{', '.join(state.left_out)}, which the dataset's code reads, cannot be sent to "
+            "helper processes that are not forked from this process (it cannot be pickled, "
+            f"or it is beyond {main_state.LIMIT_BYTES // 2**20} MB)"
+        )
+    return state
 
 
 def _start_links(
@@ -89,12 +116,14 @@ def _start_links(
     count: int,
     adopted: list[Any] | None = None,
     limit: int | None = None,
+    state: MainState | None = None,
 ) -> list[_Link]:
     """Start ``count`` helpers, worker ``w`` in helper ``w % count``; none left if one fails.
 
     With ``adopted`` (this process's workers, or their ``CarriedWorker``), each helper takes
     over its workers as they are instead of building new ones. ``limit``: the most bytes each
-    helper's spec may pickle to (``PickledOnce``).
+    helper's spec may pickle to (``PickledOnce``). ``state``: the main script's run-time state
+    the helpers apply (``main_state``).
     """
     it: Any = owner
     links: list[_Link] = []
@@ -108,6 +137,7 @@ def _start_links(
                 collate_into_slots=it._auto_collation and it._collate_fn is default_collate,
                 worker_ids=ids,
                 adopted={i: adopted[i] for i in ids} if adopted is not None else None,
+                main_state=state,
             )
             name = f"threadloader-helper-{id(owner):x}" + (f"-{helper}" if count > 1 else "")
             links.append(_Link(ctx, spec, name=name, limit=limit))
@@ -195,8 +225,10 @@ class IsolatedDataLoaderIter(DispatchingIter):
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
         ctx = helper_context(loader.multiprocessing_context)
+        named = loader.multiprocessing_context is not None
+        state = _main_state(ctx, worker_spec, named, options_of(loader).isolation == "auto")
         start_forkserver(ctx)  # if it uses one: preloading the main script, once
-        self._attach(Links(_start_links(ctx, self, worker_spec, count)))
+        self._attach(Links(_start_links(ctx, self, worker_spec, count, state=state)))
         if confirm_start:
             self._confirm_start()
         self._generation = 0
@@ -256,7 +288,10 @@ class IsolatedDataLoaderIter(DispatchingIter):
         else:
             # The zygote or a forkserver that is ready (``mid_epoch``): nothing to start first.
             ctx = helper_context()
-            links = Links(_start_links(ctx, epoch, spec, count, adopted=carried, limit=limit))
+            state = _main_state(ctx, spec, named=False, strict=True)
+            links = Links(
+                _start_links(ctx, epoch, spec, count, adopted=carried, limit=limit, state=state)
+            )
             try:
                 _wait_started(links, wait_s)
                 epoch.join_threads()

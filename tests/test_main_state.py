@@ -1,0 +1,129 @@
+"""What the main script set at run time, for helpers that are not forked from it (main_state).
+
+A script's dataset reads globals its ``main()`` set; helpers from a forkserver import the
+script afresh and would see their top-level values. ``capture`` finds the globals that the
+dataset's, ``collate_fn``'s and ``worker_init_fn``'s code reads, and only those.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pickle
+import sys
+import threading
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, Subset
+
+from threadloader.isolation import main_state
+from threadloader.isolation.main_state import MainState, capture
+
+SOURCE = """
+import math
+import torch
+from torch.utils.data import Dataset
+
+SCALE = 1
+OFFSET = 0
+UNUSED = 1
+VOCAB = {}
+LOCK = None
+BIG = b""
+
+def shift(i):
+    return i + OFFSET
+
+class Items(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return shift(i) * SCALE + len(VOCAB) + int(math.sqrt(4))
+    @property
+    def locked(self):
+        return LOCK
+
+def collate(batch):
+    return [b for b in batch if b is not BIG]
+
+def init(worker_id, tag):
+    return tag
+"""
+
+
+def _script() -> types.ModuleType:
+    """A main module as a script defines it, then its main part sets the globals."""
+    main = types.ModuleType("__main__")
+    exec(compile(SOURCE, "train.py", "exec"), vars(main))  # noqa: S102  # the test's own script
+    main.SCALE, main.OFFSET, main.UNUSED = 3, 10, 5
+    main.VOCAB = {"a": 1}
+    return main
+
+
+def _values(state: MainState) -> dict[str, Any]:
+    return {name: pickle.loads(data) for name, data in state.values}
+
+
+def test_the_globals_the_datasets_code_reads_are_captured_and_no_others() -> None:
+    """Read through a method, a property and a helper function of the script; not modules,
+    functions or classes (the import makes those), nor globals nobody reads."""
+    main = _script()
+    state = capture([Subset(main.Items(), [0, 1])], main)
+    assert _values(state) == {"SCALE": 3, "OFFSET": 10, "VOCAB": {"a": 1}, "LOCK": None}
+    assert state.left_out == ()
+
+
+def test_collate_fn_and_worker_init_fn_reach_their_globals_through_a_partial() -> None:
+    main = _script()
+    state = capture([[1, 2], main.collate, functools.partial(main.init, tag="x")], main)
+    assert _values(state) == {"BIG": b""}
+
+
+def test_what_cannot_be_pickled_or_is_too_large_is_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    main = _script()
+    main.LOCK = threading.Lock()
+    state = capture([main.Items()], main)
+    assert state.left_out == ("LOCK",)
+    assert "LOCK" not in _values(state)
+    monkeypatch.setattr(main_state, "LIMIT_BYTES", 40)
+    main.LOCK, main.VOCAB = None, {str(k): k for k in range(100)}
+    assert capture([main.Items()], main).left_out == ("VOCAB",)
+
+
+def test_a_dataset_of_another_module_needs_nothing() -> None:
+    class Elsewhere(Dataset[int]):
+        def __len__(self) -> int:
+            return 1
+
+        def __getitem__(self, i: int) -> int:
+            return int(math.sqrt(i))
+
+    state = capture([Elsewhere()], _script())
+    assert state.values == () and state.left_out == ()
+
+
+def test_applying_sets_the_globals_where_the_scripts_functions_read_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A helper imports the script with runpy, which runs it in a namespace of its own and
+    copies the result into the module: the functions read that namespace."""
+    fresh = types.ModuleType("__mp_main__")
+    namespace: dict[str, Any] = {"__name__": "__mp_main__"}
+    exec(compile(SOURCE, "train.py", "exec"), namespace)  # noqa: S102  # the test's own script
+    vars(fresh).update(namespace)
+    monkeypatch.setitem(sys.modules, "__main__", fresh)
+    script = _script()
+    values = capture([script.Items()], script).values
+    dtype = torch.get_default_dtype()
+    try:
+        MainState(values, torch.float64).apply()
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(dtype)
+    assert fresh.Items()[1] == (1 + 10) * 3 + 1 + 2
+    assert namespace["SCALE"] == 3 and fresh.SCALE == 3

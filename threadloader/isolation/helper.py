@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import gc
 import inspect
-import io
 import os
 import pickle
 import signal
@@ -63,6 +62,7 @@ from threadloader._engine.worker import CarriedWorker, Worker
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.timing import StageRecorder
 from threadloader.device.pinned import pageable_allocator, pinned_collate
+from threadloader.isolation.capped import Capped, PayloadTooLarge
 from threadloader.isolation.main_state import MainState
 from threadloader.isolation.packing import Packed, pack
 from threadloader.isolation.shm_ring import RingWriter, Segment, SlotAllocator
@@ -157,25 +157,6 @@ def unpicklable(exc: BaseException) -> bool:
     return getattr(exc, _PICKLING_FAILED, False) is True
 
 
-class PayloadTooLarge(Exception):
-    """What a helper would receive pickled is larger than its start may cost."""
-
-
-class _Capped(io.BytesIO):
-    """A pickle's bytes, refused beyond ``limit``: each write is checked before it is copied."""
-
-    def __init__(self, limit: int | None) -> None:
-        super().__init__()
-        self._limit = limit
-
-    def write(self, data: Any) -> int:
-        if self._limit is not None and self.tell() + memoryview(data).nbytes > self._limit:
-            raise PayloadTooLarge(
-                f"what a helper would receive pickled exceeds {self._limit / 1e6:.3g} MB"
-            )
-        return super().write(data)
-
-
 class PickledOnce:
     """Carries an object into the helper as bytes, unpickled by the helper's own code.
 
@@ -197,7 +178,7 @@ class PickledOnce:
         self._pickler: Any = None
 
     def __getstate__(self) -> bytes:
-        buffer = _Capped(self._limit)
+        buffer = Capped(self._limit)
         pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
         try:
             pickler.dump(self.obj)

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from threadloader.isolation.capped import Capped
+
 __all__ = ["LIMIT_BYTES", "MainState", "capture"]
 
 #: The most bytes of globals a helper receives; beyond, the rest is left out (point 2).
@@ -118,14 +120,13 @@ def capture(roots: Iterable[Any], main: types.ModuleType | None = None) -> MainS
     left_out: list[str] = []
     total = 0
     for name in sorted(_globals_read(_main_code(roots, main.__name__), space, main.__name__)):
+        buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
-            data = pickle.dumps(space[name], pickle.HIGHEST_PROTOCOL)
+            pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(space[name])
         except Exception:  # noqa: BLE001  # named in left_out: "auto" stays in threads
             left_out.append(name)
             continue
-        if total + len(data) > LIMIT_BYTES:
-            left_out.append(name)
-            continue
+        data = buffer.getvalue()
         total += len(data)
         values.append((name, data))
     return MainState(tuple(values), dtype, tuple(left_out))

@@ -82,7 +82,8 @@ from threadloader.isolation.auto import (
     one_line,
     too_few_to_help,
 )
-from threadloader.isolation.helper import PayloadTooLarge, unpicklable
+from threadloader.isolation.capped import PayloadTooLarge
+from threadloader.isolation.helper import unpicklable
 from threadloader.isolation.helper_source import start_method
 from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
 

@@ -226,7 +226,15 @@ def test_a_move_due_while_another_thread_runs_starts_the_forkserver_once(
     forkserver: it starts now, once, and imports torch while this epoch goes on."""
     with _another_thread():
         loader = _ours()
-        batches = list(loader)
+        it = iter(loader)
+        assert isinstance(it, ThreadedDataLoaderIter)
+        batches = [next(it)]
+        # A move is considered once both workers started: on a busy machine the training
+        # thread could make the whole epoch before they did.
+        deadline = time.monotonic() + 30
+        while not it.workers_ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        batches += list(it)
     assert_epochs_equal([_data(b) for b in batches], _torch()[0])
     assert loader.stats().mode == "threads"
     assert warmed == [None]

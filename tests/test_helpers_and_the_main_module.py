@@ -185,6 +185,19 @@ stop.set()
 _SCALED = "[([0.0, 3.0, 6.0, 9.0], 'torch.float64'), ([12.0, 15.0, 18.0, 21.0], 'torch.float64')]"
 
 
+def _run_time_state(
+    tmp_path: Path, lock: str, isolation: str
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run the run-time-state script: both epochs give torch's scaled float64 batches; its
+    ``MODE`` line."""
+    body = _RUN_TIME_BODY.format(lock=lock, isolation=isolation)
+    proc = _run(tmp_path, body, guarded=True, prelude=_RUN_TIME_STATE)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if line.startswith("EPOCH")] == [f"EPOCH {_SCALED}"] * 2, lines
+    return proc, next(line for line in lines if line.startswith("MODE"))
+
+
 @pytest.mark.parametrize("isolation", ["auto", "process"])
 def test_helpers_see_what_the_script_set_at_run_time_as_forked_workers_do(
     tmp_path: Path, isolation: str
@@ -192,12 +205,7 @@ def test_helpers_see_what_the_script_set_at_run_time_as_forked_workers_do(
     """A global the guarded part set (from the command line, say) and torch's default dtype:
     torch's forked workers see them; so do helpers from the forkserver, which import the
     script afresh and run only its top level."""
-    body = _RUN_TIME_BODY.format(lock="", isolation=isolation)
-    proc = _run(tmp_path, body, guarded=True, prelude=_RUN_TIME_STATE)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert [line for line in lines if line.startswith("EPOCH")] == [f"EPOCH {_SCALED}"] * 2, lines
-    mode = next(line for line in lines if line.startswith("MODE"))
+    _, mode = _run_time_state(tmp_path, lock="", isolation=isolation)
     assert mode.startswith("MODE process"), mode
 
 
@@ -206,12 +214,7 @@ def test_auto_stays_in_threads_when_a_global_items_read_cannot_reach_helpers(
 ) -> None:
     """A lock in a global the items use cannot be pickled: helpers that are not forked would
     not see it, so the workers stay threads, and stats() names the global."""
-    body = _RUN_TIME_BODY.format(lock="lock", isolation="auto")
-    proc = _run(tmp_path, body, guarded=True, prelude=_RUN_TIME_STATE)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert [line for line in lines if line.startswith("EPOCH")] == [f"EPOCH {_SCALED}"] * 2, lines
-    mode = next(line for line in lines if line.startswith("MODE"))
+    proc, mode = _run_time_state(tmp_path, lock="lock", isolation="auto")
     assert mode.startswith("MODE threads"), mode
     assert "global LOCK, which the dataset's code reads, cannot be sent" in mode, mode
     assert "RuntimeWarning" not in proc.stderr, proc.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import pickle
 import sys
 import threading
@@ -33,6 +34,9 @@ UNUSED = 1
 VOCAB = {}
 LOCK = None
 BIG = b""
+WRITER = None
+HANDLE = None
+MISSING = object()
 
 def shift(i):
     return i + OFFSET
@@ -41,10 +45,28 @@ class Items(Dataset):
     def __len__(self):
         return 4
     def __getitem__(self, i):
+        self.check()
         return shift(i) * SCALE + len(VOCAB) + int(math.sqrt(4))
+    def check(self):
+        return self.locked
     @property
     def locked(self):
         return LOCK
+    def report(self):
+        return WRITER
+
+class Opened(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i, default=MISSING):
+        return HANDLE.read(i) if default is MISSING else default
+
+def open_handle(worker_id):
+    global HANDLE
+    HANDLE = open_somewhere()
+
+def open_somewhere():
+    return None
 
 def collate(batch):
     return [b for b in batch if b is not BIG]
@@ -68,12 +90,44 @@ def _values(state: MainState) -> dict[str, Any]:
 
 
 def test_the_globals_the_datasets_code_reads_are_captured_and_no_others() -> None:
-    """Read through a method, a property and a helper function of the script; not modules,
-    functions or classes (the import makes those), nor globals nobody reads."""
+    """Read by what a worker calls, through a method and a property it names and a helper
+    function of the script; not modules, functions or classes (the import makes those), nor
+    globals only a method no worker calls reads (``report``), nor those nobody reads."""
     main = _script()
+    main.WRITER = threading.Lock()
     state = capture([Subset(main.Items(), [0, 1])], main)
     assert _values(state) == {"SCALE": 3, "OFFSET": 10, "VOCAB": {"a": 1}, "LOCK": None}
     assert state.left_out == ()
+
+
+def test_a_global_worker_init_fn_writes_is_left_to_it() -> None:
+    """It opens a handle into a global in each worker: each helper runs it too, so the
+    training process's handle (which cannot be pickled) is not needed there."""
+    main = _script()
+    main.HANDLE = threading.Lock()  # what worker_init_fn opened in the threads
+    state = capture([main.Opened()], main, init=main.open_handle)
+    assert "HANDLE" not in _values(state) and state.left_out == ()
+    assert "HANDLE" in capture([main.Opened()], main).left_out  # without it: needed
+
+
+def test_code_that_cannot_be_walked_or_scanned_finds_nothing_rather_than_raising() -> None:
+    class Lazy:
+        """A handle whose attributes raise until it is opened."""
+
+        def __getattribute__(self, name: str) -> Any:
+            raise RuntimeError(f"not opened yet: {name}")
+
+    main = _script()
+    main.Items.first = property(operator.itemgetter(0))  # a getter that is no function
+    state = capture([main.Items(), Lazy()], main)
+    assert state.values
+
+
+def test_a_large_tensor_is_refused_before_it_is_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    main = _script()
+    monkeypatch.setattr(main_state, "LIMIT_BYTES", 2**20)
+    main.VOCAB = torch.zeros(2**20)  # 4 MB
+    assert capture([main.Items()], main).left_out == ("VOCAB",)
 
 
 def test_collate_fn_and_worker_init_fn_reach_their_globals_through_a_partial() -> None:
@@ -127,3 +181,54 @@ def test_applying_sets_the_globals_where_the_scripts_functions_read_them(
         torch.set_default_dtype(dtype)
     assert fresh.Items()[1] == (1 + 10) * 3 + 1 + 2
     assert namespace["SCALE"] == 3 and fresh.SCALE == 3
+
+
+def test_applying_keeps_a_global_that_is_as_imported_the_same_object(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sentinel made at import, compared with ``is`` (a default argument holds it): set
+    again from its pickle it would be another object, and every comparison would fail."""
+    fresh = _script()
+    sentinel = fresh.MISSING
+    monkeypatch.setitem(sys.modules, "__main__", fresh)
+    script = _script()
+    script.HANDLE = types.SimpleNamespace(read=abs)
+    MainState(capture([script.Opened()], script).values, torch.get_default_dtype()).apply()
+    assert fresh.MISSING is sentinel and fresh.Opened()[2] == 2
+
+
+TOP_LEVEL_HANDLE = """
+import threading
+from torch.utils.data import Dataset
+
+DB = threading.Lock()  # a connection the script opens at its top level
+
+class Reads(Dataset):
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):
+        return DB
+"""
+
+
+@pytest.mark.parametrize(
+    ("rebinding", "needed"),
+    [
+        ("", False),
+        ('if __name__ == "__main__":\n    DB = threading.Lock()\n', True),
+        ("def reopen():\n    global DB\n    DB = threading.Lock()\n", True),
+    ],
+    ids=["top level only", "rebound in the main block", "rebound by a function"],
+)
+def test_a_global_the_scripts_top_level_makes_is_made_again_by_the_helpers_import(
+    tmp_path: Any, rebinding: str, needed: bool
+) -> None:
+    """It cannot be pickled, but a helper importing the script makes its own, as torch's
+    forkserver workers would; unless the script rebinds it at run time."""
+    script = tmp_path / "train.py"
+    script.write_text(TOP_LEVEL_HANDLE + rebinding)
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    exec(compile(script.read_text(), str(script), "exec"), vars(main))  # noqa: S102  # the test's own
+    state = capture([main.Reads()], main)
+    assert state.left_out == (("DB",) if needed else ())

@@ -98,7 +98,7 @@ def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainSt
     """
     if named or ctx.get_start_method() == "fork":
         return None
-    state = main_state.capture((spec.dataset, spec.collate_fn, spec.worker_init_fn))
+    state = main_state.capture((spec.dataset, spec.collate_fn), init=spec.worker_init_fn)
     if strict and state.left_out:
         raise GlobalsLeftOut(
             f"the main script's global{'s' if len(state.left_out) > 1 else ''} "

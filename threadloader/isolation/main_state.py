@@ -9,18 +9,19 @@ the code is wrong.
 
 1. ``capture`` finds the code of the main script that the helpers run: the classes of the
    dataset and what it holds (a ``Subset``'s dataset, a list of datasets, a transform), of
-   ``collate_fn`` and of ``worker_init_fn``, where defined in ``__main__``: their methods a
-   worker calls by itself (``__getitem__``, ``__iter__``, ``__call__``, ...), those the code
-   scanned names (``self.decode``), and the functions and classes of ``__main__`` it names,
-   transitively. The globals of ``__main__`` that code reads (``LOAD_GLOBAL``), other than
-   modules, functions and classes (the import makes those) and those ``worker_init_fn``
-   writes (it runs in each helper too), are pickled by value, with torch's default dtype: a
-   ``MainState``. What cannot be scanned counts as nothing found.
-2. A value that cannot be pickled, one that takes the total past ``LIMIT_BYTES``, or a tensor
-   that is not on the CPU, is left out and named in ``MainState.left_out``, unless the
-   script's top level binds it outside its ``__main__`` block and nothing rebinds it (a
-   helper's import makes it as this process's did: ``DB = sqlite3.connect(...)``): ``"auto"`` then keeps the workers in threads, where
-   they see it; ``"process"`` runs them without it, as torch's forkserver workers would.
+   ``collate_fn`` and of ``worker_init_fn``, where defined in ``__main__``, with all their
+   methods, and the functions and classes of ``__main__`` that code names, transitively. The
+   globals of ``__main__`` that code reads (``LOAD_GLOBAL``), other than modules, functions and
+   classes (the import makes those) and those ``worker_init_fn``'s own code writes (it runs in
+   each helper too and sets them there), are pickled by value, with torch's default dtype: a
+   ``MainState``. Code that cannot be scanned counts as needing what cannot be sent
+   (``UNSCANNED``).
+2. A value that cannot be pickled, one that takes the total past ``LIMIT_BYTES``, a tensor that
+   is not on the CPU, or an instance of a class of the script (set again in a helper, it would
+   be another object than the one its import made, which a default argument may hold and code
+   compare with ``is``), is left out and named in ``MainState.left_out``: ``"auto"`` then keeps
+   the workers in threads, where they see it; ``"process"`` runs them without it, as torch's
+   forkserver workers would.
 3. ``MainState.apply`` runs in the helper after it loaded its spec and before any worker
    starts (``worker_init_fn`` sees the globals too): each global whose value differs from the
    helper's own (by its pickle: one as imported stays the same object) is set in the helper's
@@ -33,13 +34,11 @@ the code is wrong.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
 import dis
 import functools
 import itertools
-import pathlib
 import pickle
 import sys
 import types
@@ -52,6 +51,8 @@ from threadloader.isolation.capped import Capped, PayloadTooLarge
 
 __all__ = ["LIMIT_BYTES", "MainState", "capture"]
 
+#: What ``MainState.left_out`` names when the script's code could not be scanned (point 1).
+UNSCANNED = "(code that could not be scanned)"
 #: The most bytes of globals a helper receives; beyond, the rest is left out (point 2).
 LIMIT_BYTES = 64 * 2**20
 #: How many objects the walk from the dataset visits at most, and how deep.
@@ -103,10 +104,12 @@ def _pickles_to(value: Any, data: bytes) -> bool:
     """Whether ``value`` pickles to ``data``."""
     if value is _ABSENT:
         return False
+    buffer = Capped(len(data))  # a larger pickle differs: never copied whole (a memmap)
     try:
-        return pickle.dumps(value, pickle.HIGHEST_PROTOCOL) == data
+        pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL).dump(value)
     except Exception:  # noqa: BLE001  # then it differs
         return False
+    return buffer.getvalue() == data
 
 
 def _namespaces(main: types.ModuleType) -> list[dict[str, Any]]:
@@ -149,22 +152,18 @@ def capture(
     space, module = vars(main), main.__name__
     try:
         read, _ = _scan(_main_code([*roots, init], module), space, module)
-        _, written = _scan(_main_code([init], module), space, module)
-    except Exception:  # noqa: BLE001  # code that cannot be scanned: nothing found
-        read, written = set(), set()
+        _, written = _scan(_own_code(init), space, module)
+    except Exception:  # noqa: BLE001  # code that cannot be scanned: assume it needs anything
+        return MainState((), dtype, (UNSCANNED,))
     values: list[tuple[str, bytes]] = []
     left_out: list[str] = []
     total = 0
-    imported: frozenset[str] | None = None
     for name in sorted(read - written):
         buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
-            _Pickler(buffer, LIMIT_BYTES - total).dump(space[name])
+            _Pickler(buffer, LIMIT_BYTES - total, module).dump(space[name])
         except Exception:  # noqa: BLE001  # named in left_out: "auto" stays in threads
-            if imported is None:
-                imported = _made_by_import(main)
-            if name not in imported:
-                left_out.append(name)
+            left_out.append(name)
             continue
         data = buffer.getvalue()
         total += len(data)
@@ -172,60 +171,21 @@ def capture(
     return MainState(tuple(values), dtype, tuple(left_out))
 
 
-def _made_by_import(main: types.ModuleType) -> frozenset[str]:
-    """The globals the script's top level binds, outside its ``if __name__ == "__main__":``
-    block, and nothing rebinds (the block, or a function's ``global``): a helper's import of
-    the script makes them as the training process's did (``DB = sqlite3.connect(...)``)."""
-    try:
-        tree = ast.parse(pathlib.Path(main.__file__ or "").read_text())
-    except Exception:  # noqa: BLE001  # no source to read (a notebook, python -c): none
-        return frozenset()
-    top: set[str] = set()
-    rebound: set[str] = set()
-    for node in tree.body:
-        (rebound if _is_main_guard(node) else top).update(_bound(node))
-    for child in ast.walk(tree):
-        if isinstance(child, ast.Global):
-            rebound.update(child.names)
-    return frozenset(top - rebound)
-
-
-def _is_main_guard(node: ast.stmt) -> bool:
-    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
-        return False
-    sides = [node.test.left, *node.test.comparators]
-    names = {s.id for s in sides if isinstance(s, ast.Name)}
-    constants = {s.value for s in sides if isinstance(s, ast.Constant)}
-    return names == {"__name__"} and constants == {"__main__"}
-
-
-def _bound(node: ast.AST) -> set[str]:
-    """The names ``node`` binds at its own level (not inside functions and classes)."""
-    names: set[str] = set()
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        if isinstance(current, ast.Name) and isinstance(current.ctx, ast.Store):
-            names.add(current.id)
-        elif isinstance(current, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in current.names)
-        if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(current.name)
-            continue
-        if not isinstance(current, ast.Lambda):
-            pending.extend(ast.iter_child_nodes(current))
-    return names
-
-
 class _Pickler(pickle.Pickler):
     """Refuses a tensor beyond ``limit`` bytes, or off the CPU, before torch copies it whole
-    into a buffer of its own (which ``Capped`` would see only afterwards)."""
+    into a buffer of its own (which ``Capped`` would see only afterwards), and an instance of
+    a class of the script ``module``: set again in a helper it would be another object than
+    the one its import made, which a default argument or a class attribute may hold and code
+    may compare with ``is`` (a sentinel)."""
 
-    def __init__(self, file: Any, limit: int) -> None:
+    def __init__(self, file: Any, limit: int, module: str) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._limit = limit
+        self._module = module
 
     def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, type) and _defined_in(type(obj), self._module):
+            raise TypeError(f"a global holds a {type(obj).__name__}, a class of the script")
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
                 raise PayloadTooLarge(f"a global holds a tensor on {obj.device}")
@@ -286,39 +246,32 @@ def _first(values: Iterable[Any], count: int = _MAX_ELEMENTS) -> list[Any]:
     return list(itertools.islice(values, count))
 
 
-#: What a worker calls on a dataset, or on a transform or sampler it holds, by itself; other
-#: methods count once the code scanned names them (``self.decode(...)``).
-_ENTRY_METHODS = frozenset(
-    {
-        "__getitem__",
-        "__getitems__",
-        "__iter__",
-        "__next__",
-        "__call__",
-        "__len__",
-        "__setstate__",
-        "__copy__",
-        "state_dict",
-        "load_state_dict",
-    }
-)
 _READS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _WRITES = frozenset({"STORE_GLOBAL"})
-_ATTRIBUTES = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR"})
 
 
-def _members(cls: type, module: str, names: Iterable[str]) -> Iterator[types.CodeType]:
-    """The code of ``cls``'s members named ``names``, defined in ``module``'s classes."""
-    for klass in cls.__mro__:
+def _own_code(function: Any) -> list[Any]:
+    """``worker_init_fn``'s own function (of a partial, or a bound method), for its writes:
+    not what its instance holds."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if isinstance(function, types.MethodType):
+        function = function.__func__
+    return [function] if isinstance(function, types.FunctionType) else []
+
+
+def _codes_of(obj: Any, module: str) -> Iterator[types.CodeType]:
+    """The code of a function, or of every method of a class and of its ``module`` bases."""
+    if isinstance(obj, types.FunctionType):
+        yield obj.__code__
+        return
+    for klass in obj.__mro__:
         if not _defined_in(klass, module):
             continue
-        for name in names:
-            member = vars(klass).get(name)
+        for member in vars(klass).values():
             if isinstance(member, (staticmethod, classmethod)):
                 member = member.__func__
-            functions = [member]
-            if isinstance(member, property):
-                functions = [member.fget, member.fset]
+            functions = [member.fget, member.fset] if isinstance(member, property) else [member]
             for function in functions:
                 if isinstance(function, types.FunctionType):
                     yield function.__code__
@@ -326,44 +279,32 @@ def _members(cls: type, module: str, names: Iterable[str]) -> Iterator[types.Cod
 
 def _scan(owners: list[Any], space: dict[str, Any], module: str) -> tuple[set[str], set[str]]:
     """The globals of ``space`` (the main module's) that the code of ``owners`` reads, and
-    those it writes, following the functions and classes of ``module`` it names and the
-    methods of those classes it names; not modules, functions, classes."""
+    those it writes, following the functions and classes of ``module`` it names; not modules,
+    functions, classes."""
     read: set[str] = set()
     written: set[str] = set()
-    classes: list[type] = []
-    attributes: set[str] = set(_ENTRY_METHODS)
-    done: set[tuple[int, str]] = set()
+    done: set[int] = set()
+    pending = list(owners)
     codes: list[types.CodeType] = []
-
-    def reach(owner: Any) -> None:
-        if isinstance(owner, types.FunctionType):
-            if (id(owner), "") not in done:
-                done.add((id(owner), ""))
-                codes.append(owner.__code__)
-        elif isinstance(owner, type) and owner not in classes:
-            classes.append(owner)
-
-    for owner in owners:
-        reach(owner)
-    while True:
-        for cls in classes:  # members named since the class was reached
-            fresh = [n for n in attributes if (id(cls), n) not in done]
-            done.update((id(cls), n) for n in fresh)
-            codes.extend(_members(cls, module, fresh))
+    while pending or codes:
+        while pending:
+            owner = pending.pop()
+            if id(owner) not in done:
+                done.add(id(owner))
+                codes.extend(_codes_of(owner, module))
         if not codes:
-            return read, written
+            break
         code = codes.pop()
         codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         for instruction in dis.get_instructions(code):
             name = instruction.argval
-            if instruction.opname in _ATTRIBUTES and isinstance(name, str):
-                attributes.add(name)
-            elif instruction.opname in _WRITES:
+            if instruction.opname in _WRITES:
                 written.add(name)
             elif instruction.opname in _READS and name in space and not name.startswith("__"):
                 value = space[name]
                 if isinstance(value, (types.FunctionType, type)):
                     if _defined_in(value, module):
-                        reach(value)
+                        pending.append(value)
                 elif not isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
                     read.add(name)
+    return read, written

@@ -220,6 +220,17 @@ def test_auto_stays_in_threads_when_a_global_items_read_cannot_reach_helpers(
     assert "RuntimeWarning" not in proc.stderr, proc.stderr
 
 
+def test_process_isolation_warns_of_a_global_items_read_that_cannot_reach_helpers(
+    tmp_path: Path,
+) -> None:
+    """isolation="process" cannot stay in threads: its helpers run without the lock, and a
+    RuntimeWarning names it."""
+    proc, mode = _run_time_state(tmp_path, lock="lock", isolation="process")
+    assert mode.startswith("MODE process"), mode
+    assert "RuntimeWarning: threadloader: the main script's global LOCK" in proc.stderr
+    assert "train.py" in proc.stderr.split("RuntimeWarning")[0].splitlines()[-1]
+
+
 def _main_module(
     monkeypatch: pytest.MonkeyPatch, file: str | None = None, spec_name: str | None = None
 ) -> None:

@@ -21,7 +21,7 @@ the code is wrong.
    be another object than the one its import made, which a default argument may hold and code
    compare with ``is``), is left out and named in ``MainState.left_out``: ``"auto"`` then keeps
    the workers in threads, where they see it; ``"process"`` runs them without it, as torch's
-   forkserver workers would.
+   forkserver workers would, and warns (``parent._main_state``).
 3. ``MainState.apply`` runs in the helper after it loaded its spec and before any worker
    starts (``worker_init_fn`` sees the globals too): each global whose value differs from the
    helper's own (by its pickle: one as imported stays the same object) is set in the helper's

@@ -71,6 +71,7 @@ from threadloader._engine.worker import CarriedWorker
 from threadloader._engine.worker_handles import HelperHandle
 from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
+from threadloader._primitives.warn import warn_user
 from threadloader.device.pinned import pin_batch, pinned_allocator
 from threadloader.isolation import main_state
 from threadloader.isolation.helper import HelperSpec
@@ -93,19 +94,31 @@ def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainSt
     """What helpers started by ``ctx`` need of the main script's run-time state
     (``main_state`` point 4): None for forked ones, or where the user named the context.
 
+    Without ``strict`` (``isolation="process"``), such a global is named in a
+    ``RuntimeWarning``: the helpers run with its value as the script's import makes it.
+
     Raises:
         GlobalsLeftOut: with ``strict``, a global their code reads could not be sent.
     """
     if named or ctx.get_start_method() == "fork":
         return None
     state = main_state.capture((spec.dataset, spec.collate_fn), init=spec.worker_init_fn)
-    if strict and state.left_out:
-        raise GlobalsLeftOut(
-            f"the main script's global{'s' if len(state.left_out) > 1 else ''} "
-            f"{', '.join(state.left_out)}, which the dataset's code reads, cannot be sent to "
-            "helper processes that are not forked from this process (it cannot be pickled, "
-            f"or it is beyond {main_state.LIMIT_BYTES // 2**20} MB)"
-        )
+    if not state.left_out:
+        return state
+    what = (
+        f"the main script's global{'s' if len(state.left_out) > 1 else ''} "
+        f"{', '.join(state.left_out)}, which the dataset's code reads, cannot be sent to "
+        "helper processes that are not forked from this process (it cannot be pickled, or it "
+        f"is beyond {main_state.LIMIT_BYTES // 2**20} MB)"
+    )
+    if strict:
+        raise GlobalsLeftOut(what)
+    warn_user(
+        f"threadloader: {what}: they see it as the script's import makes it. Build the "
+        "loader while the script runs one Python thread (helpers are then forked), or pass "
+        'isolation="threads"',
+        RuntimeWarning,
+    )
     return state
 
 

@@ -206,6 +206,13 @@ def _another_thread() -> Iterator[None]:
         other.join()
 
 
+def _assert_stayed_in_threads(loader: ThreadDataLoader[Any], batches: list[Any]) -> None:
+    """The epoch gave torch's batches, all made in this process, and ran in threads."""
+    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
+    assert set().union(*_pids(batches)) == {os.getpid()}
+    assert loader.stats().mode == "threads"
+
+
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "warmed")
 def test_no_move_while_another_python_thread_runs_and_no_forkserver_is_ready() -> None:
     """Forking would copy a lock the other thread may hold, and a helper from a forkserver
@@ -213,9 +220,7 @@ def test_no_move_while_another_python_thread_runs_and_no_forkserver_is_ready() -
     with _another_thread():
         loader = _ours()
         batches = list(loader)
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
+    _assert_stayed_in_threads(loader, batches)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind")
@@ -519,9 +524,7 @@ def test_workers_helpers_cannot_take_keep_the_epoch_in_its_threads(
             batches = [each(batch) for batch in it]
     assert caught[0].filename == __file__
     assert min(threads[len(threads) // 2 : -1]) == 2  # the epoch went on in its threads
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
+    _assert_stayed_in_threads(loader, batches)
 
 
 def _open_on_copy(worker_id: int) -> None:
@@ -716,9 +719,7 @@ def test_the_time_worker_init_fn_takes_does_not_raise_what_a_helper_may_receive(
         for worker in it.pool.workers:
             worker.init_s = 0.1  # 5 MB at 100 MB/s
         batches += list(it)
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
+    _assert_stayed_in_threads(loader, batches)
     assert "exceeds" in str(loader.stats().mode_reason)
 
 
@@ -849,9 +850,7 @@ def test_a_worker_init_fn_failing_in_a_helper_keeps_the_epoch_in_its_threads(
         with pytest.warns(RuntimeWarning, match=error.__name__) as caught:
             batches = list(loader)
     assert caught[0].filename == __file__
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
+    _assert_stayed_in_threads(loader, batches)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
@@ -866,9 +865,7 @@ def test_a_slow_worker_init_fn_counts_in_the_helpers_start() -> None:
         for worker in it.pool.workers:
             worker.init_s = 1e6
         batches += list(it)
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
+    _assert_stayed_in_threads(loader, batches)
 
 
 @pytest.mark.usefixtures("move_soon", "_no_helper_left_behind", "server_ready")
@@ -884,9 +881,7 @@ def test_a_helper_source_gone_between_the_check_and_the_move_keeps_the_epoch_in_
     with _another_thread():
         loader = _ours()
         batches = list(loader)
-    assert_epochs_equal([_data(b) for b in batches], _torch()[0])
-    assert set().union(*_pids(batches)) == {os.getpid()}
-    assert loader.stats().mode == "threads"
+    _assert_stayed_in_threads(loader, batches)
 
 
 @pytest.mark.parametrize("budget_s", [0.0, 0.5, 1e6])

@@ -134,7 +134,8 @@ def capture(
 ) -> MainState:
     """The ``MainState`` of ``main`` (this process's ``__main__``) that ``roots`` need (point 1).
 
-    Never raises: what cannot be read or scanned counts as nothing found.
+    Never raises: an object the walk cannot read is skipped, and code that cannot be scanned
+    makes ``left_out`` name ``UNSCANNED``.
 
     Args:
         roots: the dataset and ``collate_fn``.

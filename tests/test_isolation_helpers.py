@@ -475,3 +475,39 @@ def test_helpers_started_before_one_that_failed_to_start_are_reaped(
     with pytest.raises(OSError, match="no more processes"):
         iter(_loader(Ids(40), helpers=2, batch_size=4, num_workers=2))
     assert len(started) == 1 and started[0].exitcode is not None
+
+
+class _Part:
+    """Something a dataset's ``__reduce__`` makes while it is pickled."""
+
+
+def _rebuild(part: _Part, values: torch.Tensor) -> list[Any]:
+    return [part, values]
+
+
+def test_pickling_for_a_helper_keeps_only_what_torch_s_reductions_made() -> None:
+    """Between pickling a helper's start and its launch, what torch's reductions made (a tensor
+    whose descriptor goes with the launch) is kept, and nothing else the pickler saw: the memo
+    of a dataset of millions of objects is larger than its pickle."""
+    import weakref
+
+    from threadloader.isolation.helper import PickledOnce
+
+    made: list[Any] = []
+
+    class MakesParts:
+        def __reduce__(self) -> Any:
+            part, values = _Part(), torch.arange(4.0)
+            made.extend([weakref.ref(part), weakref.ref(values)])
+            return _rebuild, (part, values)
+
+    once = PickledOnce(MakesParts())
+    data = once.__getstate__()
+    gc.collect()
+    part, values = made
+    assert part() is None
+    assert values() is not None and values().is_shared()
+    once.release()
+    gc.collect()
+    assert values() is None
+    assert len(data) > 0

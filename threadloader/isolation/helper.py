@@ -157,6 +157,28 @@ def unpicklable(exc: BaseException) -> bool:
     return getattr(exc, _PICKLING_FAILED, False) is True
 
 
+class _KeepingPickler(ForkingPickler):
+    """``ForkingPickler`` that keeps each object its registered reductions (torch's tensors and
+    storages among them) pickle, in ``made``: so that what pickling created, and whose
+    descriptor is sent only once the process is launched, outlives the pickler's memo."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.made: list[Any] = []
+        self.dispatch_table = {
+            cls: _keeping(reduce, self.made) for cls, reduce in self.dispatch_table.items()
+        }
+
+
+def _keeping(reduce: Callable[[Any], Any], made: list[Any]) -> Callable[[Any], Any]:
+    # Closes over the list, not the pickler: no cycle keeps the pickler's buffer alive.
+    def keep_and_reduce(obj: Any) -> Any:
+        made.append(obj)
+        return reduce(obj)
+
+    return keep_and_reduce
+
+
 class PickledOnce:
     """Carries an object into the helper as bytes, unpickled by the helper's own code.
 
@@ -175,11 +197,11 @@ class PickledOnce:
         self.obj = obj
         self._limit = limit
         self._data: bytes | None = None
-        self._pickler: Any = None
+        self._made: list[Any] = []
 
     def __getstate__(self) -> bytes:
         buffer = Capped(self._limit)
-        pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+        pickler = _KeepingPickler(buffer, pickle.HIGHEST_PROTOCOL)
         try:
             pickler.dump(self.obj)
         except PayloadTooLarge:
@@ -192,16 +214,19 @@ class PickledOnce:
             with contextlib.suppress(AttributeError):  # an exception class with __slots__
                 setattr(exc, _PICKLING_FAILED, True)
             raise
-        # What pickling made (a torch.Generator's state tensor) lives in the pickler's memo
-        # until ``release``: a tensor's shared memory travels as a descriptor sent once the
-        # process is launched, after this returns, and a tensor freed before then closes it.
-        self._pickler = pickler
+        # What pickling made (a torch.Generator's state tensor) is kept until ``release``: a
+        # tensor's shared memory travels as a descriptor sent once the process is launched,
+        # after this returns, and a tensor freed before then closes it. The memo goes now: it
+        # holds every object pickled (128 MB for 3M strings).
+        self._made = pickler.made
+        pickler.clear_memo()
         return buffer.getvalue()
 
     def release(self) -> None:
         """Drop the object and what pickling made: call once the process started (it has its
         copy, and the descriptors were sent)."""
-        self.obj = self._pickler = None
+        self.obj = None
+        self._made = []
 
     def __setstate__(self, state: bytes) -> None:
         self.obj = None

@@ -31,7 +31,9 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    and arguments are pickled in the training process by ``ForkingPickler`` (descriptors such as
    pipe ends and shared tensors travel beside the bytes on the socket, as with the forkserver)
    and unpickled in the helper, so the dataset is the one ``iter()`` sees, not the copy of the
-   training process at the zygote's fork.
+   training process at the zygote's fork. The zygote and the helper both drop those bytes once
+   the helper has them: kept, they would hold a second copy of the dataset for as long as the
+   helper runs.
 4. The training process's handle (``ZygoteProcess``) gets the helper's pid and, when the helper
    has been reaped, its exit code through a status pipe whose write end the helper also holds:
    the pipe ends, and the handle reports the helper gone, even if the zygote died first.
@@ -219,7 +221,7 @@ class _Server:
             time.sleep(0.005)
         self._gone = bool(done)
 
-    def start(self, name: str, payload: bytes, fds: list[int]) -> None:
+    def start(self, name: str, payload: bytes | memoryview, fds: list[int]) -> None:
         if len(fds) > MAX_FDS:
             raise ValueError(
                 f"starting an isolation helper needs {len(fds)} file descriptors (pipes and "
@@ -305,7 +307,7 @@ class ZygoteProcess:
             self._fds = [status_w]
             set_spawning_popen(self)  # type: ignore[arg-type]
             try:
-                payload = bytes(ForkingPickler.dumps((self._target, self._args)))
+                payload = ForkingPickler.dumps((self._target, self._args))  # no copy
             finally:
                 set_spawning_popen(None)
             server.start(self.name, payload, self._fds)
@@ -432,16 +434,19 @@ def _serve(sock: socket.socket) -> None:
             if request is None:
                 return  # the training process closed its end, or died
             name, payload, fds = request
+            request = None
             held = [sock.fileno(), *(status for _, status in children.values())]
-            proc = fork.Process(
-                target=_helper_entry, args=(payload, fds, held), name=name, daemon=True
-            )
+            box = [payload]
+            del payload
+            proc = fork.Process(target=_helper_entry, args=(box, fds, held), name=name, daemon=True)
             try:
                 proc.start()
             except OSError:
                 for received in fds:
                     os.close(received)
                 continue  # the status pipe ends: the training process sees the start fail
+            finally:
+                box.clear()
             _write_code(fds[0], proc.pid or 0)
             for received in fds[1:]:
                 os.close(received)
@@ -486,13 +491,13 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(parts)
 
 
-def _helper_entry(payload: bytes, fds: list[int], held: list[int]) -> None:
+def _helper_entry(box: list[bytes], fds: list[int], held: list[int]) -> None:
     """A helper's first code: drop the zygote's descriptors, then run the target (point 3)."""
     for fd in held:
         with contextlib.suppress(OSError):
             os.close(fd)
     _received[:] = fds
-    target, args = pickle.loads(payload)
+    target, args = pickle.loads(box.pop())
     target(*args)
 
 

@@ -134,14 +134,40 @@ def test_worker_w_runs_in_helper_w_mod_p() -> None:
     assert made_in == {w: {pids[w % 2]} for w in range(4)}
 
 
-def test_each_helper_loads_the_dataset_once() -> None:
-    """Three workers over two helpers: the dataset is pickled once per helper, two in all."""
+def test_helpers_started_together_receive_one_pickle_of_the_dataset() -> None:
+    """Three workers over two helpers: the dataset is pickled once per epoch for both."""
     CountsPickling.pickled = 0
     loader = _loader(
         CountsPickling(), helpers=2, batch_size=2, num_workers=3, multiprocessing_context=PICKLED
     )
-    assert [int(x) for b in loader for x in b] == list(range(12))
-    assert CountsPickling.pickled == 2
+    for epoch in range(2):
+        assert [int(x) for b in loader for x in b] == list(range(12))
+        assert CountsPickling.pickled == epoch + 1
+
+
+class CountsPicklingWithATensor(CountsPickling):
+    """Holds a tensor: its shared memory travels to each helper as a descriptor of its own."""
+
+    def __init__(self) -> None:
+        self.values = torch.arange(12) * 10
+
+    def __getitem__(self, index: int) -> int:
+        return int(self.values[index])
+
+
+def test_a_dataset_holding_a_tensor_is_pickled_for_each_helper() -> None:
+    """A pickle carrying a descriptor serves one process: each helper gets its own, and both
+    read the tensor's values."""
+    CountsPicklingWithATensor.pickled = 0
+    loader = _loader(
+        CountsPicklingWithATensor(),
+        helpers=2,
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context=PICKLED,
+    )
+    assert [int(x) for b in loader for x in b] == [10 * i for i in range(12)]
+    assert CountsPicklingWithATensor.pickled == 2
 
 
 @pytest.mark.parametrize("cut", [1, 4])

@@ -42,10 +42,11 @@ Where the code disagrees with these rules, the code is wrong.
    epoch's length: mid-way through the first epoch (``mid_epoch`` calls ``warm_up``), or at
    the next ``iter()``. It imports the main script and torch while the epochs go on in threads,
    and once it is ready (``helper_source`` point 5) an epoch of ``MIN_EPOCH_S`` moves, plus the
-   time to pickle and unpickle what the helpers run, once per helper (``PICKLED_BYTES_PER_S``;
-   added to ``MIN_EPOCH_S_SERVER`` and for zygote helpers too). A forkserver that exits before
-   it is ready is not started again for a warm-up. Otherwise ``"auto"`` starts a forkserver only to start helpers
-   from it: it costs an interpreter with torch imported, kept until the training process exits.
+   time to pickle and unpickle what the helpers run, at most once per helper
+   (``PICKLED_BYTES_PER_S``; added to ``MIN_EPOCH_S_SERVER`` and for zygote helpers too). A
+   forkserver that exits before it is ready is not started again for a warm-up. Otherwise
+   ``"auto"`` starts a forkserver only to start helpers from it: it costs an interpreter with
+   torch imported, kept until the training process exits.
 6. Batches, their order, seeds and ``state_dict()`` are the same in both modes, so the choice
    never shows in the data; ``stats().mode`` and ``stats().mode_reason`` say what ran and why.
 """
@@ -382,7 +383,8 @@ class AutoIsolation:
 
     def _pickled_s(self, loader: Any) -> float:
         """Seconds to pickle and unpickle the dataset, ``collate_fn`` and ``worker_init_fn``
-        once per helper, one helper after another (point 4), at ``PICKLED_BYTES_PER_S``."""
+        once per helper, one helper after another (point 4), at ``PICKLED_BYTES_PER_S``: an
+        upper bound, as a pickle without tensors' descriptors is made once for all helpers."""
         return self._pickle_check(loader).nbytes * helper_count(loader) / PICKLED_BYTES_PER_S
 
     def _blocker(self, loader: Any, last: LoaderStats) -> str | None:

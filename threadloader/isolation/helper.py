@@ -50,6 +50,7 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import ForkingPickler, send_handle
 from typing import Any
 
@@ -179,6 +180,37 @@ def _keeping(reduce: Callable[[Any], Any], made: list[Any]) -> Callable[[Any], A
     return keep_and_reduce
 
 
+def _descriptors_sent() -> int:
+    # How many descriptors the process being started takes with it so far: multiprocessing's
+    # Popen and ``ZygoteProcess`` collect them in ``_fds`` (``duplicate_for_child``).
+    return len(getattr(get_spawning_popen(), "_fds", None) or ())
+
+
+class SharedField:
+    """A field of the dataclass several ``PickledOnce`` carry to helpers started together (the
+    ``WorkerSpec`` with the dataset): pickled once for all of them where its bytes can serve
+    each one, which they can unless pickling made something travelling beside the bytes (a
+    tensor's shared memory, sent as a descriptor to one process).
+
+    Args:
+        name: the field's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._data: bytes | None = None
+
+    def pickled(self, value: Any, dump: Callable[[Any], tuple[bytes, bool]]) -> bytes:
+        """``value``'s bytes: those of an earlier helper's start, or ``dump(value)``'s, kept
+        for the next when that made nothing (``dump`` returns the bytes and whether it did)."""
+        if self._data is not None:
+            return self._data
+        data, made = dump(value)
+        if not made:
+            self._data = data
+        return data
+
+
 class PickledOnce:
     """Carries an object into the helper as bytes, unpickled by the helper's own code.
 
@@ -191,19 +223,33 @@ class PickledOnce:
         obj: what to carry.
         limit: the most bytes it may pickle to; beyond, pickling stops with
             ``PayloadTooLarge`` (a large array is refused before it is copied).
+        shared: a field of ``obj`` (a dataclass) pickled once for every helper started with
+            the same ``SharedField``, apart from the rest of ``obj``; None: ``obj`` is pickled
+            whole (what it shares with itself stays shared).
     """
 
-    def __init__(self, obj: Any, limit: int | None = None) -> None:
+    def __init__(self, obj: Any, limit: int | None = None, shared: SharedField | None = None):
         self.obj = obj
         self._limit = limit
-        self._data: bytes | None = None
+        self._shared = shared
+        self._data: bytes | tuple[str, bytes, bytes] | None = None
         self._made: list[Any] = []
 
-    def __getstate__(self) -> bytes:
+    def __getstate__(self) -> bytes | tuple[str, bytes, bytes]:
+        if self._shared is None:
+            return self._dump(self.obj)[0]
+        name = self._shared.name
+        head = self._shared.pickled(getattr(self.obj, name), self._dump)
+        rest, _ = self._dump(dataclasses.replace(self.obj, **{name: None}))
+        return name, head, rest
+
+    def _dump(self, obj: Any) -> tuple[bytes, bool]:
+        """``obj`` pickled, and whether pickling made something that travels beside it."""
         buffer = Capped(self._limit)
         pickler = _KeepingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+        fds = _descriptors_sent()
         try:
-            pickler.dump(self.obj)
+            pickler.dump(obj)
         except PayloadTooLarge:
             raise
         except Exception as exc:
@@ -218,9 +264,9 @@ class PickledOnce:
         # tensor's shared memory travels as a descriptor sent once the process is launched,
         # after this returns, and a tensor freed before then closes it. The memo goes now: it
         # holds every object pickled (128 MB for 3M strings).
-        self._made = pickler.made
+        self._made.extend(pickler.made)
         pickler.clear_memo()
-        return buffer.getvalue()
+        return buffer.getvalue(), bool(pickler.made) or _descriptors_sent() != fds
 
     def release(self) -> None:
         """Drop the object and what pickling made: call once the process started (it has its
@@ -228,7 +274,7 @@ class PickledOnce:
         self.obj = None
         self._made = []
 
-    def __setstate__(self, state: bytes) -> None:
+    def __setstate__(self, state: bytes | tuple[str, bytes, bytes]) -> None:
         self.obj = None
         self._data = state
 
@@ -238,7 +284,13 @@ class PickledOnce:
         if self._data is None:
             return self.obj
         data, self._data = self._data, None
-        return pickle.loads(data)
+        if isinstance(data, bytes):
+            return pickle.loads(data)
+        name, head, rest = data
+        del data
+        value = pickle.loads(head)
+        del head
+        return dataclasses.replace(pickle.loads(rest), **{name: value})
 
 
 class _Sender:

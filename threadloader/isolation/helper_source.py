@@ -10,7 +10,9 @@ Where the code disagrees with these rules, the code is wrong.
    was built, if it ran one thread then), else a forkserver that preloads the main script,
    threadloader and torch, else ``spawn`` where there is no forkserver or ``TMPDIR`` is too long
    a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn`` are pickled
-   once per helper (``PickledOnce``): one copy of the dataset each. A process running other
+   (``PickledOnce``; once for all the helpers an ``iter()`` starts, unless the pickle carries
+   tensors' descriptors, which serve one process each): one copy of the dataset per helper.
+   A process running other
    Python threads is never forked: one of them could hold a lock the copy would keep.
 2. A ``multiprocessing_context`` the user names is used as given (``fork`` only while this
    process runs one Python thread: ``"process"`` refuses it, ``"auto"`` then stays in threads).

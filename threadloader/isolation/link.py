@@ -25,6 +25,7 @@ from threadloader.isolation.helper import (
     TRAINING_ENDS,
     HelperSpec,
     PickledOnce,
+    SharedField,
     helper_main,
 )
 from threadloader.isolation.ring_reader import RingReader
@@ -121,13 +122,21 @@ class _Link:
         spec: what the helper runs.
         name: the helper's process name, e.g. ``threadloader-helper-7f3a``.
         limit: the most bytes ``spec`` may pickle to (``PickledOnce``), if any.
+        shared: pickles ``spec.worker`` once for the helpers started with it, if given.
 
     Raises:
         PayloadTooLarge: ``spec`` pickles to more than ``limit`` bytes.
         Exception: whatever pickling the dataset, collate_fn or worker_init_fn raises.
     """
 
-    def __init__(self, ctx: Any, spec: HelperSpec, name: str, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        spec: HelperSpec,
+        name: str,
+        limit: int | None = None,
+        shared: SharedField | None = None,
+    ) -> None:
         control_r, control_w = ctx.Pipe(duplex=False)
         mailbox_r, mailbox_w = ctx.Pipe(duplex=False)  # raw records, never Connection.send
         tasks_r, tasks_w = ctx.Pipe(duplex=False)  # every worker's tasks (``task_board``)
@@ -145,7 +154,7 @@ class _Link:
         self.spin = False  # poll before sleeping on the next wait (point 6)
         self.polled = self.spun = 0  # waits that polled; of them, ended without sleeping
         theirs = [control_r, mailbox_r, tasks_r, result_there]
-        payload = PickledOnce(spec, limit)
+        payload = PickledOnce(spec, limit, shared)
         try:
             self.process = _start_process(
                 ctx,

@@ -19,7 +19,8 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
    iterator, and of torch.
 2. Helpers come from this process forked while it runs one Python thread, else from the zygote,
    a forkserver or spawn (``helper_source``); then the dataset, ``collate_fn`` and
-   ``worker_init_fn`` are pickled once per helper (``PickledOnce``).
+   ``worker_init_fn`` are pickled for the helpers (``PickledOnce``): once for all of those an
+   ``iter()`` starts (``SharedField``), unless the pickle carries tensors' descriptors.
 3. Delivery is in sampler order through a reorder table of *messages* (a parked batch is not
    rebuilt until its turn), or as completed (``in_order=False``). A delivered batch views its
    slot, and the slot goes back to the helper only when nothing references the batch any more
@@ -74,7 +75,7 @@ from threadloader._primitives.finalizers import Finalizer
 from threadloader._primitives.warn import warn_user
 from threadloader.device.pinned import pin_batch, pinned_allocator
 from threadloader.isolation import main_state
-from threadloader.isolation.helper import HelperSpec
+from threadloader.isolation.helper import HelperSpec, SharedField
 from threadloader.isolation.helper_source import helper_context, start_forkserver
 from threadloader.isolation.link import Links, _Link
 from threadloader.isolation.main_state import MainState
@@ -140,6 +141,9 @@ def _start_links(
     """
     it: Any = owner
     links: list[_Link] = []
+    # Helpers starting each epoch anew receive the same workers' spec: pickled once for all
+    # where it can be. Carried workers are pickled with the dataset they share objects with.
+    shared = SharedField("worker") if adopted is None else None
     try:
         for helper in range(count):
             ids = tuple(range(helper, it._num_workers, count))
@@ -153,7 +157,7 @@ def _start_links(
                 main_state=state,
             )
             name = f"threadloader-helper-{id(owner):x}" + (f"-{helper}" if count > 1 else "")
-            links.append(_Link(ctx, spec, name=name, limit=limit))
+            links.append(_Link(ctx, spec, name=name, limit=limit, shared=shared))
     except BaseException:
         Links(links).reap()
         raise

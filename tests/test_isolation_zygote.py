@@ -515,3 +515,42 @@ def test_a_zygote_helper_does_not_keep_the_bytes_it_was_started_with(tmp_path: A
         """,
     )
     assert out[0] == "copies" and float(out[1]) < 1.5, out
+
+
+def test_the_training_process_keeps_no_pickle_of_the_dataset_once_helpers_started(
+    tmp_path: Any,
+) -> None:
+    """The one pickle of the dataset that helpers started together receive is dropped once they
+    started, though the zygote's process objects keep their arguments for the helpers' life."""
+    out = _run(
+        tmp_path,
+        """
+        import gc
+
+        class Blob(torch.utils.data.Dataset):
+            # No tensor: the one pickle can serve both helpers.
+            def __init__(self, size):
+                self.blob = os.urandom(size)
+
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                return self.blob[i]
+
+        size = 96 << 20
+        iso = ThreadDataLoader(Blob(size), batch_size=4, num_workers=2,
+                               isolation="process", helpers=2)
+        with another_thread():
+            gc.collect()
+            before = psutil.Process().memory_full_info().uss
+            it = iter(iso)
+            next(it)
+            assert parents(it) == {zygote.server_pid()}
+            gc.collect()
+            kept = psutil.Process().memory_full_info().uss - before
+            print("kept", round(kept / size, 1))
+            del it
+        """,
+    )
+    assert out[0] == "kept" and float(out[1]) < 0.5, out

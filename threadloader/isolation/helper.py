@@ -271,7 +271,7 @@ class PickledOnce:
     def release(self) -> None:
         """Drop the object and what pickling made: call once the process started (it has its
         copy, and the descriptors were sent)."""
-        self.obj = None
+        self.obj = self._shared = None
         self._made = []
 
     def __setstate__(self, state: bytes | tuple[str, bytes, bytes]) -> None:

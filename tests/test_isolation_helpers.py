@@ -8,9 +8,11 @@ of them ends with the epoch.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -42,7 +44,7 @@ from test_resume import Ids, StatefulShards, assert_resumes_exactly
 from test_same_batches_as_torch import SCENARIOS, Dicts, SizedStream
 from test_worker_errors import FailsAtFive
 from test_worker_info import SeedReporter, _seeds_by_worker, keep_list
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset, default_collate, get_worker_info
 
 import threadloader
 from threadloader import ThreadDataLoader
@@ -143,6 +145,29 @@ def test_helpers_started_together_receive_one_pickle_of_the_dataset() -> None:
     for epoch in range(2):
         assert [int(x) for b in loader for x in b] == list(range(12))
         assert CountsPickling.pickled == epoch + 1
+
+
+class CountsPicklingWithCopyregTypes(CountsPickling):
+    """Holds objects that ``ForkingPickler`` reduces through copyreg: nothing per process."""
+
+    def __init__(self) -> None:
+        self.pattern, self.scale = re.compile("a+"), 1 + 0j
+
+
+def test_objects_reduced_through_copyreg_still_share_one_pickle() -> None:
+    """A compiled regex, a complex number and a ``functools.partial`` collate_fn: one pickle
+    serves both helpers, as they carry no descriptor."""
+    CountsPicklingWithCopyregTypes.pickled = 0
+    loader = _loader(
+        CountsPicklingWithCopyregTypes(),
+        helpers=2,
+        batch_size=2,
+        num_workers=2,
+        collate_fn=functools.partial(default_collate),
+        multiprocessing_context=PICKLED,
+    )
+    assert [int(x) for b in loader for x in b] == list(range(12))
+    assert CountsPicklingWithCopyregTypes.pickled == 1
 
 
 class CountsPicklingWithATensor(CountsPickling):

@@ -69,6 +69,11 @@ class another_thread:
 
 def parents(it):
     return {psutil.Process(pid).ppid() for pid in it.helper_pids}
+
+
+def read_all(dup):
+    with os.fdopen(dup.detach(), "rb") as f:
+        return f.read()
 """
 
 
@@ -554,3 +559,53 @@ def test_the_training_process_keeps_no_pickle_of_the_dataset_once_helpers_starte
         """,
     )
     assert out[0] == "kept" and float(out[1]) < 0.5, out
+
+
+def test_a_descriptor_that_pickling_made_outside_torch_reaches_the_helper(tmp_path: Any) -> None:
+    """A dataset whose ``__getstate__`` makes an object that owns a file descriptor and pickles
+    as it (``DupFd``): the object lives until the helper has been launched with the descriptor,
+    and the helper reads the file through it."""
+    out = _run(
+        tmp_path,
+        """
+        from multiprocessing.reduction import DupFd
+
+        path = os.path.join(os.getcwd(), "source.bin")
+        with open(path, "wb") as f:
+            f.write(bytes(range(10, 18)))
+
+        class FdOwner:
+            def __init__(self):
+                self.fd = os.open(path, os.O_RDONLY)
+
+            def __del__(self):
+                os.close(self.fd)
+
+            def __reduce__(self):
+                return read_all, (DupFd(self.fd),)
+
+        class FromFd(torch.utils.data.Dataset):
+            def __getstate__(self):
+                return {"data": FdOwner()}  # made while pickling, held by the pickle alone
+
+            def __setstate__(self, state):
+                data = state["data"]
+                if isinstance(data, FdOwner):  # a worker's copy.copy: nothing was pickled
+                    data = os.pread(data.fd, 64, 0)
+                self.data = data
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return torch.tensor(list(self.data[i * 2:i * 2 + 2]))
+
+        iso = ThreadDataLoader(FromFd(), batch_size=2, num_workers=2, isolation="process",
+                               helpers=2, timeout=30)
+        with another_thread():
+            print("batches", [b.tolist() for b in iso])
+            print("zygote", zygote.running())
+        """,
+    )
+    assert out == ["batches", "[[[10,", "11],", "[12,", "13]],", "[[14,", "15],", "[16,",
+                   "17]]]", "zygote", "True"]  # fmt: skip

@@ -158,24 +158,51 @@ def unpicklable(exc: BaseException) -> bool:
     return getattr(exc, _PICKLING_FAILED, False) is True
 
 
+class _Made:
+    """What the registered reductions of one pickling met, and what of it serves one process.
+
+    Attributes:
+        objects: each object they reduced (torch's tensors and storages among them), kept so
+            that what pickling created, and whose descriptor is sent only once the process is
+            launched, outlives the pickler's memo.
+        descriptors: how many descriptors they added to the process being started.
+        per_process: whether one of torch's reductions ran: its tensors serve one process
+            each (a descriptor, or a shared file counted once per pickle).
+    """
+
+    def __init__(self) -> None:
+        self.objects: list[Any] = []
+        self.descriptors = 0
+        self.per_process = False
+
+
 class _KeepingPickler(ForkingPickler):
-    """``ForkingPickler`` that keeps each object its registered reductions (torch's tensors and
-    storages among them) pickle, in ``made``: so that what pickling created, and whose
-    descriptor is sent only once the process is launched, outlives the pickler's memo."""
+    """``ForkingPickler`` whose registered reductions record what they meet in ``made``."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.made: list[Any] = []
+        self.made = _Made()
         self.dispatch_table = {
             cls: _keeping(reduce, self.made) for cls, reduce in self.dispatch_table.items()
         }
 
 
-def _keeping(reduce: Callable[[Any], Any], made: list[Any]) -> Callable[[Any], Any]:
-    # Closes over the list, not the pickler: no cycle keeps the pickler's buffer alive.
+#: The module of torch's reductions for ``ForkingPickler`` (tensors, storages, CUDA events).
+_TORCH_REDUCTIONS = "torch.multiprocessing.reductions"
+
+
+def _keeping(reduce: Callable[[Any], Any], made: _Made) -> Callable[[Any], Any]:
+    # Closes over ``made``, not the pickler: no cycle keeps the pickler's buffer alive.
+    torch_s = getattr(reduce, "__module__", None) == _TORCH_REDUCTIONS
+
     def keep_and_reduce(obj: Any) -> Any:
-        made.append(obj)
-        return reduce(obj)
+        made.objects.append(obj)
+        made.per_process |= torch_s
+        before = _descriptors_sent()
+        try:
+            return reduce(obj)
+        finally:
+            made.descriptors += _descriptors_sent() - before
 
     return keep_and_reduce
 
@@ -189,8 +216,8 @@ def _descriptors_sent() -> int:
 class SharedField:
     """A field of the dataclass several ``PickledOnce`` carry to helpers started together (the
     ``WorkerSpec`` with the dataset): pickled once for all of them where its bytes can serve
-    each one, which they can unless pickling made something travelling beside the bytes (a
-    tensor's shared memory, sent as a descriptor to one process).
+    each one, which they can unless pickling made something that serves one process (a
+    descriptor travelling beside the bytes; a tensor's shared memory).
 
     Args:
         name: the field's name.
@@ -234,6 +261,7 @@ class PickledOnce:
         self._shared = shared
         self._data: bytes | tuple[str, bytes, bytes] | None = None
         self._made: list[Any] = []
+        self._picklers: list[_KeepingPickler] = []  # memos kept until the launch (``_dump``)
 
     def __getstate__(self) -> bytes | tuple[str, bytes, bytes]:
         if self._shared is None:
@@ -262,17 +290,24 @@ class PickledOnce:
             raise
         # What pickling made (a torch.Generator's state tensor) is kept until ``release``: a
         # tensor's shared memory travels as a descriptor sent once the process is launched,
-        # after this returns, and a tensor freed before then closes it. The memo goes now: it
-        # holds every object pickled (128 MB for 3M strings).
-        self._made.extend(pickler.made)
-        pickler.clear_memo()
-        return buffer.getvalue(), bool(pickler.made) or _descriptors_sent() != fds
+        # after this returns, and a tensor freed before then closes it. The memo, which holds
+        # every object pickled (128 MB for 3M strings), goes now unless a descriptor was added
+        # outside the registered reductions (a ``__reduce__`` of the user's calling ``DupFd``):
+        # its owner may be any object pickling made, alive only in the memo.
+        made, sent = pickler.made, _descriptors_sent() - fds
+        self._made.extend(made.objects)
+        if sent > made.descriptors:
+            self._picklers.append(pickler)
+        else:
+            pickler.clear_memo()
+        return buffer.getvalue(), made.per_process or sent > 0
 
     def release(self) -> None:
         """Drop the object and what pickling made: call once the process started (it has its
         copy, and the descriptors were sent)."""
         self.obj = self._shared = None
         self._made = []
+        self._picklers = []
 
     def __setstate__(self, state: bytes | tuple[str, bytes, bytes]) -> None:
         self.obj = None

@@ -154,22 +154,6 @@ class CountsPicklingWithCopyregTypes(CountsPickling):
         self.pattern, self.scale = re.compile("a+"), 1 + 0j
 
 
-def test_objects_reduced_through_copyreg_still_share_one_pickle() -> None:
-    """A compiled regex, a complex number and a ``functools.partial`` collate_fn: one pickle
-    serves both helpers, as they carry no descriptor."""
-    CountsPicklingWithCopyregTypes.pickled = 0
-    loader = _loader(
-        CountsPicklingWithCopyregTypes(),
-        helpers=2,
-        batch_size=2,
-        num_workers=2,
-        collate_fn=functools.partial(default_collate),
-        multiprocessing_context=PICKLED,
-    )
-    assert [int(x) for b in loader for x in b] == list(range(12))
-    assert CountsPicklingWithCopyregTypes.pickled == 1
-
-
 class CountsPicklingWithATensor(CountsPickling):
     """Holds a tensor: its shared memory travels to each helper as a descriptor of its own."""
 
@@ -180,19 +164,28 @@ class CountsPicklingWithATensor(CountsPickling):
         return int(self.values[index])
 
 
-def test_a_dataset_holding_a_tensor_is_pickled_for_each_helper() -> None:
-    """A pickle carrying a descriptor serves one process: each helper gets its own, and both
-    read the tensor's values."""
-    CountsPicklingWithATensor.pickled = 0
+@pytest.mark.parametrize(
+    ("dataset_type", "pickles"),
+    [(CountsPicklingWithCopyregTypes, 1), (CountsPicklingWithATensor, 2)],
+)
+def test_one_pickle_serves_both_helpers_unless_it_carries_shared_memory(
+    dataset_type: type[CountsPickling], pickles: int
+) -> None:
+    """A compiled regex, a complex number, a ``functools.partial`` collate_fn: one pickle serves
+    both helpers. A tensor's shared memory travels to one process as a descriptor of its own:
+    each helper gets its pickle. Both read the dataset's values."""
+    dataset_type.pickled = 0
     loader = _loader(
-        CountsPicklingWithATensor(),
+        dataset_type(),
         helpers=2,
         batch_size=2,
         num_workers=2,
+        collate_fn=functools.partial(default_collate),
         multiprocessing_context=PICKLED,
     )
-    assert [int(x) for b in loader for x in b] == [10 * i for i in range(12)]
-    assert CountsPicklingWithATensor.pickled == 2
+    expected = [dataset_type()[i] for i in range(12)]
+    assert [int(x) for b in loader for x in b] == expected
+    assert dataset_type.pickled == pickles
 
 
 @pytest.mark.parametrize("cut", [1, 4])

@@ -299,6 +299,26 @@ def test_changes_before_the_current_pass_are_rejected() -> None:
         mixture.set_weights(LATER, at_position=10)
 
 
+def _regime_changed(state: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """``state`` with its first weight regime's position, or one of its weights, changed."""
+    regime = dict(state["schedule"][0])
+    if "position" in change:
+        regime["position"] = change["position"]
+    if "weight" in change:
+        name = next(iter(regime["weights"]))
+        regime["weights"] = {**regime["weights"], name: change["weight"]}
+    return {**state, "schedule": [regime, *state["schedule"][1:]]}
+
+
+def test_counts_before_the_schedule_start_are_refused_like_indices() -> None:
+    """A position before the recorded schedule has no counts, as it has no index."""
+    mixture = _mixture()
+    with pytest.raises(ValueError, match="before this schedule's start"):
+        mixture.indices_at([-5])
+    with pytest.raises(ValueError, match="before this schedule's start"):
+        mixture.counts_at(-5)
+
+
 def test_bad_states_raise_value_error_naming_the_mismatch() -> None:
     """Wrong version, another source length, an unknown source or a corrupted entry are named."""
     sampler = MixtureSampler(_mixture(), samples_per_epoch=50)
@@ -314,7 +334,12 @@ def test_bad_states_raise_value_error_naming_the_mismatch() -> None:
         ({**good, "cursor": "ten"}, r"state\['cursor'\] must be an int"),
         ({k: v for k, v in good.items() if k != "schedule"}, "lacks \\['schedule'\\]"),
         ({**good, "schedule": []}, "non-empty list"),
-        ({**good, "start": 60, "end": 50}, "expected 0 <= start <= end"),
+        ({**good, "start": 60, "end": 50}, "expected 0 <= start <= start \\+ cursor <= end"),
+        ({**good, "cursor": 10**6}, "cursor 1000000"),
+        (_regime_changed(good, position=-5), "position -5 is negative"),
+        (_regime_changed(good, weight=float("nan")), "non-finite weight"),
+        (_regime_changed(good, weight=-1.0), "negative or non-finite weight"),
+        (_regime_changed(good, weight="heavy"), "not a number"),
         ("not a dict", "must be a dict"),
     ]
     for state, match in cases:

@@ -128,11 +128,14 @@ def test_the_order_is_pinned_across_versions() -> None:
 
 
 def test_the_largest_length_and_any_int_seed_work() -> None:
-    """N = 2**63 (the int64 limit) with a negative seed maps its last positions in range."""
-    sampler = ShuffleSampler(2**63, seed=-1)
+    """N = 2**63 - 1 (what len() can return) with a negative seed maps its last positions in
+    range, and the sampler has a length a loader can read."""
+    sampler = ShuffleSampler(2**63 - 1, seed=-1)
     sampler.set_epoch(-5)
-    last = sampler.index_at(np.array([2**63 - 1, 2**63 - 2], dtype=np.uint64))
+    last = sampler.index_at(np.array([2**63 - 2, 2**63 - 3], dtype=np.uint64))
     assert last.dtype == np.int64 and (last >= 0).all() and last[0] != last[1]
+    assert len(sampler) == 2**63 - 1
+    assert len(DistributedShuffleSampler(2**63 - 1, num_replicas=1, rank=0)) == 2**63 - 1
 
 
 def test_every_small_length_is_a_permutation_for_many_keys() -> None:
@@ -167,11 +170,15 @@ def test_index_at_rejects_bad_positions() -> None:
 
 
 def test_bad_lengths_are_rejected() -> None:
-    """Lengths must be in [0, 2**63]; a length can be given as an int or a sized dataset."""
+    """Lengths must be in [0, 2**63 - 1] (``len()`` of the sampler could not be more); a length
+    can be given as an int or a sized dataset."""
     with pytest.raises(ValueError, match="length"):
         ShuffleSampler(-1)
-    with pytest.raises(ValueError, match="length"):
-        ShuffleSampler(2**63 + 1)
+    for length in (2**63, 2**63 + 1):
+        with pytest.raises(ValueError, match="length"):
+            ShuffleSampler(length)
+        with pytest.raises(ValueError, match="length"):
+            DistributedShuffleSampler(length, num_replicas=1, rank=0)
     with pytest.raises(TypeError, match="float"):
         ShuffleSampler(2.5)  # type: ignore[arg-type]
     assert len(ShuffleSampler(list("abc"))) == len(ShuffleSampler(np.int64(3))) == 3
@@ -474,7 +481,8 @@ def test_resume_on_another_world_size_reads_every_sample_once(
 
         seen = Counter(before + after)
         end = _expected_epoch(length, 4 * steps, new_world, drop_last)
-        assert end_state["cursor"] == end
+        # An epoch that had ended on 4 ranks (padding included) is kept at its end, the length.
+        assert end_state["cursor"] == (min(end, length) if 4 * steps >= length else end)
         stream = resumed[0].index_at(np.arange(end), epoch=2).tolist()
         assert seen == Counter(stream), (steps, new_world)
         if drop_last:
@@ -688,6 +696,37 @@ def test_distributed_bad_state_raises_value_error() -> None:
         _ranks(10, 2, False)[0].load_state_dict({**state, "num_replicas": 0})
     with pytest.raises(ValueError, match="format version"):
         _ranks(10, 2, False)[0].load_state_dict({**state, "version": 0})
+
+
+def test_a_state_saved_again_after_a_padded_end_loads_on_any_world_size() -> None:
+    """10 samples on 4 ranks end their epoch at global position 12 (2 of padding). Loaded on
+    2 ranks, the rest is empty, and the state those ranks save again loads on any world size,
+    with an empty rest there too."""
+    ranks = _ranks(10, 4, False)
+    for sampler in ranks:
+        sampler.set_epoch(0)
+        assert len(list(sampler)) == 3
+    ended = ranks[0].state_dict()
+    assert ended["cursor"] == 12
+    fewer = _ranks(10, 2, False)
+    for sampler in fewer:
+        sampler.load_state_dict(ended)
+        sampler.set_epoch(0)
+        assert list(sampler) == []
+    again = fewer[0].state_dict()
+    for world in (1, 2, 3, 5):
+        for sampler in _ranks(10, world, False):
+            sampler.load_state_dict(again)
+            sampler.set_epoch(0)
+            assert list(sampler) == []
+
+
+def test_a_shuffle_sampler_refuses_an_unshuffled_state() -> None:
+    """A DistributedShuffleSampler(shuffle=False) state counts positions in dataset order: in a
+    ShuffleSampler's order they would be other samples."""
+    _, state = _run_in_lockstep(_ranks(10, 1, False, shuffle=False), 5, epoch=0)
+    with pytest.raises(ValueError, match="shuffle=False"):
+        ShuffleSampler(10).load_state_dict(state)
 
 
 def _last_step_checkpoint_then_resume(

@@ -66,7 +66,7 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         RuntimeError: if ``num_replicas`` or ``rank`` are not given and torch.distributed is not
             available.
         ValueError: if ``rank`` is not in ``[0, num_replicas - 1]``, or the length is above
-            ``2**63``.
+            ``2**63 - 1``.
     """
 
     def __init__(
@@ -158,7 +158,9 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         Returns:
             ``{"version", "seed", "epoch", "cursor", "num_replicas", "length", "shuffle"}``, where
             ``cursor`` is the number of global stream positions consumed by all ranks, computed
-            locally as ``start + cursor_local * num_replicas``.
+            locally as ``start + cursor_local * num_replicas`` (for the rest of an epoch loaded
+            at its end, the length: the padding of the world size that saved it is not this
+            one's).
         """
         return {
             "version": STATE_VERSION,
@@ -221,7 +223,10 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
             )
         self.seed = _state_int(state, "seed", owner)
         self.epoch = _state_int(state, "epoch", owner)
-        self._pending = (self.epoch, cursor)
+        # Past the length is padding of the world size that saved it: the epoch's end. Kept as
+        # the length, so that a state saved again on fewer ranks loads (its padding was not
+        # theirs).
+        self._pending = (self.epoch, min(cursor, self._length))
         self._pending_ended = self._pass_length(cursor, saved_replicas) == 0
         self._kept = False
         self._pass = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any, Final, SupportsIndex
 
@@ -45,6 +46,9 @@ import numpy.typing as npt
 from torch.utils.data import Sampler
 
 from threadloader.samplers.feistel import MAX_LENGTH, FeistelPermutation
+
+#: The longest dataset a sampler takes: what ``len()`` can return (``sys.maxsize``, 2**63 - 1).
+MAX_SAMPLER_LENGTH: Final = min(sys.maxsize, MAX_LENGTH)
 
 __all__ = ["ShuffleSampler"]
 
@@ -112,8 +116,8 @@ def _length_of(data_source_or_len: object) -> int:
         raise TypeError(
             f"expected a dataset with __len__ or an int, got {type(data_source_or_len).__name__}"
         )
-    if not 0 <= length <= MAX_LENGTH:
-        raise ValueError(f"dataset length must be in [0, 2**63], got {length}")
+    if not 0 <= length <= MAX_SAMPLER_LENGTH:
+        raise ValueError(f"dataset length must be in [0, 2**63 - 1], got {length}")
     return length
 
 
@@ -269,7 +273,7 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
         seed: keys the permutation together with the epoch; any int.
 
     Raises:
-        ValueError: if the length is negative or above ``2**63``.
+        ValueError: if the length is negative or above ``2**63 - 1``.
         TypeError: if ``data_source_or_len`` is neither sized nor an int.
     """
 
@@ -365,11 +369,16 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
             state: a dict from ``state_dict()``.
 
         Raises:
-            ValueError: if the format version or dataset length differ from this sampler's, or an
-                entry is missing, not an int, or out of range.
+            ValueError: if the format version or dataset length differ from this sampler's, the
+                state was saved unshuffled, or an entry is missing, not an int, or out of range.
         """
         owner = type(self).__name__
         _check_common(state, owner, self.length)
+        if "shuffle" in state and not state["shuffle"]:  # a DistributedShuffleSampler's
+            raise ValueError(
+                f"{owner} state was saved with shuffle=False, in dataset order; a {owner} "
+                "always shuffles"
+            )
         cursor = _state_int(state, "cursor", owner)
         if not 0 <= cursor <= self.length:
             raise ValueError(f"{owner} state cursor {cursor} is outside [0, {self.length}]")

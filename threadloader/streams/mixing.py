@@ -241,7 +241,16 @@ class Schedule:
         return source, ordinal
 
     def counts_at(self, position: int) -> tuple[int, ...]:
-        """Samples each source has given before ``position``."""
+        """Samples each source has given before ``position``.
+
+        Raises:
+            ValueError: if ``position`` comes before ``start``.
+        """
+        if position < self.start:
+            raise ValueError(
+                f"position {position} is before this schedule's start {self.start}: "
+                "its weights were compacted away"
+            )
         return self.regime_at(position).counts_at(position)
 
     def changed(self, weights: tuple[float, ...], position: int) -> Schedule:
@@ -297,6 +306,8 @@ class Schedule:
             } <= set(entry):
                 raise ValueError(f"{where} must be a dict with position, weights, quotas, counts")
             position = _as_int(entry["position"], f"{where}['position']")
+            if position < 0:
+                raise ValueError(f"{where} position {position} is negative")
             if regimes and position <= regimes[-1].position:
                 raise ValueError(
                     f"{where} position {position} does not follow {regimes[-1].position}"
@@ -313,7 +324,12 @@ class Schedule:
                         f"(its sources are {list(names)})"
                     )
                 columns.append([values.get(name, 0) for name in names])
-            weights = tuple(float(w) for w in columns[0])
+            try:
+                weights = tuple(float(w) for w in columns[0])
+            except (TypeError, ValueError):
+                raise ValueError(f"{where} has a weight that is not a number") from None
+            if not all(math.isfinite(w) and w >= 0 for w in weights):
+                raise ValueError(f"{where} has a negative or non-finite weight: {weights}")
             quotas = tuple(_as_int(q, f"{where} quota") for q in columns[1])
             counts = tuple(_as_int(c, f"{where} count") for c in columns[2])
             if sum(quotas) != PERIOD or min(quotas) < 0 or min(counts) < 0:

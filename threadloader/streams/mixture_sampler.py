@@ -358,10 +358,10 @@ class MixtureSampler(Sampler[int]):
                 f"version {STATE_VERSION}"
             )
         start, cursor, end = values["start"], values["cursor"], values["end"]
-        if not 0 <= start <= end or cursor < 0:
+        if not 0 <= start <= start + cursor <= end:
             raise ValueError(
                 f"{owner} state has start {start}, cursor {cursor}, end {end}: expected "
-                "0 <= start <= end and cursor >= 0"
+                "0 <= start <= start + cursor <= end"
             )
         self._check_sources(state["sources"], owner)
         self.mixture._load(values["seed"], state["schedule"], start, owner)

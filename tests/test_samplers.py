@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from threadloader import ThreadDataLoader
 from threadloader.samplers.distributed import DistributedShuffleSampler
 from threadloader.samplers.shuffle import BLOCK_SIZE, ShuffleSampler
-from threadloader.streams import Mixture, MixtureSampler
+from threadloader.streams import BlockShuffleSampler, Mixture, MixtureSampler
 
 
 def _take(sampler: ShuffleSampler | DistributedShuffleSampler, k: int) -> list[int]:
@@ -806,3 +806,30 @@ def test_a_mid_epoch_state_of_our_samplers_loads_without_a_warning() -> None:
         ThreadDataLoader(list(range(8)), batch_size=2, sampler=ShuffleSampler(8)).load_state_dict(
             ours.state_dict()
         )
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: DistributedShuffleSampler(range(10), num_replicas=2, rank=0.5), "rank"),
+        (lambda: DistributedShuffleSampler(range(10), num_replicas=2.0, rank=0), "num_replicas"),
+        (lambda: DistributedShuffleSampler(range(10), num_replicas=1, rank=0, seed=1.5), "seed"),
+        (lambda: ShuffleSampler(10, seed=1.5), "seed"),
+        (lambda: BlockShuffleSampler(range(10), 2.5, num_replicas=1, rank=0), "block_size"),
+        (
+            lambda: MixtureSampler(Mixture({"a": [0, 1]}, {"a": 1}), samples_per_epoch=2.5),
+            "samples",
+        ),
+        (
+            lambda: MixtureSampler(Mixture({"a": [0, 1]}, {"a": 1}), num_replicas=2.0),
+            "num_replicas",
+        ),
+        (lambda: MixtureSampler(list(range(10))), "Mixture, got list"),  # type: ignore[arg-type]
+        (lambda: Mixture({"a": [0, 1, 2]}, {"a": 1}).indices_at([1.5]), "positions"),
+    ],
+)
+def test_a_number_that_is_no_int_is_refused_by_name(make: Any, name: str) -> None:
+    """A float rank, seed or size would truncate (rank 0.5 read rank 0's indices) or fail later
+    with an error naming nothing: TypeError naming the argument, at once."""
+    with pytest.raises(TypeError, match=name):
+        make()

@@ -20,6 +20,7 @@ from threadloader.samplers.shuffle import (
     _EpochResume,
     _length_of,
     _state_int,
+    int_argument,
 )
 
 
@@ -67,6 +68,7 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
             available.
         ValueError: if ``rank`` is not in ``[0, num_replicas - 1]``, or the length is above
             ``2**63 - 1``.
+        TypeError: if ``num_replicas``, ``rank`` or ``seed`` is not an int.
     """
 
     def __init__(
@@ -86,6 +88,8 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
             if not dist.is_available():
                 raise RuntimeError("Requires distributed package to be available")
             rank = dist.get_rank()
+        num_replicas = int_argument(num_replicas, "num_replicas")
+        rank = int_argument(rank, "rank")
         if rank >= num_replicas or rank < 0:
             raise ValueError(
                 f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
@@ -96,7 +100,7 @@ class DistributedShuffleSampler(_EpochResume, Sampler[int]):
         self.epoch = 0
         self.drop_last = drop_last
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = int_argument(seed, "seed")
         self._length = _length_of(dataset)
         # torch's arithmetic, in integers (torch's float ceil is off by one past 2**53).
         self.num_samples = self._pass_length(0)

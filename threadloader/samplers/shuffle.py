@@ -131,6 +131,19 @@ def _as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.uint64]:
     return array.astype(np.uint64)
 
 
+def int_argument(value: object, name: str) -> int:
+    """``value`` as an int, for an argument that must be one (an index, a seed, a size).
+
+    Raises:
+        TypeError: naming the argument, if ``value`` is not an integer (a float would
+            otherwise truncate, or fail later with an error that names none).
+    """
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
 def _state_int(state: Mapping[str, Any], key: str, owner: str) -> int:
     if key not in state:
         raise ValueError(f"{owner} state has no {key!r} entry: got keys {sorted(state)}")
@@ -274,12 +287,12 @@ class ShuffleSampler(_EpochResume, Sampler[int]):
 
     Raises:
         ValueError: if the length is negative or above ``2**63 - 1``.
-        TypeError: if ``data_source_or_len`` is neither sized nor an int.
+        TypeError: if ``data_source_or_len`` is neither sized nor an int, or ``seed`` is no int.
     """
 
     def __init__(self, data_source_or_len: Sized | int, seed: int = 0) -> None:
         self.length = _length_of(data_source_or_len)
-        self.seed = seed
+        self.seed = int_argument(seed, "seed")
         self.epoch = 0
         self._pending: tuple[int, int] | None = None  # (epoch, cursor) from load_state_dict
         self._kept = False  # set_epoch named the pending resume's epoch (point 3)

@@ -14,6 +14,8 @@ import numpy as np
 import numpy.typing as npt
 import torch.distributed as dist
 
+from threadloader.samplers.shuffle import int_argument
+
 Ints = npt.NDArray[np.int64]
 
 
@@ -37,6 +39,7 @@ def default_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
         num_replicas = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
+    num_replicas, rank = int_argument(num_replicas, "num_replicas"), int_argument(rank, "rank")
     if not 0 <= rank < num_replicas:
         raise ValueError(
             f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"

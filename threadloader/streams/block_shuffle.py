@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from threadloader.samplers.distributed import DistributedShuffleSampler
-from threadloader.samplers.shuffle import ShuffleSampler
+from threadloader.samplers.shuffle import ShuffleSampler, int_argument
 from threadloader.streams.args import default_world
 
 
@@ -81,6 +81,7 @@ class BlockShuffleSampler(DistributedShuffleSampler):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        block_size = int_argument(block_size, "block_size")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         num_replicas, rank = default_world(num_replicas, rank)

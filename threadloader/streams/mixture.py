@@ -252,9 +252,13 @@ class Mixture(Dataset[Any]):
 
         Raises:
             ValueError: if a position precedes the recorded schedule.
+            TypeError: if the positions are not integers.
         """
-        positions = np.asarray(positions, dtype=np.int64)
-        return self._indices(self._schedule, positions.reshape(-1)).reshape(positions.shape)
+        array = np.asarray(positions)
+        if array.size and array.dtype.kind not in "iu":
+            raise TypeError(f"positions must be integers, got {array.dtype}")
+        array = array.astype(np.int64, copy=False)
+        return self._indices(self._schedule, array.reshape(-1)).reshape(array.shape)
 
     def _indices(self, schedule: mixing.Schedule, positions: Ints) -> Ints:
         return self._orders.indices(*schedule.locate(positions))

@@ -12,7 +12,7 @@ from typing import Any, TypeGuard
 import numpy as np
 from torch.utils.data import Sampler
 
-from threadloader.samplers.shuffle import counts_in_current
+from threadloader.samplers.shuffle import counts_in_current, int_argument
 from threadloader.streams.args import default_world
 from threadloader.streams.mixture import MIXTURE_BLOCK, STATE_VERSION, Mixture
 
@@ -79,6 +79,7 @@ class MixtureSampler(Sampler[int]):
 
     Raises:
         ValueError: if the rank is out of range or ``samples_per_epoch < num_replicas``.
+        TypeError: if ``mixture`` is no ``Mixture``, or a number is not an int.
     """
 
     def __init__(
@@ -88,8 +89,14 @@ class MixtureSampler(Sampler[int]):
         rank: int | None = None,
         samples_per_epoch: int | None = None,
     ) -> None:
+        if not isinstance(mixture, Mixture):
+            raise TypeError(f"MixtureSampler samples a Mixture, got {type(mixture).__name__}")
         self.num_replicas, self.rank = default_world(num_replicas, rank)
-        self.samples_per_epoch = len(mixture) if samples_per_epoch is None else samples_per_epoch
+        self.samples_per_epoch = (
+            len(mixture)
+            if samples_per_epoch is None
+            else int_argument(samples_per_epoch, "samples_per_epoch")
+        )
         if self.samples_per_epoch < self.num_replicas:
             raise ValueError(
                 f"samples_per_epoch must be >= num_replicas ({self.num_replicas}), got "

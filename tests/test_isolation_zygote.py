@@ -609,3 +609,46 @@ def test_a_descriptor_that_pickling_made_outside_torch_reaches_the_helper(tmp_pa
     )
     assert out == ["batches", "[[[10,", "11],", "[12,", "13]],", "[[14,", "15],", "[16,",
                    "17]]]", "zygote", "True"]  # fmt: skip
+
+
+def test_zygote_helpers_import_and_open_as_the_training_process_does_at_iter(
+    tmp_path: Any,
+) -> None:
+    """After the zygote's fork the script adds a folder to ``sys.path`` (the dataset's module is
+    there) and changes directory (the dataset opens a relative path): helpers from the zygote
+    import that module and open that file, as the training process would."""
+    later = tmp_path / "later"
+    later.mkdir()
+    (later / "late_dataset.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            class FromFile(torch.utils.data.Dataset):
+                def __len__(self):
+                    return 4
+
+                def __getitem__(self, i):
+                    with open("values.txt") as f:  # relative to the working directory
+                        return int(f.read().split()[i])
+            """
+        )
+    )
+    (later / "values.txt").write_text("10 11 12 13")
+    out = _run(
+        tmp_path,
+        f"""
+        ThreadDataLoader(Rows(), num_workers=1, isolation="process")  # the zygote forks here
+        sys.path.insert(0, {str(later)!r})
+        os.chdir({str(later)!r})
+        from late_dataset import FromFile
+
+        iso = ThreadDataLoader(FromFile(), batch_size=2, num_workers=2, isolation="process",
+                               helpers=2, timeout=30)
+        with another_thread():
+            it = iter(iso)
+            print("parents", parents(it) == {{zygote.server_pid()}})
+            print("batches", [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["parents", "True", "batches", "[[10,", "11],", "[12,", "13]]"]

@@ -31,7 +31,9 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    and arguments are pickled in the training process by ``ForkingPickler`` (descriptors such as
    pipe ends and shared tensors travel beside the bytes on the socket, as with the forkserver)
    and unpickled in the helper, so the dataset is the one ``iter()`` sees, not the copy of the
-   training process at the zygote's fork. The zygote and the helper both drop those bytes once
+   training process at the zygote's fork. So are ``sys.path`` and the working directory, as
+   multiprocessing's spawn and forkserver pass them: a module on a path the script added
+   since, or a relative path after ``os.chdir``, resolve as in the training process. The zygote and the helper both drop those bytes once
    the helper has them: kept, they would hold a second copy of the dataset for as long as the
    helper runs.
 4. The training process's handle (``ZygoteProcess``) gets the helper's pid and, when the helper
@@ -307,7 +309,8 @@ class ZygoteProcess:
             self._fds = [status_w]
             set_spawning_popen(self)  # type: ignore[arg-type]
             try:
-                payload = ForkingPickler.dumps((self._target, self._args))  # no copy
+                where = (list(sys.path), os.getcwd())  # as iter() finds them (point 3)
+                payload = ForkingPickler.dumps((self._target, self._args, where))  # no copy
             finally:
                 set_spawning_popen(None)
             server.start(self.name, payload, self._fds)
@@ -497,7 +500,10 @@ def _helper_entry(box: list[bytes], fds: list[int], held: list[int]) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     _received[:] = fds
-    target, args = pickle.loads(box.pop())
+    target, args, (path, cwd) = pickle.loads(box.pop())
+    sys.path[:] = path
+    with contextlib.suppress(OSError):  # gone since: the helper stays where the zygote is
+        os.chdir(cwd)
     target(*args)
 
 

@@ -652,3 +652,40 @@ def test_zygote_helpers_import_and_open_as_the_training_process_does_at_iter(
         """,
     )
     assert out == ["parents", "True", "batches", "[[10,", "11],", "[12,", "13]]"]
+
+
+def test_a_dataset_that_cannot_load_in_the_helpers_raises_its_own_error_every_time(
+    tmp_path: Any,
+) -> None:
+    """Three zygote helpers fail to load the dataset and exit; tasks sent before their news was
+    read meet a closed pipe. The loop gets the dataset's error, not "exited unexpectedly"."""
+    out = _run(
+        tmp_path,
+        """
+        class FailsToLoad(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+
+            def __getitem__(self, i):
+                return i
+
+            def __getstate__(self):
+                return {}
+
+            def __setstate__(self, state):
+                raise ValueError("cannot load this dataset here")
+
+        ThreadDataLoader(Rows(), num_workers=1, isolation="process")  # the zygote forks here
+        raised = []
+        with another_thread():
+            for _ in range(6):
+                iso = ThreadDataLoader(FailsToLoad(), batch_size=2, num_workers=3,
+                                       isolation="process", helpers=3, timeout=30)
+                try:
+                    list(iso)
+                except Exception as exc:
+                    raised.append(type(exc).__name__)
+        print(*raised)
+        """,
+    )
+    assert out == ["ValueError"] * 6

@@ -197,7 +197,7 @@ class _Link:
         try:
             self.tasks.send(msg)
         except OSError:
-            raise self._died() from None
+            raise self._gone() from None
 
     def flush(self) -> bool:
         """Write the tasks waiting for room in the pipe, as far as it takes them now.
@@ -211,7 +211,7 @@ class _Link:
         try:
             return self.tasks.flush()
         except OSError:
-            raise self._died() from None
+            raise self._gone() from None
 
     def ready(self) -> bool:
         """Whether a message is waiting (a snapshot)."""
@@ -338,6 +338,17 @@ class _Link:
                 "this threadloader iterator was closed (KeyboardInterrupt, timeout or close()); "
                 "start a new epoch with iter(loader)"
             )
+
+    def _gone(self) -> BaseException:
+        """Why the helper is gone, found writing to it: the error it sent before it exited (it
+        could not load what it runs, and a task was sent before its news was read), else
+        ``HelperDied``. What else it sent is dropped: the epoch ends with this error."""
+        try:
+            while not self.closed and self.results.poll(0):
+                self.take_message()
+        except Exception as exc:  # noqa: BLE001  # its FATAL's error, or HelperDied at the end
+            return exc
+        return self._died()
 
     def _died(self) -> HelperDied:
         self.process.join(CLOSE_WAIT_S)

@@ -33,9 +33,9 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    and unpickled in the helper, so the dataset is the one ``iter()`` sees, not the copy of the
    training process at the zygote's fork. So are ``sys.path`` and the working directory, as
    multiprocessing's spawn and forkserver pass them: a module on a path the script added
-   since, or a relative path after ``os.chdir``, resolve as in the training process. The zygote and the helper both drop those bytes once
-   the helper has them: kept, they would hold a second copy of the dataset for as long as the
-   helper runs.
+   since, or a relative path after ``os.chdir``, resolve as in the training process. The
+   zygote and the helper both drop those bytes once the helper has them: kept, they would hold
+   a second copy of the dataset for as long as the helper runs.
 4. The training process's handle (``ZygoteProcess``) gets the helper's pid and, when the helper
    has been reaped, its exit code through a status pipe whose write end the helper also holds:
    the pipe ends, and the handle reports the helper gone, even if the zygote died first.

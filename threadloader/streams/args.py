@@ -2,7 +2,8 @@
 
 ``as_indices`` turns any batch of indices (a list, a tensor, an array) into one flat int64 array,
 checked against the dataset's length, for the vectorised reads of ``TokenWindows`` and
-``Mixture``. ``default_world`` gives ``BlockShuffleSampler`` and ``MixtureSampler`` the world of
+``Mixture`` (``integer_array`` refuses floats, also for ``Mixture.indices_at``'s stream
+positions). ``default_world`` gives ``BlockShuffleSampler`` and ``MixtureSampler`` the world of
 torch.distributed when it is initialised, else a world of one, and checks the rank.
 """
 
@@ -19,13 +20,20 @@ from threadloader.samplers.shuffle import int_argument
 Ints = npt.NDArray[np.int64]
 
 
+def integer_array(values: Any, what: str) -> Ints:
+    """``values`` (a list, a tensor, an array) as an int64 array of the same shape.
+
+    Raises:
+        TypeError: naming ``what``, if they are not integers (floats would be truncated).
+    """
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
 def as_indices(indices: Any, length: int) -> Ints:
-    array = np.asarray(indices)
-    if array.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if array.dtype.kind not in "iu":
-        raise TypeError(f"indices must be integers, got {array.dtype}")
-    array = array.astype(np.int64, copy=False).reshape(-1)
+    array = integer_array(indices, "indices").reshape(-1)
     if array.size and (int(array.min()) < 0 or int(array.max()) >= length):
         bad = int(array.min()) if int(array.min()) < 0 else int(array.max())
         raise IndexError(f"index {bad} is out of range for {length} items")

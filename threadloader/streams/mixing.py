@@ -226,11 +226,8 @@ class Schedule:
         Raises:
             ValueError: if a position comes before ``start``.
         """
-        if positions.size and int(positions.min()) < self.start:
-            raise ValueError(
-                f"position {int(positions.min())} is before this schedule's start {self.start}: "
-                "its weights were compacted away"
-            )
+        if positions.size:
+            self._check_decides(int(positions.min()))
         if len(self.regimes) == 1:
             return self.regimes[0].locate(positions)
         which = np.searchsorted(self._starts, positions, side="right") - 1
@@ -246,12 +243,15 @@ class Schedule:
         Raises:
             ValueError: if ``position`` comes before ``start``.
         """
+        self._check_decides(position)
+        return self.regime_at(position).counts_at(position)
+
+    def _check_decides(self, position: int) -> None:
         if position < self.start:
             raise ValueError(
                 f"position {position} is before this schedule's start {self.start}: "
                 "its weights were compacted away"
             )
-        return self.regime_at(position).counts_at(position)
 
     def changed(self, weights: tuple[float, ...], position: int) -> Schedule:
         """A schedule equal to this one before ``position`` and using ``weights`` from it on."""

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from threadloader.device import gathered as _gathered
 from threadloader.streams import mixing
-from threadloader.streams.args import Ints, as_indices
+from threadloader.streams.args import Ints, as_indices, integer_array
 from threadloader.streams.token_windows import TokenWindows
 
 STATE_VERSION: Final = 1
@@ -254,10 +254,7 @@ class Mixture(Dataset[Any]):
             ValueError: if a position precedes the recorded schedule.
             TypeError: if the positions are not integers.
         """
-        array = np.asarray(positions)
-        if array.size and array.dtype.kind not in "iu":
-            raise TypeError(f"positions must be integers, got {array.dtype}")
-        array = array.astype(np.int64, copy=False)
+        array = integer_array(positions, "positions")
         return self._indices(self._schedule, array.reshape(-1)).reshape(array.shape)
 
     def _indices(self, schedule: mixing.Schedule, positions: Ints) -> Ints:

@@ -396,8 +396,8 @@ def test_a_third_of_a_second_epoch_of_gil_bound_items_moves_to_forked_helpers(
     policy = auto.AutoIsolation()
     assert policy.next_epoch(loader, last).mode == "process"
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: False)  # spawn: no server
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context, code=(): False)  # spawn: no server
     choice = auto.AutoIsolation().next_epoch(loader, last)
     assert choice.mode == "threads" and "too short" in choice.reason
 
@@ -409,10 +409,12 @@ def test_a_short_epoch_moves_once_the_forkserver_it_started_is_ready(
     and stays in threads while it imports torch, saying so; once it is ready, an epoch of
     MIN_EPOCH_S moves, its helpers starting as fast as forked ones."""
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
     warmed: list[Any] = []
     ready = [False]
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    monkeypatch.setattr(
+        auto, "warm_forkserver", lambda context, code=(): warmed.append(context) or True
+    )
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: ready[0])
     loader, last = _short_epoch()
     policy = auto.AutoIsolation()
@@ -439,9 +441,11 @@ def test_no_forkserver_starts_for_an_epoch_that_would_not_move(
     import types
 
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
     warmed: list[Any] = []
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    monkeypatch.setattr(
+        auto, "warm_forkserver", lambda context, code=(): warmed.append(context) or True
+    )
     loader, last = _short_epoch()
     last = types.SimpleNamespace(**{**vars(last), **change})
     choice = auto.AutoIsolation().next_epoch(loader, last)
@@ -455,8 +459,8 @@ def test_helpers_that_receive_a_large_dataset_pickled_need_a_longer_epoch(
     """From a ready forkserver a helper starts in milliseconds, plus the time to pickle and
     unpickle what it runs (3M Python strings: about a second); forked helpers pickle nothing."""
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: True)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context, code=(): True)
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: True)
     loader, last = _short_epoch()
     nbytes = auto._pickle_check(loader).nbytes
@@ -496,10 +500,12 @@ def test_no_forkserver_starts_for_a_script_it_would_run_again(
 ) -> None:
     """The forkserver imports the main script: an unguarded one would run again in it."""
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
     monkeypatch.setattr(auto, "unguarded_main_script", lambda: "train.py")
     warmed: list[Any] = []
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    monkeypatch.setattr(
+        auto, "warm_forkserver", lambda context, code=(): warmed.append(context) or True
+    )
     loader, last = _short_epoch()
     policy = auto.AutoIsolation()
     choice = policy.next_epoch(loader, last)
@@ -581,8 +587,8 @@ def test_helpers_from_spawn_need_a_longer_epoch(monkeypatch: pytest.MonkeyPatch)
     _verdict(monkeypatch, True)
     monkeypatch.setattr(auto, "MIN_EPOCH_S_SERVER", 1e9)
     monkeypatch.setattr(auto.zygote, "may_fork", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: False)  # spawn: no server
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context, code=(): False)  # spawn: no server
     loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
     _, modes = _epochs(loader, 2)
     assert modes == ["threads", "threads"]

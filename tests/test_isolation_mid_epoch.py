@@ -178,9 +178,11 @@ def warmed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The multiprocessing contexts ``auto`` started a forkserver for (none is started, none is
     ready, and no zygote runs: another test's may)."""
     calls: list[Any] = []
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: calls.append(context) or True)
+    monkeypatch.setattr(
+        auto, "warm_forkserver", lambda context, code=(): calls.append(context) or True
+    )
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: False)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
     return calls
 
 
@@ -565,8 +567,8 @@ def test_a_move_waits_for_the_forkserver_to_be_ready(monkeypatch: pytest.MonkeyP
     first check that finds it ready moves the epoch."""
     ready = [False]
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: ready[0])
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: True)
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)
+    monkeypatch.setattr(auto, "warm_forkserver", lambda context, code=(): True)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)
     monkeypatch.setattr(mid_epoch.zygote, "may_fork", lambda besides=0: False)
     with _another_thread():
         loader = _ours()
@@ -739,7 +741,9 @@ def test_a_dataset_whose_copies_share_state_is_not_carried_pickled(
     """Pickled apart, each copy would get its own state: the epoch stays in threads, though the
     forkserver is ready, and the warm-up runs for the next epoch, which moves the dataset whole."""
     warmed: list[Any] = []
-    monkeypatch.setattr(auto, "warm_forkserver", lambda context: warmed.append(context) or True)
+    monkeypatch.setattr(
+        auto, "warm_forkserver", lambda context, code=(): warmed.append(context) or True
+    )
     with _another_thread():
         loader = ThreadDataLoader(
             _SharesState(), generator=torch.Generator().manual_seed(7), **KWARGS
@@ -877,7 +881,7 @@ def test_a_helper_source_gone_between_the_check_and_the_move_keeps_the_epoch_in_
     for a server that imports torch."""
     answers = iter([True])
     monkeypatch.setattr(auto, "forkserver_is_ready", lambda: next(answers, False))
-    monkeypatch.setattr(auto.zygote, "running", lambda: False)  # another test's may run
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): False)  # another test's may run
     with _another_thread():
         loader = _ours()
         batches = list(loader)

@@ -689,3 +689,132 @@ def test_a_dataset_that_cannot_load_in_the_helpers_raises_its_own_error_every_ti
         """,
     )
     assert out == ["ValueError"] * 6
+
+
+def test_a_dataset_class_the_script_redefines_reaches_helpers_from_a_new_zygote(
+    tmp_path: Any,
+) -> None:
+    """The script redefines its dataset's class after the zygote's fork (a notebook cell run
+    again): the zygote's ``__main__`` holds the old class. Building a loader on the new one,
+    while the script runs one thread, forks a new zygote; helpers forked from it while another
+    thread runs run the new class's code. The old zygote, with no helper left, exits."""
+    out = _run(
+        tmp_path,
+        """
+        class Tens(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return i
+
+        first = ThreadDataLoader(Tens(), batch_size=2, num_workers=2, isolation="process")
+        old = zygote.server_pid()
+        with another_thread():
+            print("old", [b.tolist() for b in first])
+
+        class Tens(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return i * 10
+
+        iso = ThreadDataLoader(Tens(), batch_size=2, num_workers=2, isolation="process")
+        with another_thread():
+            it = iter(iso)
+            print("parents", parents(it) == {zygote.server_pid()}, zygote.server_pid() != old)
+            print("new", [b.tolist() for b in it])
+        deadline = time.monotonic() + 10
+        while zygote.retired_pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("retired", zygote.retired_pids(), psutil.pid_exists(old))
+        """,
+    )
+    assert out == [
+        "old", "[[0,", "1],", "[2,", "3]]", "parents", "True", "True",
+        "new", "[[0,", "10],", "[20,", "30]]", "retired", "[]", "False",
+    ]  # fmt: skip
+
+
+def test_a_retired_zygote_serves_its_persistent_helpers_until_they_end(tmp_path: Any) -> None:
+    """A persistent loader's helpers come from a zygote that a later class retires: they go on
+    serving epochs, report a clean exit when the loader ends, and the old zygote exits then."""
+    out = _run(
+        tmp_path,
+        """
+        first = loader(isolation="process", persistent_workers=True)
+        threads = loader(persistent_workers=True)
+        expected = [list(threads), list(threads)]
+        del threads  # its worker threads end: this process runs one thread again
+        old = zygote.server_pid()
+        with another_thread():
+            print("first", same(list(first), expected[0]))
+
+        class Later(torch.utils.data.Dataset):
+            def __len__(self):
+                return 2
+
+            def __getitem__(self, i):
+                return i + 100
+
+        later = ThreadDataLoader(Later(), batch_size=2, num_workers=1, isolation="process")
+        print("replaced", zygote.server_pid() != old, zygote.retired_pids() == [old])
+        with another_thread():
+            print("later", [b.tolist() for b in later])
+            print("again", same(list(first), expected[1]))
+            processes = list(first._iterator._links.links)
+            del first
+            print("codes", [p.process.exitcode for p in processes])
+        deadline = time.monotonic() + 10
+        while zygote.retired_pids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("retired", zygote.retired_pids(), psutil.pid_exists(old))
+        """,
+    )
+    assert out == [
+        "first", "True", "replaced", "True", "True", "later", "[[100,", "101]]",
+        "again", "True", "codes", "[0]", "retired", "[]", "False",
+    ]  # fmt: skip
+
+
+def test_a_class_defined_after_the_zygote_forked_comes_to_helpers_from_the_forkserver(
+    tmp_path: Any,
+) -> None:
+    """A loader built at the script's top level forks the zygote before the script defines a
+    class; built while another thread runs, a loader on that class cannot fork a new zygote:
+    its helpers come from the forkserver, which imports the script and finds the class."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        _PRELUDE
+        + textwrap.dedent(
+            """
+            FIRST = loader(isolation="process")  # the zygote forks here, in the training process
+
+
+            class Later(torch.utils.data.Dataset):
+                def __len__(self):
+                    return 4
+
+                def __getitem__(self, i):
+                    return i * 10
+
+
+            if __name__ == "__main__":
+                with another_thread():
+                    iso = ThreadDataLoader(Later(), batch_size=2, num_workers=2,
+                                           isolation="process", timeout=60)
+                    it = iter(iso)
+                    print("zygote", zygote.server_pid() in parents(it))
+                    print("batches", [b.tolist() for b in it])
+            """
+        )
+    )
+    repo = str(pathlib.Path(threadloader.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["zygote", "False", "batches", "[[0,", "10],", "[20,", "30]]"]

@@ -218,3 +218,16 @@ def test_worker_init_fn_as_a_bound_method_leaves_only_its_own_writes() -> None:
     state = capture([dataset], main, init=dataset.noop)
     assert _values(state)["SCALE"] == 3
     assert "SCALE" not in _values(capture([dataset], main, init=main.fill))
+
+
+def test_the_script_code_helpers_run_is_found_through_the_functions_it_calls() -> None:
+    """The dataset's class, the script's function its method calls, ``collate_fn`` and
+    ``worker_init_fn`` with what it calls: what a zygote must hold as the script has it now;
+    not the script's other functions and classes."""
+    main = _script()
+    code = main_state.script_code(
+        [Subset(main.Items(), [0, 1]), main.collate], main, init=main.open_handle
+    )
+    names = sorted(obj.__qualname__ for obj in code)
+    assert names == ["Items", "collate", "open_handle", "open_somewhere", "shift"]
+    assert main_state.script_code([Subset(main.Opened(), [0])], main) == [main.Opened]

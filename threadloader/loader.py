@@ -47,6 +47,7 @@ from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
 from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice, one_line
 from threadloader.isolation.helper_source import check_isolation, start_helper_server
+from threadloader.isolation.main_state import script_code
 from threadloader.isolation.mid_epoch import mover_for
 from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
 
@@ -276,7 +277,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
         if self._options.isolation == "process":
-            start_helper_server(multiprocessing_context)
+            code = script_code((self.dataset, self.collate_fn), init=self.worker_init_fn)
+            start_helper_server(multiprocessing_context, code)
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
 

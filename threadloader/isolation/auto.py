@@ -71,6 +71,7 @@ from threadloader.isolation.helper_source import (
     warm_forkserver,
 )
 from threadloader.isolation.main_script import main_reimported, unguarded_main_script
+from threadloader.isolation.main_state import script_code
 
 THREADS = "threads"
 PROCESS = "process"
@@ -355,7 +356,7 @@ class AutoIsolation:
             loader: the ``ThreadDataLoader``.
         """
         if self._refusal(loader, forked=False) is None:
-            warm_forkserver(loader.multiprocessing_context)
+            warm_forkserver(loader.multiprocessing_context, _script_code(loader))
 
     def unforked_start_s(self, loader: Any) -> float | None:
         """Seconds that pickling what they run costs helpers not forked from this process, where
@@ -374,7 +375,7 @@ class AutoIsolation:
             return None
         if getattr(type(loader.dataset), "__copy__", None) is not None:
             return None  # its copies share process-wide state: pickled apart, they would not
-        forked = zygote.running()
+        forked = zygote.running(_script_code(loader))
         if not forked and not forkserver_is_ready():
             return None
         if self._refusal(loader, forked) is not None:
@@ -395,7 +396,7 @@ class AutoIsolation:
             return _too_short(last, MIN_EPOCH_S)
         method = start_method(loader.multiprocessing_context)
         forking = method in (None, "fork") and zygote.may_fork()  # this process: nothing pickled
-        forked = forking or (method is None and zygote.running())
+        forked = forking or (method is None and zygote.running(_script_code(loader)))
         refusal = self._refusal(loader, forked)
         if refusal is not None or forking:
             return refusal
@@ -407,7 +408,7 @@ class AutoIsolation:
             return self._long_enough(last, MIN_EPOCH_S + pickled_s)
         if last.wall_s >= MIN_EPOCH_S_SERVER + pickled_s:
             return None
-        warming = warm_forkserver(loader.multiprocessing_context)
+        warming = warm_forkserver(loader.multiprocessing_context, _script_code(loader))
         if warming and forkserver_is_ready():
             return self._long_enough(last, MIN_EPOCH_S + pickled_s)
         reason = _too_short(last, MIN_EPOCH_S_SERVER + pickled_s)
@@ -470,3 +471,9 @@ class AutoIsolation:
         if self._pickled is None:
             self._pickled = _pickle_check(loader)
         return self._pickled
+
+
+def _script_code(loader: Any) -> list[Any]:
+    """The main script's classes and functions that helpers running ``loader``'s workers run
+    (a zygote that lacks them is not used: ``zygote`` point 5)."""
+    return script_code((loader.dataset, loader.collate_fn), init=loader.worker_init_fn)

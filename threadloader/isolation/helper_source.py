@@ -7,13 +7,14 @@ Where the code disagrees with these rules, the code is wrong.
    the helpers share its pages and get the dataset, ``collate_fn`` and ``worker_init_fn`` as
    they are, nothing pickled, as torch's fork-started workers do. Otherwise the zygote forks
    them (``zygote``: a copy of this process taken when a loader with ``isolation="process"``
-   was built, if it ran one thread then), else a forkserver that preloads the main script,
-   threadloader and torch, else ``spawn`` where there is no forkserver or ``TMPDIR`` is too long
-   a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn`` are pickled
-   (``PickledOnce``; once for all the helpers an ``iter()`` starts, unless the pickle carries
-   tensors' descriptors, which serve one process each): one copy of the dataset per helper.
-   A process running other
-   Python threads is never forked: one of them could hold a lock the copy would keep.
+   was built, if it ran one thread then, and if the script's classes and functions the helpers
+   run are as they were then: ``zygote`` point 5), else a forkserver that preloads the main
+   script, threadloader and torch, else ``spawn`` where there is no forkserver or ``TMPDIR`` is
+   too long a path for its socket; then the dataset, ``collate_fn`` and ``worker_init_fn`` are
+   pickled (``PickledOnce``; once for all the helpers an ``iter()`` starts, unless the pickle
+   carries tensors' descriptors, which serve one process each): one copy of the dataset per
+   helper. A process running other Python threads is never forked: one of them could hold a
+   lock the copy would keep.
 2. A ``multiprocessing_context`` the user names is used as given (``fork`` only while this
    process runs one Python thread: ``"process"`` refuses it, ``"auto"`` then stays in threads).
 3. Helpers are never started with ``forkserver`` or ``spawn`` for a main script without an
@@ -50,6 +51,7 @@ import socket
 import sys
 import tempfile
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from threadloader.isolation import zygote
@@ -100,17 +102,20 @@ def start_method(multiprocessing_context: object) -> str | None:
     return method if isinstance(method, str) else None
 
 
-def helper_context(multiprocessing_context: Any = None) -> Any:
+def helper_context(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> Any:
     """What starts helpers: ``fork``, the zygote, the forkserver, or spawn where there is none.
 
     Where the user named no context: ``fork`` when this process runs one Python thread (the
     helpers share its pages and see the dataset as it is now, as torch's fork-started workers
     do), else the zygote (``zygote``: a copy of this process taken when a loader was built and
-    it ran one Python thread) if one runs, else the forkserver, which preloads torch and
-    threadloader, or ``spawn`` where the forkserver's socket cannot be bound (a long ``TMPDIR``).
+    it ran one Python thread) if one runs that has ``code`` as it is now, else the forkserver,
+    which preloads torch and threadloader, or ``spawn`` where the forkserver's socket cannot be
+    bound (a long ``TMPDIR``).
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
+        code: the main script's classes and functions the helpers run
+            (``main_state.script_code``; ``zygote`` point 5).
 
     Returns:
         A ``fork``, ``forkserver`` or ``spawn`` context, or ``zygote.ZygoteContext()``.
@@ -127,7 +132,7 @@ def helper_context(multiprocessing_context: Any = None) -> Any:
     if multiprocessing_context is None:
         if zygote.may_fork():  # one Python thread: fork this process, as torch's workers are
             return multiprocessing.get_context("fork")
-        if zygote.running():
+        if zygote.running(code):
             return zygote.ZygoteContext()
         multiprocessing_context = "forkserver" if _forkserver_can_listen() else "spawn"
     ctx = (
@@ -156,7 +161,7 @@ def rerun_reason(script: str, method: str) -> str:
     )
 
 
-def start_helper_server(multiprocessing_context: Any = None) -> None:
+def start_helper_server(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> None:
     """Start what helpers are forked from, without waiting for it to be ready.
 
     Called when a loader with ``isolation="process"`` is built: the zygote forks now, while the
@@ -168,15 +173,17 @@ def start_helper_server(multiprocessing_context: Any = None) -> None:
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
+        code: the main script's classes and functions the helpers run: a zygote that lacks
+            them is replaced (``zygote`` point 5).
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return  # this process is importing __main__ for multiprocessing: start nothing here
-    if multiprocessing_context is None and zygote.ensure_running():
+    if multiprocessing_context is None and zygote.ensure_running(code):
         return
-    start_forkserver(helper_context(multiprocessing_context))
+    start_forkserver(helper_context(multiprocessing_context, code))
 
 
-def warm_forkserver(multiprocessing_context: Any = None) -> bool:
+def warm_forkserver(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> bool:
     """Start the forkserver that helpers would come from now, without waiting for its imports.
 
     For ``isolation="auto"`` (point 5): called once measurements say the workers should move and
@@ -186,6 +193,7 @@ def warm_forkserver(multiprocessing_context: Any = None) -> bool:
 
     Args:
         multiprocessing_context: the loader's context object or name, if the user gave one.
+        code: the main script's classes and functions the helpers run (``helper_context``).
 
     Returns:
         Whether helpers would come from a forkserver, now running or starting.
@@ -193,7 +201,7 @@ def warm_forkserver(multiprocessing_context: Any = None) -> bool:
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         return False  # this process is importing __main__ for multiprocessing
     try:
-        ctx = helper_context(multiprocessing_context)
+        ctx = helper_context(multiprocessing_context, code)
     except (RuntimeError, ValueError):  # no helper may start: nothing to warm
         return False
     if ctx.get_start_method() != "forkserver":

@@ -49,7 +49,7 @@ import torch
 
 from threadloader.isolation.capped import Capped, PayloadTooLarge
 
-__all__ = ["LIMIT_BYTES", "MainState", "capture"]
+__all__ = ["LIMIT_BYTES", "MainState", "capture", "script_code"]
 
 #: What ``MainState.left_out`` names when the script's code could not be scanned (point 1).
 UNSCANNED = "(code that could not be scanned)"
@@ -152,8 +152,8 @@ def capture(
         return MainState((), dtype)
     space, module = vars(main), main.__name__
     try:
-        read, _ = _scan(_main_code([*roots, init], module), space, module)
-        _, written = _scan(_own_code(init), space, module)
+        read, _, _ = _scan(_main_code([*roots, init], module), space, module)
+        _, written, _ = _scan(_own_code(init), space, module)
     except Exception:  # noqa: BLE001  # code that cannot be scanned: assume it needs anything
         return MainState((), dtype, (UNSCANNED,))
     values: list[tuple[str, bytes]] = []
@@ -170,6 +170,34 @@ def capture(
         total += len(data)
         values.append((name, data))
     return MainState(tuple(values), dtype, tuple(left_out))
+
+
+def script_code(
+    roots: Iterable[Any], main: types.ModuleType | None = None, init: Any = None
+) -> list[Any]:
+    """The classes and functions of the main script that helpers running ``roots`` and ``init``
+    run: those the walk of point 1 finds, and those their code names, transitively.
+
+    Helpers not forked from this process find them by name in their own ``__main__``
+    (``zygote`` point 5). Never raises: code that cannot be scanned adds nothing.
+
+    Args:
+        roots: the dataset and ``collate_fn``.
+        main: the main module; by default ``sys.modules["__main__"]``.
+        init: ``worker_init_fn``.
+
+    Returns:
+        The classes and functions, each once.
+    """
+    main = sys.modules.get(_MAIN) if main is None else main
+    if main is None:
+        return []
+    module = main.__name__
+    found = _main_code([*roots, init], module)
+    try:
+        return _scan(found, vars(main), module)[2]
+    except Exception:  # noqa: BLE001  # code that cannot be scanned: what the walk found
+        return found
 
 
 class _Pickler(pickle.Pickler):
@@ -278,20 +306,22 @@ def _codes_of(obj: Any, module: str) -> Iterator[types.CodeType]:
                     yield function.__code__
 
 
-def _scan(owners: list[Any], space: dict[str, Any], module: str) -> tuple[set[str], set[str]]:
+def _scan(
+    owners: list[Any], space: dict[str, Any], module: str
+) -> tuple[set[str], set[str], list[Any]]:
     """The globals of ``space`` (the main module's) that the code of ``owners`` reads, and
     those it writes, following the functions and classes of ``module`` it names; not modules,
-    functions, classes."""
+    functions, classes. Third: ``owners`` and the functions and classes followed."""
     read: set[str] = set()
     written: set[str] = set()
-    done: set[int] = set()
+    done: dict[int, Any] = {}
     pending = list(owners)
     codes: list[types.CodeType] = []
     while pending or codes:
         while pending:
             owner = pending.pop()
             if id(owner) not in done:
-                done.add(id(owner))
+                done[id(owner)] = owner
                 codes.extend(_codes_of(owner, module))
         if not codes:
             break
@@ -308,4 +338,4 @@ def _scan(owners: list[Any], space: dict[str, Any], module: str) -> tuple[set[st
                         pending.append(value)
                 elif not isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
                     read.add(name)
-    return read, written
+    return read, written, list(done.values())

@@ -91,6 +91,11 @@ class GlobalsLeftOut(RuntimeError):
     are not forked from this process (``main_state`` point 2): ``"auto"`` stays in threads."""
 
 
+def _script_code(spec: WorkerSpec) -> list[Any]:
+    """The main script's classes and functions that helpers running ``spec`` run."""
+    return main_state.script_code((spec.dataset, spec.collate_fn), init=spec.worker_init_fn)
+
+
 def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainState | None:
     """What helpers started by ``ctx`` need of the main script's run-time state
     (``main_state`` point 4): None for forked ones, or where the user named the context.
@@ -241,7 +246,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._log_every_s = options_of(loader).log_every_s
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
-        ctx = helper_context(loader.multiprocessing_context)
+        ctx = helper_context(loader.multiprocessing_context, _script_code(worker_spec))
         named = loader.multiprocessing_context is not None
         state = _main_state(ctx, worker_spec, named, options_of(loader).isolation == "auto")
         start_forkserver(ctx)  # if it uses one: preloading the main script, once
@@ -304,7 +309,7 @@ class IsolatedDataLoaderIter(DispatchingIter):
             links = Links(_start_links(ctx, epoch, spec, count, adopted=epoch._pool.workers))
         else:
             # The zygote or a forkserver that is ready (``mid_epoch``): nothing to start first.
-            ctx = helper_context()
+            ctx = helper_context(code=_script_code(spec))
             state = _main_state(ctx, spec, named=False, strict=True)
             links = Links(
                 _start_links(ctx, epoch, spec, count, adopted=carried, limit=limit, state=state)

@@ -39,6 +39,16 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
 4. The training process's handle (``ZygoteProcess``) gets the helper's pid and, when the helper
    has been reaped, its exit code through a status pipe whose write end the helper also holds:
    the pipe ends, and the handle reports the helper gone, even if the zygote died first.
+5. Classes and functions of the main script are pickled by name, and a helper finds them in
+   the zygote's ``__main__``: as they were at its fork. The training process keeps the
+   script's classes and functions as they were then (``_Server.script``); ``missing`` names
+   those of the code a loader runs that the script defined or replaced since (a class
+   defined after the first loader, a notebook cell run again). Such a loader never uses the
+   zygote: a helper would fail to find the class, or run its old code. ``ensure_running``
+   (a loader built while this process runs one Python thread) then forks a new zygote; the old
+   one is retired: it forks nothing more and exits once the helpers it forked have ended,
+   reporting their exit codes until then. Where no new zygote can fork, helpers come from the
+   forkserver, which imports the script afresh (``helper_source``).
 """
 
 from __future__ import annotations
@@ -59,7 +69,8 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -76,6 +87,8 @@ _CODE = struct.Struct("=q")
 
 _lock = threading.Lock()
 _server: _Server | None = None
+#: Zygotes replaced by a newer one, still serving the helpers they forked (point 5).
+_retired: list[_Server] = []
 _atexit_registered = False
 #: In a helper: the descriptors that came with its start, indexed by ``_DupFd``.
 _received: list[int] = []
@@ -106,16 +119,29 @@ def may_fork(besides: int = 0) -> bool:
     return only_the_main_thread(besides)
 
 
-def ensure_running() -> bool:
-    """Start the zygote if none runs and this process may fork now (point 1).
+def ensure_running(code: Iterable[Any] = ()) -> bool:
+    """Start the zygote if none runs, or a new one if the running one lacks ``code``, where this
+    process may fork now (points 1 and 5).
+
+    Args:
+        code: the main script's classes and functions a loader's helpers run
+            (``main_state.script_code``).
 
     Returns:
-        Whether a zygote is running for this process.
+        Whether a zygote that has ``code`` is running for this process.
     """
     global _server, _atexit_registered
+    code = list(code)
     with _lock:
+        _reap_retired()
         if _server is not None and _server.alive():
-            return True
+            if not _server.missing(code):
+                return True
+            if not may_fork():
+                return False
+            _server.retire()
+            _retired.append(_server)
+            _server = None
         if not may_fork():
             return False
         _server = _Server.fork()
@@ -125,16 +151,38 @@ def ensure_running() -> bool:
         return True
 
 
-def running() -> bool:
-    """Whether this process has a live zygote (``ensure_running`` started one)."""
+def running(code: Iterable[Any] = ()) -> bool:
+    """Whether this process has a live zygote (``ensure_running`` started one) that has ``code``,
+    the main script's classes and functions a loader's helpers run, as they are now (point 5)."""
     with _lock:
-        return _server is not None and _server.alive()
+        _reap_retired()
+        return _server is not None and _server.alive() and not _server.missing(code)
+
+
+def missing(code: Iterable[Any]) -> list[str]:
+    """The names of those of ``code`` that the running zygote's ``__main__`` lacks (point 5):
+    classes and functions of the main script defined or replaced since its fork. Empty where no
+    zygote runs."""
+    with _lock:
+        return _server.missing(code) if _server is not None and _server.alive() else []
 
 
 def server_pid() -> int | None:
     """The zygote's pid, or None when there is none."""
     with _lock:
         return _server.pid if _server is not None and _server.alive() else None
+
+
+def retired_pids() -> list[int]:
+    """Pids of retired zygotes (point 5) that have not exited yet."""
+    with _lock:
+        _reap_retired()
+        return [server.pid for server in _retired]
+
+
+def _reap_retired() -> None:
+    # Called with ``_lock`` held: forget the retired zygotes that have exited.
+    _retired[:] = [server for server in _retired if server.alive()]
 
 
 def shutdown() -> None:
@@ -148,9 +196,11 @@ def shutdown() -> None:
 
 def _after_fork_in_child() -> None:
     # Point 2: this process's end of the zygote's socket is the parent's (the zygote, forked
-    # with ``_lock`` held, resets its own state in ``_serve``).
+    # with ``_lock`` held, resets its own state in ``_serve``). Retired zygotes are the parent's
+    # children, their sockets closed already.
     global _server, _lock
     _lock = threading.Lock()
+    _retired.clear()
     server, _server = _server, None
     if server is not None:
         server.sock.close()
@@ -165,22 +215,32 @@ def _close_at_exit() -> None:
     # also reaps it, and leaves no socket for the interpreter to warn about.
     with _lock:
         server = _server
+        _reap_retired()  # a retired one exits once its helpers have ended: not waited for
     if server is not None:
         server.close(wait_s=1.0)
 
 
 class _Server:
-    """The training process's end of the zygote: its pid and socket."""
+    """The training process's end of the zygote: its pid and socket.
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
+    Args:
+        pid: the zygote's pid.
+        sock: this process's end of its socket.
+        script: the main script's classes and functions as at the fork, by name (point 5).
+    """
+
+    def __init__(self, pid: int, sock: socket.socket, script: dict[str, Any]) -> None:
         self.pid = pid
         self.sock = sock
+        self.script = script
         self.send_lock = threading.Lock()
         self._gone = False
         self._broken = False  # a request was cut short: the zygote's stream is out of step
+        self._retiring = False  # a newer zygote serves: this one exits after its helpers
 
     @classmethod
     def fork(cls) -> _Server:
+        script = _script_code_now()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the zygote
@@ -192,11 +252,36 @@ class _Server:
             finally:
                 os._exit(code)
         theirs.close()
-        return cls(pid, ours)
+        return cls(pid, ours, script)
+
+    def missing(self, code: Iterable[Any]) -> list[str]:
+        """Names of those of ``code`` that ``__main__`` holds other than at the fork (point 5)."""
+        main = sys.modules.get("__main__")
+        now = vars(main) if main is not None else {}
+        names = []
+        for obj in code:
+            name = getattr(obj, "__qualname__", None)
+            if not isinstance(name, str) or "<locals>" in name:
+                continue  # not found by name in any process: pickling it fails here
+            top = name.partition(".")[0]
+            if top not in now or self.script.get(top) is not now[top]:
+                names.append(name)
+        return names
+
+    def retire(self) -> None:
+        """Ask the zygote to fork nothing more and exit once its helpers have (point 5), and
+        close this end."""
+        with self.send_lock, contextlib.suppress(OSError):
+            if not self._broken:
+                self.sock.sendall(_HEADER.pack(0, 0))
+        self.sock.close()  # a zygote that missed the request exits on the EOF
+        self._broken = self._retiring = True  # never asked to start a helper again
 
     def alive(self) -> bool:
-        if self._gone or self._broken:
+        if self._gone:
             return False
+        if self._broken and not self._retiring:
+            return False  # out of step (``start``): given up
         try:
             done, _ = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
@@ -231,7 +316,7 @@ class _Server:
                 "Call torch.multiprocessing.set_sharing_strategy('file_system') or hold fewer "
                 "separate tensors in the dataset"
             )
-        raw = name.encode()
+        raw = (name or "threadloader-helper").encode()  # an empty name retires (point 5)
         with self.send_lock:
             if self._broken:
                 raise OSError("threadloader's zygote process is not running")
@@ -415,7 +500,7 @@ def _write_code(fd: int, code: int) -> None:
 
 
 def _serve(sock: socket.socket) -> None:
-    """The zygote's loop: fork a helper per request, report each one's end (points 2-4)."""
+    """The zygote's loop: fork a helper per request, report each one's end (points 2-5)."""
     global _server, _lock
     _server, _lock = None, threading.Lock()  # the fork copied the training process's, held
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -424,8 +509,9 @@ def _serve(sock: socket.socket) -> None:
     gc.freeze()
     fork = multiprocessing.get_context("fork")
     children: dict[int, tuple[Any, int]] = {}  # sentinel -> (process, status fd)
-    while True:
-        for fd in _readable([sock.fileno(), *children], None):
+    listening = True
+    while listening or children:
+        for fd in _readable([sock.fileno(), *children] if listening else [*children], None):
             if fd in children:
                 proc, status = children.pop(fd)
                 proc.join()
@@ -438,6 +524,10 @@ def _serve(sock: socket.socket) -> None:
                 return  # the training process closed its end, or died
             name, payload, fds = request
             request = None
+            if not name:  # retired (point 5): serve the helpers forked so far, then exit
+                listening = False
+                sock.close()
+                continue
             held = [sock.fileno(), *(status for _, status in children.values())]
             box = [payload]
             del payload
@@ -476,6 +566,8 @@ def _receive(sock: socket.socket) -> tuple[str, bytes, list[int]] | None:
             return None
         data += _recv_exactly(sock, _HEADER.size - len(data))
         name_len, payload_len = _HEADER.unpack(data)
+        if not name_len:
+            return "", b"", list(fds)  # retired: no name, nothing to start (point 5)
         name = _recv_exactly(sock, name_len).decode()
         payload = _recv_exactly(sock, payload_len)
     except (OSError, EOFError):
@@ -525,3 +617,15 @@ def _name_this_process(name: bytes) -> None:
     # The name ps and psutil show (15 bytes at most): the zygote is not the training script.
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
+
+
+def _script_code_now() -> dict[str, Any]:
+    """The main script's classes and functions now, by name (point 5)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return {}
+    return {
+        name: value
+        for name, value in list(vars(main).items())
+        if isinstance(value, (type, types.FunctionType))
+    }

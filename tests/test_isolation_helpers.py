@@ -228,6 +228,23 @@ def test_one_helper_killed_raises_naming_its_pid_and_ends_the_others() -> None:
     assert _wait_gone(pids) == []
 
 
+def test_a_persistent_loader_that_lost_a_helper_starts_new_ones_at_its_next_epoch() -> None:
+    """A persistent loader's helper dies between epochs: the next epoch raises naming it (as
+    torch's), ends the other helper, and the epoch after runs on new helpers with every batch
+    (it raised "this iterator was closed" at every later iter())."""
+    loader = _loader(Ids(16), helpers=2, batch_size=4, num_workers=2, persistent_workers=True)
+    expected = [b.tolist() for b in loader]
+    pids = list(loader._iterator.helper_pids)  # type: ignore[union-attr]
+    os.kill(pids[1], signal.SIGKILL)
+    assert _wait_gone([pids[1]]) == []
+    with pytest.raises(RuntimeError, match=rf"pid\(s\) {pids[1]}\) exited unexpectedly"):
+        list(loader)
+    assert _wait_gone(pids) == []
+    assert [b.tolist() for b in loader] == expected
+    assert not set(loader._iterator.helper_pids) & set(pids)  # type: ignore[union-attr]
+    del loader
+
+
 def test_every_helper_ends_after_break_and_after_exhaustion() -> None:
     """break (then del) and the end of the epoch each end every helper."""
     loader = _loader(Ids(400), helpers=3, batch_size=4, num_workers=3)

@@ -658,7 +658,8 @@ def test_a_dataset_that_cannot_load_in_the_helpers_raises_its_own_error_every_ti
     tmp_path: Any,
 ) -> None:
     """Three zygote helpers fail to load the dataset and exit; tasks sent before their news was
-    read meet a closed pipe. The loop gets the dataset's error, not "exited unexpectedly"."""
+    read meet a closed pipe. The loop gets the dataset's error, not "exited unexpectedly"; with
+    persistent workers too, at every epoch, not "this iterator was closed"."""
     out = _run(
         tmp_path,
         """
@@ -685,10 +686,18 @@ def test_a_dataset_that_cannot_load_in_the_helpers_raises_its_own_error_every_ti
                     list(iso)
                 except Exception as exc:
                     raised.append(type(exc).__name__)
+            # persistent: each iter() starts new helpers, as the epoch that lost its own ended
+            iso = ThreadDataLoader(FailsToLoad(), batch_size=2, num_workers=2, timeout=30,
+                                   isolation="process", helpers=2, persistent_workers=True)
+            for _ in range(3):
+                try:
+                    list(iso)
+                except Exception as exc:
+                    raised.append(type(exc).__name__)
         print(*raised)
         """,
     )
-    assert out == ["ValueError"] * 6
+    assert out == ["ValueError"] * 9
 
 
 def test_a_dataset_class_the_script_redefines_reaches_helpers_from_a_new_zygote(

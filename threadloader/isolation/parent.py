@@ -55,11 +55,13 @@ How an epoch behaves; where the code disagrees with this, the code is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data._utils.collate import default_collate
@@ -372,10 +374,11 @@ class IsolatedDataLoaderIter(DispatchingIter):
         parked = self._parked_slots()
         seed = None if redispatch else self._shared_seed
         rewind = self._rcvd_idx if redispatch else None  # Worker.start_epoch
-        for i, link in enumerate(self._links.links):
-            link.reader.give_back(parked.get(i, ()))
-            link.reader.send_released()
-            link.send((EPOCH, self._generation, seed, rewind))
+        with self._ending_if_a_helper_is_lost():
+            for i, link in enumerate(self._links.links):
+                link.reader.give_back(parked.get(i, ()))
+                link.reader.send_released()
+                link.send((EPOCH, self._generation, seed, rewind))
 
     def _parked_slots(self) -> dict[int, list[Any]]:
         """Slots of batches parked in the reorder table of an abandoned epoch, by helper."""
@@ -393,8 +396,21 @@ class IsolatedDataLoaderIter(DispatchingIter):
 
     def _send(self, worker_id: int, idx: int, index: Any) -> None:
         link = self._links.for_worker(worker_id)
-        link.reader.send_released()
-        link.send((TASK, worker_id, idx, self._generation, index))
+        with self._ending_if_a_helper_is_lost():
+            link.reader.send_released()
+            link.send((TASK, worker_id, idx, self._generation, index))
+
+    @contextlib.contextmanager
+    def _ending_if_a_helper_is_lost(self) -> Iterator[None]:
+        """Close the epoch when what it ran raised because a helper is gone (it sent the error
+        that ended it, or it died): the workers it ran cannot go on, and a persistent loader's
+        next ``iter()`` then starts new helpers instead of resetting this epoch."""
+        try:
+            yield
+        except BaseException:
+            if any(link.closed for link in self._links.links):
+                self.close()
+            raise
 
     def _get_result(self, in_flight: tuple[Any, ...]) -> Result:
         """The next result of this epoch from a helper; stale epochs' are given back."""
@@ -404,7 +420,8 @@ class IsolatedDataLoaderIter(DispatchingIter):
         wait = self._timeout if self._timeout > 0 else None
         while True:
             try:
-                msg = links.receive(wait)
+                with self._ending_if_a_helper_is_lost():
+                    msg = links.receive(wait)
             except TimeoutError:
                 self.close()
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from threadloader import ThreadDataLoader
+from threadloader.samplers import feistel
 from threadloader.samplers.distributed import DistributedShuffleSampler
 from threadloader.samplers.shuffle import BLOCK_SIZE, ShuffleSampler
 from threadloader.streams import BlockShuffleSampler, Mixture, MixtureSampler
@@ -125,6 +126,35 @@ def test_the_order_is_pinned_across_versions() -> None:
         734036121504,
         407186890767,
     ]
+
+
+def test_keys_of_many_epochs_at_once_are_each_epochs_own() -> None:
+    """The vectorised key derivation gives ``round_keys``'s bits, and ``of_epochs`` maps each
+    position as the permutation of its own epoch does, for lengths that cycle-walk or not."""
+    epochs = np.array([0, 1, 2, 3, 10**9, 2**62, 2**63 - 1], dtype=np.int64)
+    for seed in (0, 42, 2**64 - 1, 2**70 + 5):
+        table = feistel.round_keys_of_epochs(seed, epochs, 16)
+        for column, epoch in enumerate(epochs.tolist()):
+            assert table[:, column].tolist() == feistel.round_keys(seed, epoch, 16)
+    rng = np.random.default_rng(3)
+    for length in (1, 2, 3, 5, 64, 65, 1000, 10**9 + 7):
+        positions = rng.integers(0, length, 3000, dtype=np.int64).astype(np.uint64)
+        for epochs_of in (rng.integers(0, 700, 3000), np.full(3000, 5)):
+            mapped = feistel.FeistelPermutation(length, 9, 0).of_epochs(positions, epochs_of)
+            for epoch in np.unique(epochs_of).tolist():
+                at = epochs_of == epoch
+                expected = feistel.FeistelPermutation(length, 9, epoch)(positions[at])
+                assert mapped[at].tolist() == expected.tolist()
+
+
+def test_a_mixtures_order_is_pinned_across_versions_with_sources_of_one_and_three() -> None:
+    """Sources of 1 and 3 samples go through hundreds of epochs per block of the stream."""
+    weights = {"big": 0.2, "one": 0.3, "three": 0.5}
+    mixture = Mixture({"big": range(5000), "one": [0], "three": range(3)}, weights, seed=11)
+    assert mixture.indices_at(np.arange(12)).tolist() == [
+        5003, 4156, 5000, 5002, 5001, 5000, 2712, 5003, 5002, 5000, 5001, 4979,
+    ]  # fmt: skip
+    assert mixture.indices_at([10**9, 10**9 + 1, 10**9 + 2]).tolist() == [4220, 5002, 5001]
 
 
 def test_the_largest_length_and_any_int_seed_work() -> None:

@@ -36,7 +36,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from threadloader.samplers.shuffle import ShuffleSampler
+from threadloader.samplers.feistel import FeistelPermutation
 
 PERIOD_BITS: Final = 16
 PERIOD: Final = 1 << PERIOD_BITS
@@ -355,18 +355,17 @@ class SourceOrders:
     def __init__(self, lengths: Sequence[int], seeds: Sequence[int]) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        self._orders = [ShuffleSampler(n, seed=s) for n, s in zip(lengths, seeds, strict=True)]
+        # ShuffleSampler(n, seed=s)'s orders: its epoch e is the permutation keyed by (s, e).
+        self._orders = [FeistelPermutation(n, s, 0) for n, s in zip(lengths, seeds, strict=True)]
 
     def indices(self, source: _Ints, ordinal: _Ints) -> _Ints:
         """Concatenated dataset index of sample ``ordinal`` of each ``source`` (rule 5 above)."""
         out = np.empty_like(ordinal)
         for s, rows in groups(source):
-            n = int(self.lengths[s])
-            epoch, position = np.divmod(ordinal[rows], n)
-            found = np.empty_like(position)
-            for e, in_epoch in groups(epoch):  # a small source spans many epochs per block
-                found[in_epoch] = self._orders[s].index_at(position[in_epoch], epoch=e)
-            out[rows] = found + self.offsets[s]
+            epoch, position = np.divmod(ordinal[rows], int(self.lengths[s]))
+            # A small source spans many epochs per block: one pass keys each by its own.
+            found = self._orders[s].of_epochs(position.astype(np.uint64), epoch)
+            out[rows] = found.view(np.int64) + self.offsets[s]
         return out
 
 

@@ -139,6 +139,19 @@ def test_process_isolation_refuses_to_run_an_unguarded_script_again(tmp_path: Pa
     assert "would run it again" in proc.stderr and 'isolation="threads"' in proc.stderr
 
 
+def test_process_isolation_refuses_a_dataset_defined_in_an_interactive_main(
+    tmp_path: Path,
+) -> None:
+    """``python -c`` (a notebook) while another thread runs: the helpers would come from the
+    forkserver, which has no main script to import ``Items`` from. Refused before any helper
+    starts, naming the class, instead of an ``AttributeError`` from each helper."""
+    proc = _run(tmp_path, _PROCESS_BODY, guarded=False, how="-c")
+    assert proc.returncode != 0
+    assert "BATCHES" not in proc.stdout
+    assert "cannot import Items, defined in __main__" in proc.stderr, proc.stderr
+    assert 'isolation="threads"' in proc.stderr and "AttributeError" not in proc.stderr
+
+
 def test_process_isolation_runs_a_guarded_script(tmp_path: Path) -> None:
     proc = _run(tmp_path, _PROCESS_BODY, guarded=True)
     assert proc.returncode == 0, proc.stderr

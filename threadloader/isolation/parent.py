@@ -80,6 +80,7 @@ from threadloader.isolation import main_state
 from threadloader.isolation.helper import HelperSpec, SharedField
 from threadloader.isolation.helper_source import helper_context, start_forkserver
 from threadloader.isolation.link import Links, _Link
+from threadloader.isolation.main_script import main_reimported
 from threadloader.isolation.main_state import MainState
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
@@ -96,6 +97,28 @@ class GlobalsLeftOut(RuntimeError):
 def _script_code(spec: WorkerSpec) -> list[Any]:
     """The main script's classes and functions that helpers running ``spec`` run."""
     return main_state.script_code((spec.dataset, spec.collate_fn), init=spec.worker_init_fn)
+
+
+def _refuse_an_unimportable_main(ctx: Any, code: list[Any]) -> None:
+    """Refuse helpers that would fail to unpickle the script's classes and functions.
+
+    Helpers from a forkserver or spawn find them by importing the main script
+    (``main_script.main_reimported``); an interactive session, ``python -c`` or a package's
+    ``__main__`` has none to import, and every helper would fail with ``AttributeError``.
+
+    Raises:
+        RuntimeError: naming them and what to do instead.
+    """
+    method = ctx.get_start_method()
+    if method not in ("forkserver", "spawn") or not code or main_reimported() is not None:
+        return
+    names = ", ".join(sorted({obj.__qualname__ for obj in code}))
+    raise RuntimeError(
+        f"threadloader: helper processes started with {method} cannot import {names}, defined "
+        "in __main__ (an interactive session, python -c, or a package's __main__: "
+        "multiprocessing imports no main script there). Define it in a module, or pass "
+        'isolation="threads" (the default, "auto", keeps such a loader in threads)'
+    )
 
 
 def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainState | None:
@@ -248,7 +271,9 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._log_every_s = options_of(loader).log_every_s
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
-        ctx = helper_context(loader.multiprocessing_context, _script_code(worker_spec))
+        code = _script_code(worker_spec)
+        ctx = helper_context(loader.multiprocessing_context, code)
+        _refuse_an_unimportable_main(ctx, code)
         named = loader.multiprocessing_context is not None
         state = _main_state(ctx, worker_spec, named, options_of(loader).isolation == "auto")
         start_forkserver(ctx)  # if it uses one: preloading the main script, once

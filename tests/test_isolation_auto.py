@@ -402,6 +402,24 @@ def test_a_third_of_a_second_epoch_of_gil_bound_items_moves_to_forked_helpers(
     assert choice.mode == "threads" and "too short" in choice.reason
 
 
+def test_auto_stays_in_threads_while_the_zygote_lacks_the_scripts_code_as_it_is_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread runs and the zygote holds a class of the script as it was at its fork:
+    zygote helpers would run the old code, a forkserver's the script's top level. The epoch
+    stays in threads, saying which class; once the zygote has it, it moves."""
+    monkeypatch.setattr(auto.zygote, "may_fork", lambda besides=0: False)
+    monkeypatch.setattr(auto.zygote, "running", lambda code=(): True)
+    monkeypatch.setattr(auto.zygote, "missing", lambda code: ["WherePid"])
+    loader, last = _short_epoch()
+    last.wall_s = 30.0
+    choice = auto.AutoIsolation().next_epoch(loader, last)
+    assert choice.mode == "threads", choice
+    assert "WherePid, defined in __main__, changed since threadloader's zygote" in choice.reason
+    monkeypatch.setattr(auto.zygote, "missing", lambda code: [])
+    assert auto.AutoIsolation().next_epoch(loader, last).mode == "process"
+
+
 def test_a_short_epoch_moves_once_the_forkserver_it_started_is_ready(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

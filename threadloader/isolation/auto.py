@@ -442,6 +442,9 @@ class AutoIsolation:
             return lasting
         if self._fork_refused(loader):
             return FORK_REFUSED
+        stale = _stale_script_code(loader)
+        if stale is not None:
+            return stale
         problem = self.pickling_problem(loader)
         if problem is not None or forked:
             return problem
@@ -477,3 +480,19 @@ def _script_code(loader: Any) -> list[Any]:
     """The main script's classes and functions that helpers running ``loader``'s workers run
     (a zygote that lacks them is not used: ``zygote`` point 5)."""
     return script_code((loader.dataset, loader.collate_fn), init=loader.worker_init_fn)
+
+
+def _stale_script_code(loader: Any) -> str | None:
+    """Why helpers would not run the main script's code as it is now, or None: they would come
+    from a zygote (this process runs other threads) that holds it as it was at its fork, and
+    from elsewhere they would run it as the script's top level defines it (``zygote`` point 5).
+    """
+    if start_method(loader.multiprocessing_context) is not None or zygote.may_fork():
+        return None
+    lacking = zygote.missing(_script_code(loader))
+    if not lacking:
+        return None
+    return (
+        f"{', '.join(lacking)}, defined in __main__, changed since threadloader's zygote "
+        "forked: helper processes would not run it as it is now"
+    )

@@ -64,10 +64,11 @@ from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.timing import StageRecorder
 from threadloader.device.pinned import pageable_allocator, pinned_collate
 from threadloader.isolation.capped import Capped, PayloadTooLarge
-from threadloader.isolation.main_state import MainState
+from threadloader.isolation.main_state import MainState, by_name_in, script_code
 from threadloader.isolation.packing import Packed, pack
 from threadloader.isolation.shm_ring import RingWriter, Segment, SlotAllocator
 from threadloader.isolation.task_board import EPOCH, TaskBoard
+from threadloader.isolation.zygote import StaleScriptCode
 
 # Message tags. Training process -> helper, on the task pipe: ``task_board``'s TASK and EPOCH.
 # The control pipe carries nothing: its EOF means "exit". Releases go through the mailbox.
@@ -187,6 +188,40 @@ class _KeepingPickler(ForkingPickler):
         }
 
 
+class _WatchingPickler(_KeepingPickler):
+    """``_KeepingPickler`` for a helper forked by a zygote whose copy of the main script is not
+    the training process's (``zygote`` point 5): refuses code of ``module`` pickled by name
+    whose global is among ``stale``, which the helper would find there as it was, or not at all.
+    """
+
+    def __init__(self, file: Any, protocol: int, module: str, stale: frozenset[str]) -> None:
+        super().__init__(file, protocol)
+        self._module = module
+        self._stale = stale
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Once per object (the memo answers again): the object, and the script's code its own
+        # code calls, which the helper looks up in the zygote's __main__ too.
+        if by_name_in(obj, self._module) is not None:
+            for code in script_code([obj]):
+                name = by_name_in(code, self._module) or ""
+                if name.partition(".")[0] in self._stale:
+                    raise StaleScriptCode(
+                        f"{name}, defined in __main__, changed since the zygote forked"
+                    )
+        return NotImplemented
+
+
+def _pickler_for(buffer: Capped) -> _KeepingPickler:
+    """The pickler for the process being started: a watching one where it comes from a zygote
+    that holds the main script's code other than this process does."""
+    popen: Any = get_spawning_popen()
+    stale = getattr(popen, "stale_script_code", None)
+    if stale:
+        return _WatchingPickler(buffer, pickle.HIGHEST_PROTOCOL, popen.script_module, stale)
+    return _KeepingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+
+
 #: The module of torch's reductions for ``ForkingPickler`` (tensors, storages, CUDA events).
 _TORCH_REDUCTIONS = "torch.multiprocessing.reductions"
 
@@ -274,11 +309,11 @@ class PickledOnce:
     def _dump(self, obj: Any) -> tuple[bytes, bool]:
         """``obj`` pickled, and whether pickling made something that travels beside it."""
         buffer = Capped(self._limit)
-        pickler = _KeepingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+        pickler = _pickler_for(buffer)
         fds = _descriptors_sent()
         try:
             pickler.dump(obj)
-        except PayloadTooLarge:
+        except (PayloadTooLarge, StaleScriptCode):
             raise
         except Exception as exc:
             # The error keeps pickle's type; the note says why pickling was needed at all

@@ -102,7 +102,9 @@ def start_method(multiprocessing_context: object) -> str | None:
     return method if isinstance(method, str) else None
 
 
-def helper_context(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> Any:
+def helper_context(
+    multiprocessing_context: Any = None, code: Iterable[Any] = (), use_zygote: bool = True
+) -> Any:
     """What starts helpers: ``fork``, the zygote, the forkserver, or spawn where there is none.
 
     Where the user named no context: ``fork`` when this process runs one Python thread (the
@@ -116,6 +118,8 @@ def helper_context(multiprocessing_context: Any = None, code: Iterable[Any] = ()
         multiprocessing_context: the loader's context object or name, if the user gave one.
         code: the main script's classes and functions the helpers run
             (``main_state.script_code``; ``zygote`` point 5).
+        use_zygote: False: never the zygote (its copy of the main script lacks what the
+            helpers run, ``zygote.StaleScriptCode``): the forkserver or spawn instead.
 
     Returns:
         A ``fork``, ``forkserver`` or ``spawn`` context, or ``zygote.ZygoteContext()``.
@@ -126,14 +130,23 @@ def helper_context(multiprocessing_context: Any = None, code: Iterable[Any] = ()
         RuntimeError: the helpers would be started with ``forkserver`` or ``spawn``, which
             import the main script again, and it has no ``if __name__ == "__main__":`` block
             (``main_script``): it would run again in every helper.
+        zygote.StaleScriptCode: with ``use_zygote``, the helpers would come from the zygote,
+            which lacks ``code`` as it is now (``zygote`` point 5).
     """
     if start_method(multiprocessing_context) == "fork" and not zygote.may_fork():
         check_isolation("process", multiprocessing_context)
     if multiprocessing_context is None:
         if zygote.may_fork():  # one Python thread: fork this process, as torch's workers are
             return multiprocessing.get_context("fork")
-        if zygote.running(code):
-            return zygote.ZygoteContext()
+        if use_zygote:
+            lacking = zygote.missing(code)
+            if lacking:
+                raise zygote.StaleScriptCode(
+                    f"{', '.join(lacking)}, defined in __main__, changed since threadloader's "
+                    "zygote forked"
+                )
+            if zygote.running():
+                return zygote.ZygoteContext()
         multiprocessing_context = "forkserver" if _forkserver_can_listen() else "spawn"
     ctx = (
         multiprocessing.get_context(multiprocessing_context)
@@ -180,7 +193,7 @@ def start_helper_server(multiprocessing_context: Any = None, code: Iterable[Any]
         return  # this process is importing __main__ for multiprocessing: start nothing here
     if multiprocessing_context is None and zygote.ensure_running(code):
         return
-    start_forkserver(helper_context(multiprocessing_context, code))
+    start_forkserver(helper_context(multiprocessing_context, code, use_zygote=False))
 
 
 def warm_forkserver(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> bool:

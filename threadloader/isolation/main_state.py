@@ -49,7 +49,7 @@ import torch
 
 from threadloader.isolation.capped import Capped, PayloadTooLarge
 
-__all__ = ["LIMIT_BYTES", "MainState", "capture", "script_code"]
+__all__ = ["LIMIT_BYTES", "MainState", "by_name_in", "capture", "script_code"]
 
 #: What ``MainState.left_out`` names when the script's code could not be scanned (point 1).
 UNSCANNED = "(code that could not be scanned)"
@@ -230,6 +230,21 @@ def _defined_in(obj: Any, module: str) -> bool:
         return False
 
 
+def by_name_in(obj: Any, module: str) -> str | None:
+    """The qualified name ``obj`` is pickled by, where it is code of ``module`` that pickle
+    finds by name (a class, a function, a ``functools.lru_cache`` wrapper); else None.
+
+    Instances of such a class are not: they have no ``__qualname__`` of their own.
+    """
+    try:
+        name = getattr(obj, "__qualname__", None)
+        if not isinstance(name, str) or getattr(obj, "__module__", None) != module:
+            return None
+    except Exception:  # noqa: BLE001  # an object whose attributes raise: not the script's
+        return None
+    return name if callable(obj) else None
+
+
 def _main_code(roots: Iterable[Any], module: str) -> list[Any]:
     """The classes and functions of ``module`` that ``roots`` are or hold, found by a bounded
     walk through their attributes and the first elements of their containers."""
@@ -242,7 +257,7 @@ def _main_code(roots: Iterable[Any], module: str) -> list[Any]:
             continue
         seen.add(id(obj))
         with contextlib.suppress(Exception):  # an object whose attributes raise: skipped
-            if isinstance(obj, (types.FunctionType, type)):
+            if isinstance(obj, (types.FunctionType, type)) or by_name_in(obj, module):
                 if _defined_in(obj, module):
                     found.append(obj)
                 continue
@@ -290,9 +305,12 @@ def _own_code(function: Any) -> list[Any]:
 
 
 def _codes_of(obj: Any, module: str) -> Iterator[types.CodeType]:
-    """The code of a function, or of every method of a class and of its ``module`` bases."""
-    if isinstance(obj, types.FunctionType):
-        yield obj.__code__
+    """The code of a function (or of the one a wrapper such as ``functools.lru_cache`` wraps),
+    or of every method of a class and of its ``module`` bases."""
+    if not isinstance(obj, type):
+        for function in (obj, getattr(obj, "__wrapped__", None)):
+            if isinstance(function, types.FunctionType):
+                yield function.__code__
         return
     for klass in obj.__mro__:
         if not _defined_in(klass, module):
@@ -336,6 +354,8 @@ def _scan(
                 if isinstance(value, (types.FunctionType, type)):
                     if _defined_in(value, module):
                         pending.append(value)
+                elif by_name_in(value, module) is not None:
+                    pending.append(value)  # a wrapper of the script's: pickled by name too
                 elif not isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
                     read.add(name)
     return read, written, list(done.values())

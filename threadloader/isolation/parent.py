@@ -76,7 +76,7 @@ from threadloader._primitives.concurrency import ConcurrencyController
 from threadloader._primitives.finalizers import Finalizer
 from threadloader._primitives.warn import warn_user
 from threadloader.device.pinned import pin_batch, pinned_allocator
-from threadloader.isolation import main_state
+from threadloader.isolation import main_state, zygote
 from threadloader.isolation.helper import HelperSpec, SharedField
 from threadloader.isolation.helper_source import helper_context, start_forkserver
 from threadloader.isolation.link import Links, _Link
@@ -271,18 +271,52 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._log_every_s = options_of(loader).log_every_s
         worker_spec = self._worker_spec(loader, resume, self._collate_fn)
         count = min(helpers or options_of(loader).helpers or 1, self._num_workers)
-        code = _script_code(worker_spec)
-        ctx = helper_context(loader.multiprocessing_context, code)
-        _refuse_an_unimportable_main(ctx, code)
-        named = loader.multiprocessing_context is not None
-        state = _main_state(ctx, worker_spec, named, options_of(loader).isolation == "auto")
-        start_forkserver(ctx)  # if it uses one: preloading the main script, once
-        self._attach(Links(_start_links(ctx, self, worker_spec, count, state=state)))
+        try:
+            links = self._start(loader, worker_spec, count)
+        except zygote.StaleScriptCode as exc:  # ``zygote`` point 5
+            links = self._start_elsewhere(loader, worker_spec, count, exc)
+        self._attach(links)
         if confirm_start:
             self._confirm_start()
         self._generation = 0
         self._new_stats()
         self._reset(loader, first_iter=True)
+
+    def _start(
+        self, loader: DataLoader[Any], spec: WorkerSpec, count: int, use_zygote: bool = True
+    ) -> Links:
+        """Start ``count`` helpers for ``spec`` from where ``helper_context`` says."""
+        code = _script_code(spec)
+        ctx = helper_context(loader.multiprocessing_context, code, use_zygote)
+        _refuse_an_unimportable_main(ctx, code)
+        named = loader.multiprocessing_context is not None
+        state = _main_state(ctx, spec, named, options_of(loader).isolation == "auto")
+        start_forkserver(ctx)  # if it uses one: preloading the main script, once
+        return Links(_start_links(ctx, self, spec, count, state=state))
+
+    def _start_elsewhere(
+        self, loader: DataLoader[Any], spec: WorkerSpec, count: int, stale: Exception
+    ) -> Links:
+        """Start the helpers from the forkserver (or spawn): the zygote's copy of the main script
+        lacks what they run as it is now (``stale``). They see that code as the script's top
+        level defines it, which is not what the training process runs where the script changed
+        it further down: ``"auto"`` stays in threads, ``"process"`` warns.
+
+        Raises:
+            GlobalsLeftOut: for ``"auto"``.
+        """
+        what = (
+            f"{stale}; helper processes from the forkserver would run it as the script's top "
+            "level defines it"
+        )
+        if options_of(loader).isolation == "auto":
+            raise GlobalsLeftOut(what)
+        warn_user(
+            f"threadloader: {what}. Define the script's classes and functions before building "
+            'the first loader with isolation="process", or pass isolation="threads"',
+            RuntimeWarning,
+        )
+        return self._start(loader, spec, count, use_zygote=False)
 
     def _confirm_start(self) -> None:
         """Wait until every helper has loaded what it runs (point 7); kill them if one cannot

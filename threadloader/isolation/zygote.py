@@ -39,16 +39,21 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
 4. The training process's handle (``ZygoteProcess``) gets the helper's pid and, when the helper
    has been reaped, its exit code through a status pipe whose write end the helper also holds:
    the pipe ends, and the handle reports the helper gone, even if the zygote died first.
-5. Classes and functions of the main script are pickled by name, and a helper finds them in
-   the zygote's ``__main__``: as they were at its fork. The training process keeps the
-   script's classes and functions as they were then (``_Server.script``); ``missing`` names
-   those of the code a loader runs that the script defined or replaced since (a class
-   defined after the first loader, a notebook cell run again). Such a loader never uses the
-   zygote: a helper would fail to find the class, or run its old code. ``ensure_running``
-   (a loader built while this process runs one Python thread) then forks a new zygote; the old
-   one is retired: it forks nothing more and exits once the helpers it forked have ended,
-   reporting their exit codes until then. Where no new zygote can fork, helpers come from the
-   forkserver, which imports the script afresh (``helper_source``).
+5. Classes, functions and wrappers (``functools.lru_cache``) of the main script are pickled by
+   name, and a helper finds them in the zygote's ``__main__``: as they were at its fork. The
+   training process keeps them as they were then, with each class's attributes
+   (``_Script``). A loader whose code (``main_state.script_code``: what its dataset,
+   ``collate_fn`` and ``worker_init_fn`` hold and call) uses one that the script defined,
+   replaced or changed since (a class defined after the first loader, a notebook cell run
+   again, a method replaced on a class) never uses that zygote (``missing``): a helper would
+   fail to find it, or run its old code. ``ensure_running`` (a loader built while this process
+   runs one Python thread) then forks a new zygote; the old one is retired: it forks nothing
+   more and exits once the helpers it forked have ended, reporting their exit codes until
+   then. Where no new zygote can fork, helpers come from the forkserver, which imports the
+   script afresh (``helper_source``). What that bounded walk misses (an object nested deeper
+   than it looks), the start's pickle catches: while anything changed, the pickler refuses
+   code of the script that changed (``StaleScriptCode``), and the helpers start elsewhere.
+   Other modules' classes, changed in place after the fork, are not checked.
 """
 
 from __future__ import annotations
@@ -69,11 +74,12 @@ import struct
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterable
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+from threadloader.isolation.main_state import by_name_in
 
 #: Environment variable that, set to ``0``, makes helpers come from the forkserver always.
 ENV_SWITCH = "THREADLOADER_ZYGOTE"
@@ -112,6 +118,7 @@ def may_fork(besides: int = 0) -> bool:
     Returns:
         True where a fork copies no lock another Python thread could hold.
     """
+    _reap_retired_if_free()
     if os.environ.get(ENV_SWITCH, "1") == "0" or sys.platform != "linux":
         return False
     if getattr(multiprocessing.current_process(), "_inheriting", False):
@@ -185,6 +192,16 @@ def _reap_retired() -> None:
     _retired[:] = [server for server in _retired if server.alive()]
 
 
+def _reap_retired_if_free() -> None:
+    # From a helper's handle, which a finalizer may call while this thread holds ``_lock``
+    # (a collection inside ``ensure_running``): never waits for it.
+    if _retired and _lock.acquire(blocking=False):
+        try:
+            _reap_retired()
+        finally:
+            _lock.release()
+
+
 def shutdown() -> None:
     """Close the zygote's socket and wait for it to exit; helpers it forked keep running."""
     global _server
@@ -226,10 +243,10 @@ class _Server:
     Args:
         pid: the zygote's pid.
         sock: this process's end of its socket.
-        script: the main script's classes and functions as at the fork, by name (point 5).
+        script: the main script's code as at the fork (point 5).
     """
 
-    def __init__(self, pid: int, sock: socket.socket, script: dict[str, Any]) -> None:
+    def __init__(self, pid: int, sock: socket.socket, script: _Script) -> None:
         self.pid = pid
         self.sock = sock
         self.script = script
@@ -240,7 +257,7 @@ class _Server:
 
     @classmethod
     def fork(cls) -> _Server:
-        script = _script_code_now()
+        script = _Script()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the zygote
@@ -256,15 +273,13 @@ class _Server:
 
     def missing(self, code: Iterable[Any]) -> list[str]:
         """Names of those of ``code`` that ``__main__`` holds other than at the fork (point 5)."""
-        main = sys.modules.get("__main__")
-        now = vars(main) if main is not None else {}
+        now = _Script()
         names = []
         for obj in code:
             name = getattr(obj, "__qualname__", None)
             if not isinstance(name, str) or "<locals>" in name:
                 continue  # not found by name in any process: pickling it fails here
-            top = name.partition(".")[0]
-            if top not in now or self.script.get(top) is not now[top]:
+            if not self.script.holds(name.partition(".")[0], now):
                 names.append(name)
         return names
 
@@ -333,6 +348,11 @@ class _Server:
                 raise
 
 
+class StaleScriptCode(RuntimeError):
+    """A helper's start pickles, by name, code of the main script that the zygote holds other
+    than the training process does (point 5): the helper must come from elsewhere."""
+
+
 class _DupFd:
     """A descriptor sent beside a helper's start, found again by its index in the helper."""
 
@@ -368,6 +388,10 @@ class ZygoteProcess:
         self.sentinel: int | None = None
         self._code: int | None = None
         self._fds: list[int] = []
+        #: While the helper starts: the main script's globals of code that the zygote holds
+        #: other than this process does (point 5), which its pickle must not name.
+        self.stale_script_code: frozenset[str] = frozenset()
+        self.script_module = "__main__"
 
     # The two methods multiprocessing.reduction.DupFd calls on the process being started.
     def duplicate_for_child(self, fd: int) -> int:
@@ -383,12 +407,16 @@ class ZygoteProcess:
         Raises:
             OSError: the zygote is gone.
             ValueError: the start would carry more descriptors than one message can.
+            StaleScriptCode: the arguments' pickle names code of the main script that the
+                zygote holds other than this process does (``PickledOnce`` checks; point 5).
             Exception: whatever pickling the arguments raises.
         """
         with _lock:
             server = _server
         if server is None or not server.alive():
             raise OSError("threadloader's zygote process is not running")
+        now = _Script()
+        self.stale_script_code, self.script_module = server.script.changed(now), now.module
         status_r, status_w = os.pipe()
         try:
             self._fds = [status_w]
@@ -427,6 +455,7 @@ class ZygoteProcess:
             # No code: the zygote died before reaping the helper, which has ended too (it held
             # the pipe's other write end).
             self._code = 255 if code is None else code
+            _reap_retired_if_free()  # a retired zygote exits once its last helper has
 
     def is_alive(self) -> bool:
         """Whether the helper still runs."""
@@ -619,13 +648,43 @@ def _name_this_process(name: bytes) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
 
 
-def _script_code_now() -> dict[str, Any]:
-    """The main script's classes and functions now, by name (point 5)."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        return {}
-    return {
-        name: value
-        for name, value in list(vars(main).items())
-        if isinstance(value, (type, types.FunctionType))
-    }
+def _attributes(cls: type) -> dict[str, Any]:
+    """A class's own attributes, but for the cache ``copyreg`` adds when an instance is first
+    copied or pickled (``__slotnames__``), which changes no code."""
+    attributes = dict(vars(cls))
+    attributes.pop("__slotnames__", None)
+    return attributes
+
+
+class _Script:
+    """The main script's code that pickle finds by name, as it stands (point 5): each global
+    that is a class, function or wrapper of the script's, and what each such class holds."""
+
+    def __init__(self) -> None:
+        main = sys.modules.get("__main__")
+        self.module = main.__name__ if main is not None else "__main__"
+        space = list(vars(main).items()) if main is not None else []
+        self.code = {name: value for name, value in space if by_name_in(value, self.module)}
+        self.classes = {
+            name: _attributes(value) for name, value in self.code.items() if isinstance(value, type)
+        }
+
+    def holds(self, top: str, now: _Script) -> bool:
+        """Whether ``now`` has the global ``top`` as this one had it: the same object, and for a
+        class, the same attributes (a method replaced on it changes what a helper runs)."""
+        value = self.code.get(top)
+        if value is None or value is not now.code.get(top):
+            return False
+        held = self.classes.get(top)
+        if held is None or not isinstance(value, type):
+            return held is None
+        attributes = _attributes(value)
+        return len(attributes) == len(held) and all(
+            attributes.get(name, held) is item for name, item in held.items()
+        )
+
+    def changed(self, now: _Script) -> frozenset[str]:
+        """Globals of code that ``now`` has other than this one had: new, gone or changed."""
+        return frozenset(
+            top for top in self.code.keys() | now.code.keys() if not self.holds(top, now)
+        )

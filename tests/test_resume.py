@@ -1781,6 +1781,40 @@ def test_a_replay_after_delivery_as_completed_drops_what_each_worker_delivered(
     assert sorted(x for b in first + rest for x in b) == list(range(8))
 
 
+@pytest.mark.filterwarnings("ignore:SlowWorkerShards has no state_dict")
+@pytest.mark.parametrize(("in_order", "second_batches"), [(True, 0), (False, 0), (False, 1)])
+def test_a_replayed_resume_saved_again_before_its_replay_ends_resumes_exactly(
+    in_order: bool, second_batches: int
+) -> None:
+    """An IterableDataset without state resumes by fetching and dropping the batches the loop
+    had; a state taken before that replay is done (at ``iter()``, or one batch in with
+    ``in_order=False``, where the other worker's drops are still to come) counts the batches
+    still to drop as received. It counted them as never received: the state did not load
+    (``worker_batches [0, 0] ... adding up to batches_yielded (2)``)."""
+
+    def make(slow: int) -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            SlowWorkerShards(slow), batch_size=2, num_workers=2, in_order=in_order, timeout=30
+        )
+
+    loader = make(slow=1)
+    it = iter(loader)
+    first = [next(it).tolist() for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    second_loader = make(slow=0)
+    second_loader.load_state_dict(state)
+    it = iter(second_loader)
+    second = [next(it).tolist() for _ in range(second_batches)]
+    state = second_loader.state_dict()
+    del it
+    assert sum(state["worker_batches"]) == state["batches_yielded"] == 2 + second_batches
+    third_loader = make(slow=1)
+    third_loader.load_state_dict(state)
+    rest = [b.tolist() for b in third_loader]
+    assert sorted(x for b in first + second + rest for x in b) == list(range(8))
+
+
 def test_a_replayed_position_past_the_end_of_the_epoch_is_refused() -> None:
     """A mid-epoch position beyond the epoch's batches names no batch to resume at: refused
     (it was accepted, and the resumed epoch silently yielded nothing)."""

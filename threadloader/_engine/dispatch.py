@@ -286,7 +286,13 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             list(counts) if self._discard and counts and len(counts) == self._num_workers else None
         )
         self._delivered_by = 0
-        self._progress.worker_batches = [0] * self._num_workers
+        # Batches the loop received from each worker: those a replay has yet to drop count as
+        # received already, so that a state taken before the replay is done is the loaded one.
+        self._progress.worker_batches = (
+            list(self._discard_by_worker)
+            if self._discard_by_worker is not None
+            else [0] * self._num_workers
+        )
         self._send_idx = 0  # number of the next batch to dispatch
         self._rcvd_idx = 0  # number of the next batch to deliver (in order)
         self._sampler_done = False  # the sampler ran out: what is in flight drains
@@ -586,6 +592,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             if not by_worker[worker_id]:
                 return False
             by_worker[worker_id] -= 1
+            self._progress.worker_batches[worker_id] -= 1  # counted as received from the start
         self._discard -= 1
         return True
 

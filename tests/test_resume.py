@@ -1279,6 +1279,43 @@ def test_a_state_taken_after_the_last_batch_starts_the_next_epoch(
     assert epoch(resumed, 1) == epochs[1]
 
 
+class _NoLenBatches:
+    """A batch sampler with no ``len()``: the loader learns its end only by running it out."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from ([0, 1], [2, 3], [4, 5])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"num_workers": 2}, {"num_workers": 2, "persistent_workers": True, "isolation": "process"}],
+    ids=["threads", "persistent-isolation"],
+)
+def test_a_state_after_the_last_batch_of_a_sampler_without_len_starts_the_next_epoch(
+    options: dict[str, Any],
+) -> None:
+    """Workers draw ahead of the loop, so the sampler's end is known by the epoch's last batch,
+    without a ``len()``: the state starts the next epoch (it resumed the finished one: the
+    resumed ``iter()`` yielded nothing). Without workers nothing is drawn ahead, and the state
+    stays at the epoch's end, as ``StatefulDataLoader``'s."""
+
+    def make(workers: bool) -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            Ids(6), batch_sampler=_NoLenBatches(), **(options if workers else {})
+        )
+
+    for workers, expected in ((True, [[0, 1], [2, 3], [4, 5]]), (False, [])):
+        loader = make(workers)
+        it = iter(loader)
+        assert [next(it).tolist() for _ in range(3)] == [[0, 1], [2, 3], [4, 5]]
+        state = loader.state_dict()
+        resumed = make(workers)
+        resumed.load_state_dict(state)
+        assert [b.tolist() for b in resumed] == expected
+        assert [b.tolist() for b in resumed] == [[0, 1], [2, 3], [4, 5]]
+        del it
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_state_loaded_and_not_yet_started_is_what_state_dict_returns(num_workers: int) -> None:
     """Saved again before the first batch of the resumed epoch (a preemption right after a

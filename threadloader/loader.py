@@ -34,6 +34,7 @@ from threadloader._engine.state import (
     epoch_complete,
     epoch_left_for_the_next,
     loaded_epoch_left,
+    ran_out_and_delivered,
     resumes_a_finished_epoch,
     stream_ended,
 )
@@ -606,14 +607,18 @@ class ThreadDataLoader(DataLoader[T_co]):
                 progress = epoch.progress_after_in_flight()
             return build_state(self, progress, complete=True)
         complete = progress is not None and epoch_complete(self, progress)
-        if complete and self._options.device is None:  # with device=, the transfer thread drains it
-            epoch = self._host_epoch() if self._host_epoch is not None else None
-            if epoch is not None and epoch._progress is progress:
+        # With device=, the transfer thread reads the epoch: it is left alone.
+        epoch = self._host_epoch() if self._host_epoch is not None else None
+        ours = epoch is not None and epoch._progress is progress
+        if ours and progress is not None and self._options.device is None:
+            if complete:
                 # Counted complete: let the sampler's iterator end now, as the next next() would
                 # (torch's RandomSampler draws once more from the loader's generator then; a
                 # loop that leaves the epoch instead gets it undone at its next iter()). A batch
                 # drawn and not delivered yet says the sampler's len() fell short.
                 complete = not getattr(epoch, "_task_info", None) and stream_ended(epoch, self)
+            else:  # a sampler without len(), which the workers drew to its end
+                complete = ran_out_and_delivered(epoch, self, progress)
         return build_state(self, progress, complete=complete)
 
     def _start_after_the_loaded_epoch(self) -> None:

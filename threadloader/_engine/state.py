@@ -672,6 +672,21 @@ def epoch_complete(loader: Any, progress: Progress) -> bool:
     return total is not None and progress.done - progress.resumed_batches >= total
 
 
+def ran_out_and_delivered(it: Any, loader: Any, progress: Progress) -> bool:
+    """Every batch of this map-style epoch was delivered and its sampler's iterator has ended:
+    the workers drew ahead of the loop to the end of a sampler whose ``len()`` is unknown
+    (``epoch_complete`` answers False), and nothing drawn waits in ``it``. Known, not probed:
+    without workers (nothing drawn ahead) the state stays in the epoch."""
+    return (
+        loader._dataset_kind == _DatasetKind.Map
+        and progress.pass_ran_out
+        and not progress.exhausted
+        and not progress.ahead
+        and not getattr(it, "_task_info", True)
+        and not getattr(it, "_drawn", True)
+    )
+
+
 def _resumed_pass_batches(loader: Any) -> int | None:
     """Batches a positional sampler's pass yields, read as it begins (None: it cannot say)."""
     positional = positional_sampler(loader)

@@ -78,19 +78,26 @@ def read_all(dup):
 
 
 def _run(tmp_path: Any, body: str, env: dict[str, str] | None = None) -> list[str]:
+    """Run ``body`` under the main guard of a script that starts with ``_PRELUDE``."""
+    guarded = "\nif __name__ == '__main__':\n" + textwrap.indent(textwrap.dedent(body), "    ")
+    done = _run_script(tmp_path, _PRELUDE + guarded, env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def _run_script(
+    tmp_path: Any, source: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``source`` as ``train.py`` in a fresh interpreter that imports this threadloader."""
     script = tmp_path / "train.py"
-    script.write_text(_PRELUDE + "\nif __name__ == '__main__':\n" + textwrap.indent(
-        textwrap.dedent(body), "    "
-    ))  # fmt: skip
+    script.write_text(source)
     repo = str(pathlib.Path(threadloader.__file__).parents[1])
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script)],
         check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=full_env,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return done.stdout.split()
 
 
 def test_helpers_are_forked_from_the_zygote_while_another_thread_runs(tmp_path: Any) -> None:
@@ -794,11 +801,8 @@ def test_a_class_defined_after_the_zygote_forked_comes_to_helpers_from_the_forks
     """A loader built at the script's top level forks the zygote before the script defines a
     class; built while another thread runs, a loader on that class cannot fork a new zygote:
     its helpers come from the forkserver, which imports the script and finds the class."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        _PRELUDE
-        + textwrap.dedent(
-            """
+    source = _PRELUDE + textwrap.dedent(
+        """
             FIRST = loader(isolation="process")  # the zygote forks here, in the training process
 
 
@@ -818,14 +822,8 @@ def test_a_class_defined_after_the_zygote_forked_comes_to_helpers_from_the_forks
                     print("zygote", zygote.server_pid() in parents(it))
                     print("batches", [b.tolist() for b in it])
             """
-        )
     )
-    repo = str(pathlib.Path(threadloader.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )  # fmt: skip
+    done = _run_script(tmp_path, source)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["zygote", "False", "batches", "[[0,", "10],", "[20,", "30]]"]
 
@@ -884,11 +882,8 @@ def test_a_changed_class_deeper_than_the_walk_keeps_helpers_off_the_stale_zygote
     deeper in the dataset than the walk of its code looks (``Subset`` of a dataset holding a
     ``Compose``-like list): the helper's pickle names it, so the helpers come from the
     forkserver, which imports the script and finds it, with a warning."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        _PRELUDE
-        + textwrap.dedent(
-            """
+    source = _PRELUDE + textwrap.dedent(
+        """
             class Compose:
                 def __init__(self, steps):
                     self.steps = steps
@@ -927,14 +922,8 @@ def test_a_changed_class_deeper_than_the_walk_keeps_helpers_off_the_stale_zygote
                     print("zygote", zygote.server_pid() in parents(it))
                     print("batches", [b.tolist() for b in it])
             """
-        )
     )
-    repo = str(pathlib.Path(threadloader.__file__).parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        check=False, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env,
-    )  # fmt: skip
+    done = _run_script(tmp_path, source)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["zygote", "False", "batches", "[[0,", "10],", "[20,", "30]]"]
     assert "RuntimeWarning: threadloader: Scale, defined in __main__, changed" in done.stderr

@@ -927,3 +927,37 @@ def test_a_changed_class_deeper_than_the_walk_keeps_helpers_off_the_stale_zygote
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["zygote", "False", "batches", "[[0,", "10],", "[20,", "30]]"]
     assert "RuntimeWarning: threadloader: Scale, defined in __main__, changed" in done.stderr
+
+
+def test_a_loader_built_after_the_script_changed_its_code_replaces_the_zygote(
+    tmp_path: Any,
+) -> None:
+    """Building a loader while only the main thread runs replaces a zygote whose copy of the
+    script's code is out of date: with ``isolation="process"`` also for a class its dataset
+    does not use (each later start would check its whole pickle otherwise), and with the
+    default ``"auto"``, which starts no zygote, one that lacks its dataset's class."""
+    out = _run(
+        tmp_path,
+        """
+        ThreadDataLoader(Rows(), num_workers=1, isolation="process")  # the zygote forks here
+        first = zygote.server_pid()
+
+        class Model(torch.nn.Module):  # unused by any dataset
+            pass
+
+        ThreadDataLoader(Rows(), num_workers=1, isolation="process")
+        second = zygote.server_pid()
+        print("unrelated", second != first, zygote._server.script.changed(zygote._Script()))
+
+        class Rows(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return i * 10
+
+        auto = ThreadDataLoader(Rows(), batch_size=2, num_workers=2)
+        print("auto", zygote.server_pid() not in (first, second, None))
+        """,
+    )
+    assert out == ["unrelated", "True", "frozenset()", "auto", "True"]

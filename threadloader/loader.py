@@ -47,10 +47,15 @@ from threadloader._primitives.warn import warn_user
 from threadloader.device.pinned import BufferPool
 from threadloader.device.recycle import RecyclingAllocator
 from threadloader.isolation.auto import PROCESS, THREADS, AutoIsolation, Choice, one_line
-from threadloader.isolation.helper_source import check_isolation, start_helper_server
+from threadloader.isolation.helper_source import (
+    check_isolation,
+    refresh_zygote,
+    start_helper_server,
+)
 from threadloader.isolation.main_state import script_code
 from threadloader.isolation.mid_epoch import mover_for
 from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
+from threadloader.isolation.zygote import running as zygote_running
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -280,6 +285,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         if self._options.isolation == "process":
             code = script_code((self.dataset, self.collate_fn), init=self.worker_init_fn)
             start_helper_server(multiprocessing_context, code)
+        elif self._options.isolation == "auto" and zygote_running():
+            code = script_code((self.dataset, self.collate_fn), init=self.worker_init_fn)
+            refresh_zygote(multiprocessing_context, code)
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
 

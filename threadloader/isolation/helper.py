@@ -201,8 +201,9 @@ class _WatchingPickler(_KeepingPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         # Once per object (the memo answers again): the object, and the script's code its own
-        # code calls, which the helper looks up in the zygote's __main__ too.
-        if by_name_in(obj, self._module) is not None:
+        # code calls, which the helper looks up in the zygote's __main__ too. Only what can be
+        # called is pickled by name (an instance's class is pickled on its own).
+        if callable(obj) and by_name_in(obj, self._module) is not None:
             for code in script_code([obj]):
                 name = by_name_in(code, self._module) or ""
                 if name.partition(".")[0] in self._stale:

@@ -196,6 +196,21 @@ def start_helper_server(multiprocessing_context: Any = None, code: Iterable[Any]
     start_forkserver(helper_context(multiprocessing_context, code, use_zygote=False))
 
 
+def refresh_zygote(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> None:
+    """Replace a running zygote whose copy of the main script is not the script as it is now,
+    where this process may fork (``zygote`` point 5), so that ``isolation="auto"``'s helpers can
+    come from it. Starts none: ``"auto"`` may never need helpers (``start_helper_server``).
+
+    Args:
+        multiprocessing_context: the loader's context object or name, if the user gave one.
+        code: the main script's classes and functions the helpers would run.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        return  # this process is importing __main__ for multiprocessing
+    if multiprocessing_context is None:
+        zygote.ensure_running(code, start=False)
+
+
 def warm_forkserver(multiprocessing_context: Any = None, code: Iterable[Any] = ()) -> bool:
     """Start the forkserver that helpers would come from now, without waiting for its imports.
 

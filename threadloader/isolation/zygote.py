@@ -46,10 +46,11 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    ``collate_fn`` and ``worker_init_fn`` hold and call) uses one that the script defined,
    replaced or changed since (a class defined after the first loader, a notebook cell run
    again, a method replaced on a class) never uses that zygote (``missing``): a helper would
-   fail to find it, or run its old code. ``ensure_running`` (a loader built while this process
-   runs one Python thread) then forks a new zygote; the old one is retired: it forks nothing
-   more and exits once the helpers it forked have ended, reporting their exit codes until
-   then. Where no new zygote can fork, helpers come from the forkserver, which imports the
+   fail to find it, or run its old code. A loader built while this process runs one Python
+   thread forks a new zygote where the running one's copy differs from the script in anything
+   (``ensure_running``; ``isolation="auto"`` only replaces one, starting none); the old one is
+   retired: it forks nothing more and exits once the helpers it forked have ended, reporting
+   their exit codes until then. Where no new zygote can fork, helpers come from the forkserver, which imports the
    script afresh (``helper_source``). What that bounded walk misses (an object nested deeper
    than it looks), the start's pickle catches: while anything changed, the pickler refuses
    code of the script that changed (``StaleScriptCode``), and the helpers start elsewhere.
@@ -126,13 +127,14 @@ def may_fork(besides: int = 0) -> bool:
     return only_the_main_thread(besides)
 
 
-def ensure_running(code: Iterable[Any] = ()) -> bool:
-    """Start the zygote if none runs, or a new one if the running one lacks ``code``, where this
-    process may fork now (points 1 and 5).
+def ensure_running(code: Iterable[Any] = (), start: bool = True) -> bool:
+    """Start the zygote if none runs, or a new one if the running one's copy of the main script
+    is not the script as it is now, where this process may fork now (points 1 and 5).
 
     Args:
         code: the main script's classes and functions a loader's helpers run
             (``main_state.script_code``).
+        start: False: only replace a running zygote, start none (``isolation="auto"``).
 
     Returns:
         Whether a zygote that has ``code`` is running for this process.
@@ -142,13 +144,18 @@ def ensure_running(code: Iterable[Any] = ()) -> bool:
     with _lock:
         _reap_retired()
         if _server is not None and _server.alive():
-            if not _server.missing(code):
+            lacking = _server.missing(code)
+            # Also for code this loader does not run: a start would check the pickle of
+            # anything that changed (``helper._WatchingPickler``), costing a call per object.
+            if not lacking and not _server.script.changed(_Script()):
                 return True
             if not may_fork():
-                return False
+                return not lacking
             _server.retire()
             _retired.append(_server)
             _server = None
+        elif not start:
+            return False
         if not may_fork():
             return False
         _server = _Server.fork()

@@ -1852,6 +1852,59 @@ def test_a_replayed_resume_saved_again_before_its_replay_ends_resumes_exactly(
     assert sorted(x for b in first + second + rest for x in b) == list(range(8))
 
 
+class RaisesAtTwo(IterableDataset[int]):
+    """No state: worker w yields w, w + N, ... below 16; the record 2 is corrupt (raises), and
+    worker 1 starts late, so that the error comes first also as completed."""
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        assert info is not None
+        if info.id == 1:
+            time.sleep(0.2)
+        for i in range(info.id, 16, info.num_workers):
+            if i == 2:
+                raise ValueError("record 2 is corrupt")
+            yield i
+
+
+def _caught(it: Iterator[Any], count: int | None = None) -> list[Any]:
+    """``count`` results of ``it`` (all, for None), each a batch's list or "error"."""
+    out: list[Any] = []
+    while count is None or len(out) < count:
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            break
+        except ValueError:
+            out.append("error")
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:RaisesAtTwo has no state_dict")
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_replay_drops_the_errors_the_loop_caught_as_it_drops_the_batches(
+    in_order: bool,
+) -> None:
+    """The loop caught a batch's error and went on, then saved: the state counts that error
+    among the worker's results, loads, and the replay drops it with the batches, raising it no
+    more. The state did not load (``worker_batches [1, 3]`` against 3 batches)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(
+            RaisesAtTwo(), batch_size=2, num_workers=2, in_order=in_order, timeout=30
+        )
+
+    reference = _caught(iter(make()))
+    loader = make()
+    first = _caught(iter(loader), 4)
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = _caught(iter(resumed))
+    assert "error" in first and "error" not in rest
+    assert sorted(map(str, first + rest)) == sorted(map(str, reference))
+
+
 def test_a_replayed_position_past_the_end_of_the_epoch_is_refused() -> None:
     """A mid-epoch position beyond the epoch's batches names no batch to resume at: refused
     (it was accepted, and the resumed epoch silently yielded nothing)."""

@@ -279,12 +279,15 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._sampler_iter = begin_pass(self, loader, resume)
         self._map_style = self._dataset_kind == _DatasetKind.Map
         self._discard = resume.batches if resume is not None and resume.replay_data else 0
-        if self._discard:
-            warn_replay(self._dataset, self._discard)
         counts = resume.worker_batches if resume is not None else None
         self._discard_by_worker = (
             list(counts) if self._discard and counts and len(counts) == self._num_workers else None
         )
+        if self._discard_by_worker is not None:  # the batches received, and the errors raised
+            self._discard = sum(self._discard_by_worker)
+        if self._discard:
+            warn_replay(self._dataset, self._discard)
+        self._raised_a_batchs_error = False
         self._delivered_by = 0
         # Batches the loop received from each worker: those a replay has yet to drop count as
         # received already, so that a state taken before the replay is done is the loaded one.
@@ -494,9 +497,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         self._ready, self._ran_here = True, False  # _get_result may clear / set them
         delivered = ended = False
         try:
-            data = self._next_batch()
-            while self._discard and self._replayed():  # _state point 4
-                data = self._next_batch()
+            data = self._next_replayed_batch()
             delivered = True
             return data
         except StopIteration:
@@ -510,6 +511,20 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         finally:
             waited = time.perf_counter() - start
             self._stats.on_next(waited, self._ready, self._ran_here, delivered, ended)
+
+    def _next_replayed_batch(self) -> Any:
+        """The next batch, past those a replay drops (``_state`` point 4): the batches the loop
+        received before the save, and the errors it was raised, which are not raised again."""
+        while True:
+            self._raised_a_batchs_error = False
+            try:
+                data = self._next_batch()
+            except Exception:
+                if self._raised_a_batchs_error and self._discard and self._replayed():
+                    continue
+                raise
+            if not (self._discard and self._replayed()):
+                return data
 
     def _next_batch(self) -> Any:
         while True:
@@ -606,6 +621,7 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         if self._map_style:
             progress.behind(result.idx)  # delivered or raised: its indices are used (_state 7)
         if isinstance(result.data, ExceptionWrapper):
+            self._raised_a_batchs_error = True  # a result the worker made: a replay counts it
             reraise(result.data)
         return self._unpack(result)
 

@@ -420,6 +420,28 @@ def test_auto_stays_in_threads_while_the_zygote_lacks_the_scripts_code_as_it_is_
     assert auto.AutoIsolation().next_epoch(loader, last).mode == "process"
 
 
+def test_a_start_refused_for_stale_script_code_leaves_later_epochs_free_to_move(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The zygote lacks the script's code at one epoch's start (its pickle says so): that epoch
+    runs in threads, saying why, and nothing marks the loader for threads for good: once a
+    zygote has the code, a later epoch may move."""
+    import threadloader.loader as loader_module
+    from threadloader.isolation import zygote
+
+    def stale(*args: Any, **kwargs: Any) -> Any:
+        raise zygote.StaleScriptCode("WherePid, defined in __main__, changed since ...")
+
+    monkeypatch.setattr(loader_module, "IsolatedDataLoaderIter", stale)
+    monkeypatch.setattr(
+        auto.AutoIsolation, "next_epoch", lambda self, loader, last: auto.Choice(auto.PROCESS, "")
+    )
+    loader = ThreadDataLoader(WherePid(), batch_size=4, num_workers=2)
+    assert len(list(loader)) == 8
+    assert loader.stats().mode == "threads" and "changed since" in str(loader.stats().mode_reason)
+    assert loader._auto._start_problem is None
+
+
 def test_a_short_epoch_moves_once_the_forkserver_it_started_is_ready(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -961,3 +961,37 @@ def test_a_loader_built_after_the_script_changed_its_code_replaces_the_zygote(
         """,
     )
     assert out == ["unrelated", "True", "frozenset()", "auto", "True"]
+
+
+def test_a_class_counter_the_dataset_bumps_keeps_helpers_on_the_zygote(tmp_path: Any) -> None:
+    """A dataset class counts its reads in a class attribute (``Counted.reads += 1``): data,
+    not code. After an epoch in threads changed it, helpers still come from the zygote, with
+    no warning, and their batches are right."""
+    out = _run(
+        tmp_path,
+        """
+        import warnings
+
+        class Counted(torch.utils.data.Dataset):
+            reads = 0
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                Counted.reads += 1
+                return i * 10
+
+        iso = ThreadDataLoader(Counted(), batch_size=2, num_workers=2, isolation="process")
+        print("threads", [b.tolist() for b in ThreadDataLoader(Counted(), batch_size=2,
+                                                                num_workers=2)], Counted.reads)
+        with another_thread(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == [
+        "threads", "[[0,", "10],", "[20,", "30]]", "4",
+        "zygote", "True", "[[0,", "10],", "[20,", "30]]",
+    ]  # fmt: skip

@@ -55,6 +55,7 @@ from threadloader.isolation.helper_source import (
 from threadloader.isolation.main_state import script_code
 from threadloader.isolation.mid_epoch import mover_for
 from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
+from threadloader.isolation.zygote import StaleScriptCode
 from threadloader.isolation.zygote import running as zygote_running
 
 T_co = TypeVar("T_co", covariant=True)
@@ -441,6 +442,9 @@ class ThreadDataLoader(DataLoader[T_co]):
                 return IsolatedDataLoaderIter(
                     self, resume, helpers=choice.helpers, confirm_start=True
                 )
+            except StaleScriptCode as exc:  # the zygote lacks the script's code: for now
+                undo_draw()
+                self._epoch_choice = Choice(THREADS, f"{exc}: the epoch runs in worker threads")
             except Exception as exc:  # noqa: BLE001  # "auto" runs the epoch in threads instead
                 undo_draw()  # the threads' iterator makes the failed one's base-seed draw
                 self._epoch_choice = self._auto.helpers_failed(exc)

@@ -208,7 +208,7 @@ class _WatchingPickler(_KeepingPickler):
                 name = by_name_in(code, self._module) or ""
                 if name.partition(".")[0] in self._stale:
                     raise StaleScriptCode(
-                        f"{name}, defined in __main__, changed since the zygote forked"
+                        f"{name}, defined in __main__, changed since threadloader's zygote forked"
                     )
         return NotImplemented
 

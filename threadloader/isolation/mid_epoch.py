@@ -266,10 +266,11 @@ class MidEpochMove:
             )
             return False
         except Exception as exc:  # noqa: BLE001  # the epoch goes on in this process
-            if carried is not None and (unpicklable(exc) or isinstance(exc, GlobalsLeftOut)):
+            script = (GlobalsLeftOut, zygote.StaleScriptCode)  # the script's state or code
+            if carried is not None and (unpicklable(exc) or isinstance(exc, script)):
                 what = (
                     str(exc)
-                    if isinstance(exc, GlobalsLeftOut)
+                    if isinstance(exc, script)
                     else f"a worker's dataset copy cannot be pickled ({one_line(exc)})"
                 )
                 self._policy.declined(

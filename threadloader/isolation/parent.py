@@ -283,12 +283,20 @@ class IsolatedDataLoaderIter(DispatchingIter):
         self._reset(loader, first_iter=True)
 
     def _start(
-        self, loader: DataLoader[Any], spec: WorkerSpec, count: int, use_zygote: bool = True
+        self,
+        loader: DataLoader[Any],
+        spec: WorkerSpec,
+        count: int,
+        use_zygote: bool = True,
+        warning: str | None = None,
     ) -> Links:
-        """Start ``count`` helpers for ``spec`` from where ``helper_context`` says."""
+        """Start ``count`` helpers for ``spec`` from where ``helper_context`` says; ``warning``:
+        a ``RuntimeWarning`` to give once they may start."""
         code = _script_code(spec)
         ctx = helper_context(loader.multiprocessing_context, code, use_zygote)
         _refuse_an_unimportable_main(ctx, code)
+        if warning is not None:
+            warn_user(warning, RuntimeWarning)
         named = loader.multiprocessing_context is not None
         state = _main_state(ctx, spec, named, options_of(loader).isolation == "auto")
         start_forkserver(ctx)  # if it uses one: preloading the main script, once
@@ -303,20 +311,16 @@ class IsolatedDataLoaderIter(DispatchingIter):
         it further down: ``"auto"`` stays in threads, ``"process"`` warns.
 
         Raises:
-            GlobalsLeftOut: for ``"auto"``.
+            zygote.StaleScriptCode: for ``"auto"``.
         """
-        what = (
-            f"{stale}; helper processes from the forkserver would run it as the script's top "
-            "level defines it"
-        )
         if options_of(loader).isolation == "auto":
-            raise GlobalsLeftOut(what)
-        warn_user(
-            f"threadloader: {what}. Define the script's classes and functions before building "
-            'the first loader with isolation="process", or pass isolation="threads"',
-            RuntimeWarning,
+            raise stale
+        warning = (
+            f"threadloader: {stale}; helper processes from the forkserver run it as the "
+            "script's top level defines it. Build the loader while the script runs one Python "
+            'thread (a new zygote then forks), or pass isolation="threads"'
         )
-        return self._start(loader, spec, count, use_zygote=False)
+        return self._start(loader, spec, count, use_zygote=False, warning=warning)
 
     def _confirm_start(self) -> None:
         """Wait until every helper has loaded what it runs (point 7); kill them if one cannot

@@ -41,7 +41,7 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    the pipe ends, and the handle reports the helper gone, even if the zygote died first.
 5. Classes, functions and wrappers (``functools.lru_cache``) of the main script are pickled by
    name, and a helper finds them in the zygote's ``__main__``: as they were at its fork. The
-   training process keeps them as they were then, with each class's attributes
+   training process keeps them as they were then, with each class's attributes that are code
    (``_Script``). A loader whose code (``main_state.script_code``: what its dataset,
    ``collate_fn`` and ``worker_init_fn`` hold and call) uses one that the script defined,
    replaced or changed since (a class defined after the first loader, a notebook cell run
@@ -656,11 +656,15 @@ def _name_this_process(name: bytes) -> None:
 
 
 def _attributes(cls: type) -> dict[str, Any]:
-    """A class's own attributes, but for the cache ``copyreg`` adds when an instance is first
-    copied or pickled (``__slotnames__``), which changes no code."""
-    attributes = dict(vars(cls))
-    attributes.pop("__slotnames__", None)
-    return attributes
+    """A class's own attributes that are code: functions, descriptors (``property``,
+    ``staticmethod``, ``classmethod``), nested classes, anything callable. Plain data (a counter
+    ``__getitem__`` bumps, a cache it rebinds) changes no code a helper runs, and a helper has
+    its own values anyway, as a worker process has."""
+    return {
+        name: value
+        for name, value in list(vars(cls).items())
+        if callable(value) or hasattr(type(value), "__get__")
+    }
 
 
 class _Script:

@@ -29,8 +29,9 @@ How state works; where the code disagrees with this, the code is wrong.
    IterableDataset's stateful iterator, resume each worker's copy from the state it had when
    its last delivered batch was made, in StatefulDataLoader's order (``dataset_state``). Any
    other IterableDataset is replayed: its first batches are fetched again and
-   dropped, with a warning; as many of each worker's as the loop had received from it, so a
-   replay is exact also after delivery as completed (``in_order=False``). A map-style
+   dropped, with a warning; as many of each worker's as the loop had received from it (its
+   batches, and the errors it raised, which the replay does not raise again), so a replay is
+   exact also after delivery as completed (``in_order=False``). A map-style
    dataset's states resume on the same number of workers; on another number each copy keeps
    its own state, with a warning.
 5. A state for another dataset length, dataset kind, format, or (where it matters) world size or
@@ -151,7 +152,7 @@ class Resume:
     sampler_rng_state: torch.Tensor | None = None  # the sampler's own generator (point 2)
     iter_rng_state: torch.Tensor | None = None  # the global RNG before iter(sampler) (point 2)
     indices_drawn: bool = True  # the pass drew its first index before the save (point 2)
-    worker_batches: list[int] | None = None  # batches received from each worker (point 4)
+    worker_batches: list[int] | None = None  # results received from each worker (point 4)
     # A state taken between epochs of persistent workers (point 8): a new epoch, whose workers
     # start from the saved dataset and generator states; nothing else is resumed.
     next_epoch: bool = False

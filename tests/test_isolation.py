@@ -480,6 +480,38 @@ def test_a_dataset_method_named_stats_does_not_break_or_slow_the_helpers(how: st
         assert loader.stats().dataset is None
 
 
+class CountsReads(Dataset[int]):
+    """Counts its reads in a list its copies share; its ``stats()`` is a counter snapshot whose
+    second call is slow once (a wait for the GIL or a CPU on a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.reads, self.calls = [0], [0]
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> int:
+        self.reads[0] += 1
+        return index
+
+    def stats(self) -> int:
+        self.calls[0] += 1
+        if self.calls[0] == 2:
+            time.sleep(0.05)
+        return self.reads[0]
+
+
+def test_one_slow_call_of_a_fast_stats_leaves_the_epochs_last_snapshot_current() -> None:
+    """A fast ``stats()`` that once took 50 ms kept the helper from taking it for 2.5 s, and
+    the epoch ended meanwhile: ``loader.stats().dataset`` said 2 reads of 32 (the example's
+    cache hits, 767 of 1024, under load)."""
+    loader = ThreadDataLoader(
+        CountsReads(), batch_size=1, num_workers=2, isolation="process", helpers=1
+    )
+    assert [int(b) for b in loader] == list(range(32))
+    assert loader.stats().dataset == 32
+
+
 class Unpicklable(Dataset[int]):
     def __init__(self) -> None:
         self.lock = threading.Lock()

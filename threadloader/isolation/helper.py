@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import gc
 import inspect
+import math
 import os
 import pickle
 import signal
@@ -103,7 +104,7 @@ PARENT_CHECK_S = 1.0
 #: reads them when it reads that task). A slot costs memory only once written, and free slots
 #: are reused last-freed-first, so spare slots cost address space, not memory.
 SPARE_SLOTS = 4
-#: A dataset's ``stats()`` that took this long (seconds) is taken again only once
+#: A dataset's ``stats()`` whose fastest call took this long (seconds) is taken again only once
 #: ``STATS_COST`` times that has passed: it costs the helper at most ~1/STATS_COST of its time.
 STATS_SLOW_S = 0.02
 STATS_COST = 50
@@ -614,6 +615,7 @@ class _Helper:
         self._stats_lock = threading.Lock()
         self._stats_taken = 0
         self._stats_due = 0.0
+        self._stats_fastest_s = math.inf
         self.pacer = _Pacer(len(ids))
         self.board = TaskBoard(tasks, ids, limit=self.pacer.limit)
         adopted = spec.adopted
@@ -641,10 +643,13 @@ class _Helper:
         the training process keeps the latest-numbered snapshot, not the last to arrive.
 
         Taken with every batch while it is fast (a counter snapshot, as ``RemoteFiles``'
-        takes microseconds); once a call took ``STATS_SLOW_S`` or more (a method of the user's
-        that happens to be named ``stats``, computing something over the data), only once
-        ``STATS_COST`` times that has passed. A ``stats()`` that raises is not called again:
-        the helper's batches go on, and ``loader.stats().dataset`` keeps its last snapshot.
+        takes microseconds); where even its fastest call took ``STATS_SLOW_S`` or more (a method
+        of the user's that happens to be named ``stats``, computing something over the data),
+        only once ``STATS_COST`` times that has passed. The fastest, not the latest: a call
+        that waited for the GIL or a CPU on a loaded machine would otherwise stop the snapshots
+        for a second, and an epoch ending then would report stale counters. A ``stats()`` that
+        raises is not called again: the helper's batches go on, and ``loader.stats().dataset``
+        keeps its last snapshot.
 
         Returns:
             ``(number, stats)``, or None when there is none to send with this batch.
@@ -662,8 +667,9 @@ class _Helper:
                 self._dataset_stats = None
                 return None
             ended = time.perf_counter()
-            if ended - began >= STATS_SLOW_S:
-                self._stats_due = ended + STATS_COST * (ended - began)
+            self._stats_fastest_s = min(self._stats_fastest_s, ended - began)
+            if self._stats_fastest_s >= STATS_SLOW_S:
+                self._stats_due = ended + STATS_COST * self._stats_fastest_s
             self._stats_taken += 1
             return self._stats_taken, snapshot
 

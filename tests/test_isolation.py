@@ -512,6 +512,27 @@ def test_one_slow_call_of_a_fast_stats_leaves_the_epochs_last_snapshot_current()
     assert loader.stats().dataset == 32
 
 
+class SlowAfterItsFirstCall(OwnStats):
+    """Its ``stats()`` answers at once the first time (nothing read yet), then takes 50 ms."""
+
+    def stats(self) -> int:
+        self.calls += 1
+        if self.calls > 1:
+            time.sleep(0.05)
+        return self.calls
+
+
+def test_a_stats_that_turns_slow_is_throttled_after_a_few_calls() -> None:
+    """One fast call does not make ``stats()`` fast for good: once its recent calls are all
+    slow it is taken rarely again, not with each of 64 batches behind a lock every runner
+    waits for (6.5 s an epoch of 128 instead of 0.12 s)."""
+    loader = ThreadDataLoader(
+        SlowAfterItsFirstCall("slow"), batch_size=1, num_workers=2, isolation="process", helpers=1
+    )
+    assert len(list(loader)) == 16
+    assert loader.stats().dataset <= 4
+
+
 class Unpicklable(Dataset[int]):
     def __init__(self) -> None:
         self.lock = threading.Lock()

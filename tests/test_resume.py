@@ -1905,6 +1905,24 @@ def test_a_replay_drops_the_errors_the_loop_caught_as_it_drops_the_batches(
     assert sorted(map(str, first + rest)) == sorted(map(str, reference))
 
 
+@pytest.mark.filterwarnings("ignore:RaisesAtTwo has no state_dict")
+def test_an_older_state_replays_a_caught_error_again_and_repeats_no_batch() -> None:
+    """A state saved without ``worker_batches`` (an older version's) counts the batches alone:
+    the replay raises the caught error again, as it did, and repeats no batch (counting the
+    error off, it dropped one batch too few)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        return ThreadDataLoader(RaisesAtTwo(), batch_size=2, num_workers=2, timeout=30)
+
+    loader = make()
+    first = _caught(iter(loader), 4)
+    state = {**loader.state_dict(), "worker_batches": None}
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = _caught(iter(resumed))
+    assert "error" in first and rest == ["error", [13, 15]]
+
+
 def test_a_replayed_position_past_the_end_of_the_epoch_is_refused() -> None:
     """A mid-epoch position beyond the epoch's batches names no batch to resume at: refused
     (it was accepted, and the resumed epoch silently yielded nothing)."""

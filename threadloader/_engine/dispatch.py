@@ -520,7 +520,14 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
             try:
                 data = self._next_batch()
             except Exception:
-                if self._raised_a_batchs_error and self._discard and self._replayed():
+                # Counted among the results the loop received where the state counts each
+                # worker's; an older state's count holds the batches alone: raised again.
+                if (
+                    self._raised_a_batchs_error
+                    and self._discard_by_worker is not None
+                    and self._discard
+                    and self._replayed()
+                ):
                     continue
                 raise
             if not (self._discard and self._replayed()):

@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import gc
 import inspect
-import math
 import os
 import pickle
 import signal
@@ -49,6 +48,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import get_spawning_popen
@@ -104,10 +104,12 @@ PARENT_CHECK_S = 1.0
 #: reads them when it reads that task). A slot costs memory only once written, and free slots
 #: are reused last-freed-first, so spare slots cost address space, not memory.
 SPARE_SLOTS = 4
-#: A dataset's ``stats()`` whose fastest call took this long (seconds) is taken again only once
+#: A dataset's ``stats()`` whose recent calls all took this long (seconds) is taken again only once
 #: ``STATS_COST`` times that has passed: it costs the helper at most ~1/STATS_COST of its time.
 STATS_SLOW_S = 0.02
 STATS_COST = 50
+#: How many of its latest calls a ``stats()`` is judged by: its fastest among them.
+STATS_RECENT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -615,7 +617,7 @@ class _Helper:
         self._stats_lock = threading.Lock()
         self._stats_taken = 0
         self._stats_due = 0.0
-        self._stats_fastest_s = math.inf
+        self._stats_recent_s: deque[float] = deque(maxlen=STATS_RECENT)
         self.pacer = _Pacer(len(ids))
         self.board = TaskBoard(tasks, ids, limit=self.pacer.limit)
         adopted = spec.adopted
@@ -643,11 +645,12 @@ class _Helper:
         the training process keeps the latest-numbered snapshot, not the last to arrive.
 
         Taken with every batch while it is fast (a counter snapshot, as ``RemoteFiles``'
-        takes microseconds); where even its fastest call took ``STATS_SLOW_S`` or more (a method
-        of the user's that happens to be named ``stats``, computing something over the data),
-        only once ``STATS_COST`` times that has passed. The fastest, not the latest: a call
-        that waited for the GIL or a CPU on a loaded machine would otherwise stop the snapshots
-        for a second, and an epoch ending then would report stale counters. A ``stats()`` that
+        takes microseconds); where even the fastest of its last ``STATS_RECENT`` calls took
+        ``STATS_SLOW_S`` or more (a method of the user's that happens to be named ``stats``,
+        computing something over the data), only once ``STATS_COST`` times that has passed.
+        Not by the latest call alone: one that waited for the GIL or a CPU on a loaded machine
+        would stop the snapshots for a second, and an epoch ending then would report stale
+        counters. A ``stats()`` that
         raises is not called again: the helper's batches go on, and ``loader.stats().dataset``
         keeps its last snapshot.
 
@@ -667,9 +670,10 @@ class _Helper:
                 self._dataset_stats = None
                 return None
             ended = time.perf_counter()
-            self._stats_fastest_s = min(self._stats_fastest_s, ended - began)
-            if self._stats_fastest_s >= STATS_SLOW_S:
-                self._stats_due = ended + STATS_COST * self._stats_fastest_s
+            self._stats_recent_s.append(ended - began)
+            fastest = min(self._stats_recent_s)
+            if fastest >= STATS_SLOW_S:
+                self._stats_due = ended + STATS_COST * fastest
             self._stats_taken += 1
             return self._stats_taken, snapshot
 

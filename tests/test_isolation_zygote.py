@@ -995,3 +995,31 @@ def test_a_class_counter_the_dataset_bumps_keeps_helpers_on_the_zygote(tmp_path:
         "threads", "[[0,", "10],", "[20,", "30]]", "4",
         "zygote", "True", "[[0,", "10],", "[20,", "30]]",
     ]  # fmt: skip
+
+
+def test_a_class_attribute_the_script_changed_reaches_the_zygotes_helpers(
+    tmp_path: Any,
+) -> None:
+    """After the zygote's fork the script sets a data attribute of its dataset's class
+    (``Scaled.scale = 10``): helpers forked from the zygote while another thread runs read the
+    new value, as worker threads and torch's fork-started workers do (they read 1)."""
+    out = _run(
+        tmp_path,
+        """
+        class Scaled(torch.utils.data.Dataset):
+            scale = 1
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return i * Scaled.scale
+
+        iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
+        Scaled.scale = 10
+        with another_thread():
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["zygote", "True", "[[0,", "10],", "[20,", "30]]"]

@@ -231,3 +231,20 @@ def test_the_script_code_helpers_run_is_found_through_the_functions_it_calls() -
     names = sorted(obj.__qualname__ for obj in code)
     assert names == ["Items", "collate", "open_handle", "open_somewhere", "shift"]
     assert main_state.script_code([Subset(main.Opened(), [0])], main) == [main.Opened]
+
+
+def test_changed_class_attributes_are_sent_and_set_and_an_unpicklable_one_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Data attributes of the script's classes the zygote names travel pickled and are set on
+    the helper's class where they differ; one that cannot be pickled is left out by name."""
+    main = _script()
+    main.Items.limit = 7
+    main.Items.lock = threading.Lock()
+    state = capture([main.Items()], main, attributes=[(main.Items, "limit"), (main.Items, "lock")])
+    assert [(owner, name) for owner, name, _ in state.attributes] == [("Items", "limit")]
+    assert state.left_out == ("Items.lock",)
+    helper_main = _script()  # the helper's copy of the script, as its fork left it
+    monkeypatch.setitem(sys.modules, "__main__", helper_main)
+    state.apply()
+    assert helper_main.Items.limit == 7

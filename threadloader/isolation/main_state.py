@@ -30,6 +30,10 @@ the code is wrong.
 4. Only for helpers that are not forked from the training process, where the user named no
    ``multiprocessing_context`` (one that names ``forkserver`` or ``spawn`` gets what torch's
    workers get then: the script's top level).
+5. Helpers from the zygote also receive the data attributes of the script's classes that
+   changed since its fork (``Dataset.scale = 10``, a counter ``__getitem__`` bumps; the
+   zygote names them, ``zygote.changed_data``), pickled under the same rules, and set on the
+   class in the helper where they differ. Its code attributes are the zygote's concern.
 """
 
 from __future__ import annotations
@@ -72,11 +76,14 @@ class MainState:
         values: each global's name and its pickled value.
         default_dtype: ``torch.get_default_dtype()`` in the training process.
         left_out: globals that code reads which could not be sent (point 2).
+        attributes: data attributes of the script's classes that changed since the zygote's
+            fork (point 5): each class's qualified name, the attribute's name, its pickled value.
     """
 
     values: tuple[tuple[str, bytes], ...]
     default_dtype: torch.dtype
     left_out: tuple[str, ...] = ()
+    attributes: tuple[tuple[str, str, bytes], ...] = ()
 
     def apply(self) -> None:
         """Set the globals on this process's ``__main__`` and torch's default dtype (point 3).
@@ -93,6 +100,10 @@ class MainState:
                 value = pickle.loads(data)
                 for space in spaces:
                     space[name] = value
+        for owner, name, data in self.attributes:
+            cls = functools.reduce(getattr, owner.split("."), main)
+            if not _pickles_to(vars(cls).get(name, _ABSENT), data):
+                setattr(cls, name, pickle.loads(data))
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
 
@@ -130,7 +141,10 @@ def _namespaces(main: types.ModuleType) -> list[dict[str, Any]]:
 
 
 def capture(
-    roots: Iterable[Any], main: types.ModuleType | None = None, init: Any = None
+    roots: Iterable[Any],
+    main: types.ModuleType | None = None,
+    init: Any = None,
+    attributes: Iterable[tuple[type, str]] = (),
 ) -> MainState:
     """The ``MainState`` of ``main`` (this process's ``__main__``) that ``roots`` need (point 1).
 
@@ -142,6 +156,8 @@ def capture(
         main: the main module; by default ``sys.modules["__main__"]``.
         init: ``worker_init_fn``: its code is scanned too, and the globals it writes are left
             to it (it runs in each helper, and sets them there as it did here).
+        attributes: data attributes of the script's classes to send as they are now (point
+            5: those changed since the zygote's fork), as ``(class, name)``.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -159,17 +175,29 @@ def capture(
     values: list[tuple[str, bytes]] = []
     left_out: list[str] = []
     total = 0
-    for name in sorted(read - written):
+
+    def pickled(value: Any, name: str) -> bytes | None:
+        nonlocal total
         buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
-            _Pickler(buffer, LIMIT_BYTES - total, module).dump(space[name])
+            _Pickler(buffer, LIMIT_BYTES - total, module).dump(value)
         except Exception:  # noqa: BLE001  # named in left_out: "auto" stays in threads
             left_out.append(name)
-            continue
+            return None
         data = buffer.getvalue()
         total += len(data)
-        values.append((name, data))
-    return MainState(tuple(values), dtype, tuple(left_out))
+        return data
+
+    for name in sorted(read - written):
+        data = pickled(space[name], name)
+        if data is not None:
+            values.append((name, data))
+    sent: list[tuple[str, str, bytes]] = []
+    for cls, name in attributes:
+        data = pickled(vars(cls)[name], f"{cls.__qualname__}.{name}")
+        if data is not None:
+            sent.append((cls.__qualname__, name, data))
+    return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
 
 
 def script_code(

@@ -84,6 +84,7 @@ from threadloader.isolation.main_script import main_reimported
 from threadloader.isolation.main_state import MainState
 from threadloader.isolation.packing import Packed
 from threadloader.isolation.task_board import EPOCH, TASK
+from threadloader.isolation.zygote import ZygoteContext
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -133,7 +134,10 @@ def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainSt
     """
     if named or ctx.get_start_method() == "fork":
         return None
-    state = main_state.capture((spec.dataset, spec.collate_fn), init=spec.worker_init_fn)
+    changed = zygote.changed_data(_script_code(spec)) if isinstance(ctx, ZygoteContext) else []
+    state = main_state.capture(
+        (spec.dataset, spec.collate_fn), init=spec.worker_init_fn, attributes=changed
+    )
     if not state.left_out:
         return state
     what = (

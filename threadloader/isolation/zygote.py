@@ -54,7 +54,9 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    script afresh (``helper_source``). What that bounded walk misses (an object nested deeper
    than it looks), the start's pickle catches: while anything changed, the pickler refuses
    code of the script that changed (``StaleScriptCode``), and the helpers start elsewhere.
-   Other modules' classes, changed in place after the fork, are not checked.
+   A class's data attributes are not code: those changed since the fork travel with the start
+   (``changed_data``, ``main_state`` point 5). Other modules' classes, changed in place after
+   the fork, are not checked.
 """
 
 from __future__ import annotations
@@ -179,6 +181,22 @@ def missing(code: Iterable[Any]) -> list[str]:
     zygote runs."""
     with _lock:
         return _server.missing(code) if _server is not None and _server.alive() else []
+
+
+def changed_data(code: Iterable[Any]) -> list[tuple[type, str]]:
+    """The data attributes of the script's classes among ``code`` that the running zygote holds
+    other than this process does (``main_state`` point 5): its helpers receive them pickled.
+    Empty where no zygote runs."""
+    with _lock:
+        server = _server if _server is not None and _server.alive() else None
+    if server is None:
+        return []
+    return [
+        (obj, name)
+        for obj in code
+        if isinstance(obj, type) and obj.__qualname__ in server.script.data
+        for name in server.script.changed_data(obj)
+    ]
 
 
 def server_pid() -> int | None:
@@ -655,6 +673,20 @@ def _name_this_process(name: bytes) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
 
 
+_NONE = object()  # what no attribute holds
+
+
+def _data(cls: type) -> dict[str, Any]:
+    """A class's own attributes that are data (not ``_attributes``), but for dunder names
+    Python and ``copyreg`` keep there."""
+    return {
+        name: value
+        for name, value in list(vars(cls).items())
+        if not (name.startswith("__") and name.endswith("__"))
+        and not (callable(value) or hasattr(type(value), "__get__"))
+    }
+
+
 def _attributes(cls: type) -> dict[str, Any]:
     """A class's own attributes that are code: functions, descriptors (``property``,
     ``staticmethod``, ``classmethod``), nested classes, anything callable. Plain data (a counter
@@ -679,6 +711,9 @@ class _Script:
         self.classes = {
             name: _attributes(value) for name, value in self.code.items() if isinstance(value, type)
         }
+        self.data = {
+            name: _data(value) for name, value in self.code.items() if isinstance(value, type)
+        }
 
     def holds(self, top: str, now: _Script) -> bool:
         """Whether ``now`` has the global ``top`` as this one had it: the same object, and for a
@@ -693,6 +728,16 @@ class _Script:
         return len(attributes) == len(held) and all(
             attributes.get(name, held) is item for name, item in held.items()
         )
+
+    def changed_data(self, cls: type) -> list[str]:
+        """The data attributes of ``cls``, a class of the script this one had, that it holds
+        now other than this one had them: changed or added."""
+        held = self.data.get(cls.__qualname__, {})
+        return [
+            name
+            for name, value in _data(cls).items()
+            if held.get(name, _NONE) is not value
+        ]
 
     def changed(self, now: _Script) -> frozenset[str]:
         """Globals of code that ``now`` has other than this one had: new, gone or changed."""

@@ -733,11 +733,7 @@ class _Script:
         """The data attributes of ``cls``, a class of the script this one had, that it holds
         now other than this one had them: changed or added."""
         held = self.data.get(cls.__qualname__, {})
-        return [
-            name
-            for name, value in _data(cls).items()
-            if held.get(name, _NONE) is not value
-        ]
+        return [name for name, value in _data(cls).items() if held.get(name, _NONE) is not value]
 
     def changed(self, now: _Script) -> frozenset[str]:
         """Globals of code that ``now`` has other than this one had: new, gone or changed."""

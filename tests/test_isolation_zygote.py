@@ -963,63 +963,33 @@ def test_a_loader_built_after_the_script_changed_its_code_replaces_the_zygote(
     assert out == ["unrelated", "True", "frozenset()", "auto", "True"]
 
 
-def test_a_class_counter_the_dataset_bumps_keeps_helpers_on_the_zygote(tmp_path: Any) -> None:
-    """A dataset class counts its reads in a class attribute (``Counted.reads += 1``): data,
-    not code. After an epoch in threads changed it, helpers still come from the zygote, with
-    no warning, and their batches are right."""
+def test_class_attributes_changed_since_the_fork_reach_the_zygotes_helpers(tmp_path: Any) -> None:
+    """A dataset class counts its reads in a class attribute (``Scaled.reads += 1``) and the
+    script sets another (``Scaled.scale = 10``) after the zygote's fork: data, not code. The
+    helpers still come from the zygote, with no warning, and read the new values, as worker
+    threads and torch's fork-started workers do (they read ``scale`` 1)."""
     out = _run(
         tmp_path,
         """
         import warnings
 
-        class Counted(torch.utils.data.Dataset):
-            reads = 0
+        class Scaled(torch.utils.data.Dataset):
+            scale, reads = 1, 0
 
             def __len__(self):
                 return 4
 
             def __getitem__(self, i):
-                Counted.reads += 1
-                return i * 10
+                Scaled.reads += 1
+                return i * Scaled.scale
 
-        iso = ThreadDataLoader(Counted(), batch_size=2, num_workers=2, isolation="process")
-        print("threads", [b.tolist() for b in ThreadDataLoader(Counted(), batch_size=2,
-                                                                num_workers=2)], Counted.reads)
+        iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
+        print("threads", len(list(ThreadDataLoader(Scaled(), num_workers=2))), Scaled.reads)
+        Scaled.scale = 10
         with another_thread(), warnings.catch_warnings():
             warnings.simplefilter("error")
             it = iter(iso)
             print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
         """,
     )
-    assert out == [
-        "threads", "[[0,", "10],", "[20,", "30]]", "4",
-        "zygote", "True", "[[0,", "10],", "[20,", "30]]",
-    ]  # fmt: skip
-
-
-def test_a_class_attribute_the_script_changed_reaches_the_zygotes_helpers(
-    tmp_path: Any,
-) -> None:
-    """After the zygote's fork the script sets a data attribute of its dataset's class
-    (``Scaled.scale = 10``): helpers forked from the zygote while another thread runs read the
-    new value, as worker threads and torch's fork-started workers do (they read 1)."""
-    out = _run(
-        tmp_path,
-        """
-        class Scaled(torch.utils.data.Dataset):
-            scale = 1
-
-            def __len__(self):
-                return 4
-
-            def __getitem__(self, i):
-                return i * Scaled.scale
-
-        iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
-        Scaled.scale = 10
-        with another_thread():
-            it = iter(iso)
-            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
-        """,
-    )
-    assert out == ["zygote", "True", "[[0,", "10],", "[20,", "30]]"]
+    assert out == ["threads", "4", "4", "zygote", "True", "[[0,", "10],", "[20,", "30]]"]

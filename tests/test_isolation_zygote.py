@@ -965,27 +965,30 @@ def test_a_loader_built_after_the_script_changed_its_code_replaces_the_zygote(
 
 def test_class_attributes_changed_since_the_fork_reach_the_zygotes_helpers(tmp_path: Any) -> None:
     """A dataset class counts its reads in a class attribute (``Scaled.reads += 1``) and the
-    script sets another (``Scaled.scale = 10``) after the zygote's fork: data, not code. The
-    helpers still come from the zygote, with no warning, and read the new values, as worker
-    threads and torch's fork-started workers do (they read ``scale`` 1)."""
+    script sets one of its base class (``Base.scale = 10``) after the zygote's fork: data, not
+    code. The helpers still come from the zygote, with no warning, and read the new values, as
+    worker threads and torch's fork-started workers do (they read ``scale`` 1)."""
     out = _run(
         tmp_path,
         """
         import warnings
 
-        class Scaled(torch.utils.data.Dataset):
-            scale, reads = 1, 0
+        class Base(torch.utils.data.Dataset):
+            scale = 1
+
+        class Scaled(Base):
+            reads = 0
 
             def __len__(self):
                 return 4
 
             def __getitem__(self, i):
                 Scaled.reads += 1
-                return i * Scaled.scale
+                return i * self.scale
 
         iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
         print("threads", len(list(ThreadDataLoader(Scaled(), num_workers=2))), Scaled.reads)
-        Scaled.scale = 10
+        Base.scale = 10  # on the base class, which the dataset's code never names
         with another_thread(), warnings.catch_warnings():
             warnings.simplefilter("error")
             it = iter(iso)

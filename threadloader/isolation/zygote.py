@@ -184,19 +184,23 @@ def missing(code: Iterable[Any]) -> list[str]:
 
 
 def changed_data(code: Iterable[Any]) -> list[tuple[type, str]]:
-    """The data attributes of the script's classes among ``code`` that the running zygote holds
-    other than this process does (``main_state`` point 5): its helpers receive them pickled.
-    Empty where no zygote runs."""
+    """The data attributes of the script's classes among ``code``, and of their bases of the
+    script (a subclass reads what its base holds), that the running zygote holds other than
+    this process does (``main_state`` point 5): its helpers receive them pickled. Empty where
+    no zygote runs."""
     with _lock:
         server = _server if _server is not None and _server.alive() else None
     if server is None:
         return []
-    return [
-        (obj, name)
+    held = server.script.code
+    classes = {
+        klass: None  # ordered, each once
         for obj in code
-        if isinstance(obj, type) and obj.__qualname__ in server.script.data
-        for name in server.script.changed_data(obj)
-    ]
+        if isinstance(obj, type)
+        for klass in obj.__mro__
+        if held.get(klass.__qualname__) is klass
+    }
+    return [(klass, name) for klass in classes for name in server.script.changed_data(klass)]
 
 
 def server_pid() -> int | None:

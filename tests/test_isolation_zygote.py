@@ -964,35 +964,54 @@ def test_a_loader_built_after_the_script_changed_its_code_replaces_the_zygote(
 
 
 def test_class_attributes_changed_since_the_fork_reach_the_zygotes_helpers(tmp_path: Any) -> None:
-    """A dataset class counts its reads in a class attribute (``Scaled.reads += 1``) and the
-    script sets one of its base class (``Base.scale = 10``) after the zygote's fork: data, not
-    code. The helpers still come from the zygote, with no warning, and read the new values, as
-    worker threads and torch's fork-started workers do (they read ``scale`` 1)."""
+    """After the zygote's fork a dataset class counted its reads and opened a lock into class
+    attributes, and the script set its base class's attribute, deleted the class's own and set
+    a nested class's: data, not code. The helpers still come from the zygote, with no warning,
+    and read the values as the training process has them (the lock, which cannot be pickled,
+    they open themselves), as worker threads and torch's fork-started workers do."""
     out = _run(
         tmp_path,
         """
         import warnings
 
+        import threading
+
         class Base(torch.utils.data.Dataset):
             scale = 1
 
         class Scaled(Base):
-            reads = 0
+            reads, handle, scale = 0, None, 2
+
+            class Offset:
+                value = 0
 
             def __len__(self):
                 return 4
 
             def __getitem__(self, i):
                 Scaled.reads += 1
-                return i * self.scale
+                if Scaled.handle is None:  # opened on first use; cannot be pickled
+                    Scaled.handle = threading.Lock()
+                return i * self.scale + Scaled.Offset.value
+
+        class Cache:
+            table = torch.zeros(1000)
 
         iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
         print("threads", len(list(ThreadDataLoader(Scaled(), num_workers=2))), Scaled.reads)
+        import gc, weakref
+        table, Cache.table = weakref.ref(Cache.table), None  # the zygote's record keeps it not
+        gc.collect()
+        print("freed", table() is None)
         Base.scale = 10  # on the base class, which the dataset's code never names
+        del Scaled.scale  # so that the base's is read
+        Scaled.Offset.value = 1  # on a nested class
         with another_thread(), warnings.catch_warnings():
             warnings.simplefilter("error")
             it = iter(iso)
             print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
         """,
     )
-    assert out == ["threads", "4", "4", "zygote", "True", "[[0,", "10],", "[20,", "30]]"]
+    assert out == [
+        "threads", "4", "4", "freed", "True", "zygote", "True", "[[1,", "11],", "[21,", "31]]",
+    ]  # fmt: skip

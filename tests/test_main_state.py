@@ -233,18 +233,24 @@ def test_the_script_code_helpers_run_is_found_through_the_functions_it_calls() -
     assert main_state.script_code([Subset(main.Opened(), [0])], main) == [main.Opened]
 
 
-def test_changed_class_attributes_are_sent_and_set_and_an_unpicklable_one_is_named(
+def test_changed_class_attributes_are_sent_and_set_and_an_unpicklable_one_is_kept(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Data attributes of the script's classes the zygote names travel pickled and are set on
-    the helper's class where they differ; one that cannot be pickled is left out by name."""
+    the helper's class where they differ, or deleted where deleted; one that cannot be pickled
+    (a lock opened on first use) is not sent, nor named: the helper keeps its own."""
     main = _script()
     main.Items.limit = 7
     main.Items.lock = threading.Lock()
-    state = capture([main.Items()], main, attributes=[(main.Items, "limit"), (main.Items, "lock")])
-    assert [(owner, name) for owner, name, _ in state.attributes] == [("Items", "limit")]
-    assert state.left_out == ("Items.lock",)
+    changed = [(main.Items, "limit", True), (main.Items, "lock", True), (main.Items, "gone", False)]
+    state = capture([main.Items()], main, attributes=changed)
+    assert [(owner, name) for owner, name, _ in state.attributes] == [
+        ("Items", "limit"),
+        ("Items", "gone"),
+    ]
+    assert state.left_out == ()
     helper_main = _script()  # the helper's copy of the script, as its fork left it
+    helper_main.Items.gone = 1
     monkeypatch.setitem(sys.modules, "__main__", helper_main)
     state.apply()
-    assert helper_main.Items.limit == 7
+    assert helper_main.Items.limit == 7 and not hasattr(helper_main.Items, "gone")

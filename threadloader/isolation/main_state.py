@@ -30,10 +30,14 @@ the code is wrong.
 4. Only for helpers that are not forked from the training process, where the user named no
    ``multiprocessing_context`` (one that names ``forkserver`` or ``spawn`` gets what torch's
    workers get then: the script's top level).
-5. Helpers from the zygote also receive the data attributes of the script's classes that
-   changed since its fork (``Dataset.scale = 10``, a counter ``__getitem__`` bumps; the
-   zygote names them, ``zygote.changed_data``), pickled under the same rules, and set on the
-   class in the helper where they differ. Its code attributes are the zygote's concern.
+5. Helpers from the zygote also receive the data attributes of the script's classes (nested
+   ones and bases too) that changed since its fork (``Dataset.scale = 10``, a counter
+   ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
+   same rules, and set on the class in the helper where they differ, or deleted there where
+   deleted here. One that cannot be pickled stays as the zygote has it, unnamed (a file or
+   lock a dataset opens on first use into a class attribute: the helper opens its own). Only
+   rebinding is seen: a class-level dict changed in place is not. Code attributes are the
+   zygote's concern.
 """
 
 from __future__ import annotations
@@ -77,13 +81,14 @@ class MainState:
         default_dtype: ``torch.get_default_dtype()`` in the training process.
         left_out: globals that code reads which could not be sent (point 2).
         attributes: data attributes of the script's classes that changed since the zygote's
-            fork (point 5): each class's qualified name, the attribute's name, its pickled value.
+            fork (point 5): each class's qualified name, the attribute's name, its pickled value
+            (None: deleted since).
     """
 
     values: tuple[tuple[str, bytes], ...]
     default_dtype: torch.dtype
     left_out: tuple[str, ...] = ()
-    attributes: tuple[tuple[str, str, bytes], ...] = ()
+    attributes: tuple[tuple[str, str, bytes | None], ...] = ()
 
     def apply(self) -> None:
         """Set the globals on this process's ``__main__`` and torch's default dtype (point 3).
@@ -100,10 +105,18 @@ class MainState:
                 value = pickle.loads(data)
                 for space in spaces:
                     space[name] = value
-        for owner, name, data in self.attributes:
+        for owner, attribute, pickled in self.attributes:
             cls = functools.reduce(getattr, owner.split("."), main)
-            if not _pickles_to(vars(cls).get(name, _ABSENT), data):
-                setattr(cls, name, pickle.loads(data))
+            if pickled is None:
+                if attribute in vars(cls):
+                    delattr(cls, attribute)
+            elif not _pickles_to(vars(cls).get(attribute, _ABSENT), pickled):
+                try:
+                    setattr(cls, attribute, pickle.loads(pickled))
+                except Exception as exc:
+                    if hasattr(exc, "add_note"):  # Python 3.11+
+                        exc.add_note(f"threadloader: loading {owner}.{attribute} of the script")
+                    raise
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
 
@@ -144,7 +157,7 @@ def capture(
     roots: Iterable[Any],
     main: types.ModuleType | None = None,
     init: Any = None,
-    attributes: Iterable[tuple[type, str]] = (),
+    attributes: Iterable[tuple[type, str, bool]] = (),
 ) -> MainState:
     """The ``MainState`` of ``main`` (this process's ``__main__``) that ``roots`` need (point 1).
 
@@ -157,7 +170,9 @@ def capture(
         init: ``worker_init_fn``: its code is scanned too, and the globals it writes are left
             to it (it runs in each helper, and sets them there as it did here).
         attributes: data attributes of the script's classes to send as they are now (point
-            5: those changed since the zygote's fork), as ``(class, name)``.
+            5: those changed since the zygote's fork), as ``(class, name, still there)``. One
+            that cannot be pickled is not sent (a file or lock a dataset opens on first use:
+            the helper opens its own), and not named in ``left_out``.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -192,12 +207,13 @@ def capture(
         data = pickled(space[name], name)
         if data is not None:
             values.append((name, data))
-    sent: list[tuple[str, str, bytes]] = []
-    for cls, name in attributes:
-        data = pickled(vars(cls)[name], f"{cls.__qualname__}.{name}")
-        if data is not None:
+    named = len(left_out)
+    sent: list[tuple[str, str, bytes | None]] = []
+    for cls, name, there in attributes:
+        data = pickled(vars(cls)[name], name) if there else None
+        if data is not None or not there:
             sent.append((cls.__qualname__, name, data))
-    return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
+    return MainState(tuple(values), dtype, tuple(left_out[:named]), tuple(sent))
 
 
 def script_code(

@@ -77,6 +77,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
@@ -183,24 +184,27 @@ def missing(code: Iterable[Any]) -> list[str]:
         return _server.missing(code) if _server is not None and _server.alive() else []
 
 
-def changed_data(code: Iterable[Any]) -> list[tuple[type, str]]:
-    """The data attributes of the script's classes among ``code``, and of their bases of the
-    script (a subclass reads what its base holds), that the running zygote holds other than
-    this process does (``main_state`` point 5): its helpers receive them pickled. Empty where
-    no zygote runs."""
+def changed_data(code: Iterable[Any]) -> list[tuple[type, str, bool]]:
+    """The data attributes of the script's classes among ``code``, of their bases and of the
+    classes nested in them (a subclass reads what its base holds), that the running zygote
+    holds other than this process does (``main_state`` point 5), each with whether it is still
+    there (False: deleted since): its helpers receive them pickled. Empty where no zygote
+    runs."""
     with _lock:
         server = _server if _server is not None and _server.alive() else None
     if server is None:
         return []
-    held = server.script.code
-    classes = {
-        klass: None  # ordered, each once
-        for obj in code
-        if isinstance(obj, type)
-        for klass in obj.__mro__
-        if held.get(klass.__qualname__) is klass
-    }
-    return [(klass, name) for klass in classes for name in server.script.changed_data(klass)]
+    script = server.script
+    named = [
+        k for obj in code if isinstance(obj, type) for k in obj.__mro__ if script.class_named(k)
+    ]
+    nested = [  # classes nested in those, which their code reaches through them
+        entry[0]
+        for name, entry in script.data.items()
+        if any(name.startswith(k.__qualname__ + ".") for k in named)
+    ]
+    classes = dict.fromkeys([*named, *nested])  # ordered, each once
+    return [(klass, *change) for klass in classes for change in script.changed_data(klass)]
 
 
 def server_pid() -> int | None:
@@ -677,7 +681,17 @@ def _name_this_process(name: bytes) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
 
 
-_NONE = object()  # what no attribute holds
+def _held(value: Any) -> Callable[[], Any]:
+    """What gives ``value`` back: a weak reference where it takes one, else ``value`` kept."""
+    try:
+        return weakref.ref(value)
+    except TypeError:  # ints, strings, tuples: kept
+        return lambda: value
+
+
+def _gone() -> object:
+    """What a record of no attribute gives: an object no attribute holds."""
+    return _gone
 
 
 def _data(cls: type) -> dict[str, Any]:
@@ -715,9 +729,21 @@ class _Script:
         self.classes = {
             name: _attributes(value) for name, value in self.code.items() if isinstance(value, type)
         }
-        self.data = {
-            name: _data(value) for name, value in self.code.items() if isinstance(value, type)
-        }
+        # Each class of the script, nested ones too, by qualified name: the class, and its data
+        # attributes as they are, held weakly where they can be (a class-level cache rebound
+        # since is not kept alive by this record).
+        self.data: dict[str, tuple[type, dict[str, Callable[[], Any]]]] = {}
+        pending = [value for value in self.code.values() if isinstance(value, type)]
+        while pending:
+            cls = pending.pop()
+            if cls.__qualname__ in self.data:
+                continue
+            self.data[cls.__qualname__] = (cls, {n: _held(v) for n, v in _data(cls).items()})
+            pending.extend(
+                value
+                for value in vars(cls).values()
+                if isinstance(value, type) and value.__qualname__.startswith(cls.__qualname__ + ".")
+            )
 
     def holds(self, top: str, now: _Script) -> bool:
         """Whether ``now`` has the global ``top`` as this one had it: the same object, and for a
@@ -733,11 +759,20 @@ class _Script:
             attributes.get(name, held) is item for name, item in held.items()
         )
 
-    def changed_data(self, cls: type) -> list[str]:
-        """The data attributes of ``cls``, a class of the script this one had, that it holds
-        now other than this one had them: changed or added."""
-        held = self.data.get(cls.__qualname__, {})
-        return [name for name, value in _data(cls).items() if held.get(name, _NONE) is not value]
+    def class_named(self, cls: type) -> bool:
+        """Whether ``cls`` is a class of the script this one had, under its qualified name."""
+        entry = self.data.get(cls.__qualname__)
+        return entry is not None and entry[0] is cls
+
+    def changed_data(self, cls: type) -> list[tuple[str, bool]]:
+        """The data attributes of ``cls`` (``class_named``) that it holds now other than this
+        one had them, each with whether it is still there (False: deleted since)."""
+        held = self.data[cls.__qualname__][1]
+        now = _data(cls)
+        changed = [
+            (name, True) for name, value in now.items() if held.get(name, _gone)() is not value
+        ]
+        return changed + [(name, False) for name in held.keys() - now.keys()]
 
     def changed(self, now: _Script) -> frozenset[str]:
         """Globals of code that ``now`` has other than this one had: new, gone or changed."""

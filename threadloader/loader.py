@@ -52,7 +52,7 @@ from threadloader.isolation.helper_source import (
     refresh_zygote,
     start_helper_server,
 )
-from threadloader.isolation.main_state import script_code
+from threadloader.isolation.main_state import code_of
 from threadloader.isolation.mid_epoch import mover_for
 from threadloader.isolation.parent import GlobalsLeftOut, IsolatedDataLoaderIter
 from threadloader.isolation.zygote import StaleScriptCode
@@ -284,11 +284,9 @@ class ThreadDataLoader(DataLoader[T_co]):
         _check_mixture_sampler(self)
         _refuse_ignored_options(self)
         if self._options.isolation == "process":
-            code = script_code((self.dataset, self.collate_fn), init=self.worker_init_fn)
-            start_helper_server(multiprocessing_context, code)
+            start_helper_server(multiprocessing_context, code_of(self))
         elif self._options.isolation == "auto" and zygote_running():
-            code = script_code((self.dataset, self.collate_fn), init=self.worker_init_fn)
-            refresh_zygote(multiprocessing_context, code)
+            refresh_zygote(multiprocessing_context, code_of(self))
         for hook in BUILT_HOOKS:  # integrations: e.g. accelerator.prepare(self) keeps threads
             hook(self)
 

@@ -71,7 +71,7 @@ from threadloader.isolation.helper_source import (
     warm_forkserver,
 )
 from threadloader.isolation.main_script import main_reimported, unguarded_main_script
-from threadloader.isolation.main_state import script_code
+from threadloader.isolation.main_state import code_of
 
 THREADS = "threads"
 PROCESS = "process"
@@ -356,7 +356,7 @@ class AutoIsolation:
             loader: the ``ThreadDataLoader``.
         """
         if self._refusal(loader, forked=False) is None:
-            warm_forkserver(loader.multiprocessing_context, _script_code(loader))
+            warm_forkserver(loader.multiprocessing_context, code_of(loader))
 
     def unforked_start_s(self, loader: Any) -> float | None:
         """Seconds that pickling what they run costs helpers not forked from this process, where
@@ -375,7 +375,7 @@ class AutoIsolation:
             return None
         if getattr(type(loader.dataset), "__copy__", None) is not None:
             return None  # its copies share process-wide state: pickled apart, they would not
-        forked = zygote.running(_script_code(loader))
+        forked = zygote.running(code_of(loader))
         if not forked and not forkserver_is_ready():
             return None
         if self._refusal(loader, forked) is not None:
@@ -396,7 +396,7 @@ class AutoIsolation:
             return _too_short(last, MIN_EPOCH_S)
         method = start_method(loader.multiprocessing_context)
         forking = method in (None, "fork") and zygote.may_fork()  # this process: nothing pickled
-        forked = forking or (method is None and zygote.running(_script_code(loader)))
+        forked = forking or (method is None and zygote.running(code_of(loader)))
         refusal = self._refusal(loader, forked)
         if refusal is not None or forking:
             return refusal
@@ -408,7 +408,7 @@ class AutoIsolation:
             return self._long_enough(last, MIN_EPOCH_S + pickled_s)
         if last.wall_s >= MIN_EPOCH_S_SERVER + pickled_s:
             return None
-        warming = warm_forkserver(loader.multiprocessing_context, _script_code(loader))
+        warming = warm_forkserver(loader.multiprocessing_context, code_of(loader))
         if warming and forkserver_is_ready():
             return self._long_enough(last, MIN_EPOCH_S + pickled_s)
         reason = _too_short(last, MIN_EPOCH_S_SERVER + pickled_s)
@@ -476,12 +476,6 @@ class AutoIsolation:
         return self._pickled
 
 
-def _script_code(loader: Any) -> list[Any]:
-    """The main script's classes and functions that helpers running ``loader``'s workers run
-    (a zygote that lacks them is not used: ``zygote`` point 5)."""
-    return script_code((loader.dataset, loader.collate_fn), init=loader.worker_init_fn)
-
-
 def _stale_script_code(loader: Any) -> str | None:
     """Why helpers would not run the main script's code as it is now, or None: they would come
     from a zygote (this process runs other threads) that holds it as it was at its fork, and
@@ -489,10 +483,7 @@ def _stale_script_code(loader: Any) -> str | None:
     """
     if start_method(loader.multiprocessing_context) is not None or zygote.may_fork():
         return None
-    lacking = zygote.missing(_script_code(loader))
+    lacking = zygote.missing(code_of(loader))
     if not lacking:
         return None
-    return (
-        f"{', '.join(lacking)}, defined in __main__, changed since threadloader's zygote "
-        "forked: helper processes would not run it as it is now"
-    )
+    return f"{zygote.StaleScriptCode.of(lacking)}: helper processes would not run it as it is now"

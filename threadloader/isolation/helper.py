@@ -210,9 +210,7 @@ class _WatchingPickler(_KeepingPickler):
             for code in script_code([obj]):
                 name = by_name_in(code, self._module) or ""
                 if name.partition(".")[0] in self._stale:
-                    raise StaleScriptCode(
-                        f"{name}, defined in __main__, changed since threadloader's zygote forked"
-                    )
+                    raise StaleScriptCode.of([name])
         return NotImplemented
 
 

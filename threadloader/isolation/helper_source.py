@@ -141,10 +141,7 @@ def helper_context(
         if use_zygote:
             lacking = zygote.missing(code)
             if lacking:
-                raise zygote.StaleScriptCode(
-                    f"{', '.join(lacking)}, defined in __main__, changed since threadloader's "
-                    "zygote forked"
-                )
+                raise zygote.StaleScriptCode.of(lacking)
             if zygote.running():
                 return zygote.ZygoteContext()
         multiprocessing_context = "forkserver" if _forkserver_can_listen() else "spawn"

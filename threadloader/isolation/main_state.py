@@ -57,7 +57,7 @@ import torch
 
 from threadloader.isolation.capped import Capped, PayloadTooLarge
 
-__all__ = ["LIMIT_BYTES", "MainState", "by_name_in", "capture", "script_code"]
+__all__ = ["LIMIT_BYTES", "MainState", "by_name_in", "capture", "code_of", "script_code"]
 
 #: What ``MainState.left_out`` names when the script's code could not be scanned (point 1).
 UNSCANNED = "(code that could not be scanned)"
@@ -187,33 +187,33 @@ def capture(
         _, written, _ = _scan(_own_code(init), space, module)
     except Exception:  # noqa: BLE001  # code that cannot be scanned: assume it needs anything
         return MainState((), dtype, (UNSCANNED,))
-    values: list[tuple[str, bytes]] = []
-    left_out: list[str] = []
     total = 0
 
-    def pickled(value: Any, name: str) -> bytes | None:
+    def pickled(value: Any) -> bytes | None:
         nonlocal total
         buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
             _Pickler(buffer, LIMIT_BYTES - total, module).dump(value)
-        except Exception:  # noqa: BLE001  # named in left_out: "auto" stays in threads
-            left_out.append(name)
+        except Exception:  # noqa: BLE001  # a global is named in left_out: "auto" stays in threads
             return None
         data = buffer.getvalue()
         total += len(data)
         return data
 
+    values: list[tuple[str, bytes]] = []
+    left_out: list[str] = []
     for name in sorted(read - written):
-        data = pickled(space[name], name)
-        if data is not None:
+        data = pickled(space[name])
+        if data is None:
+            left_out.append(name)
+        else:
             values.append((name, data))
-    named = len(left_out)
     sent: list[tuple[str, str, bytes | None]] = []
     for cls, name, there in attributes:
-        data = pickled(vars(cls)[name], name) if there else None
+        data = pickled(vars(cls)[name]) if there else None
         if data is not None or not there:
             sent.append((cls.__qualname__, name, data))
-    return MainState(tuple(values), dtype, tuple(left_out[:named]), tuple(sent))
+    return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
 
 
 def script_code(
@@ -242,6 +242,12 @@ def script_code(
         return _scan(found, vars(main), module)[2]
     except Exception:  # noqa: BLE001  # code that cannot be scanned: what the walk found
         return found
+
+
+def code_of(runs: Any) -> list[Any]:
+    """``script_code`` of what a loader's helpers run: ``runs``' ``dataset``, ``collate_fn``
+    and ``worker_init_fn`` (a ``ThreadDataLoader``, or the ``WorkerSpec`` its epoch made)."""
+    return script_code((runs.dataset, runs.collate_fn), init=runs.worker_init_fn)
 
 
 class _Pickler(pickle.Pickler):

@@ -95,11 +95,6 @@ class GlobalsLeftOut(RuntimeError):
     are not forked from this process (``main_state`` point 2): ``"auto"`` stays in threads."""
 
 
-def _script_code(spec: WorkerSpec) -> list[Any]:
-    """The main script's classes and functions that helpers running ``spec`` run."""
-    return main_state.script_code((spec.dataset, spec.collate_fn), init=spec.worker_init_fn)
-
-
 def _refuse_an_unimportable_main(ctx: Any, code: list[Any]) -> None:
     """Refuse helpers that would fail to unpickle the script's classes and functions.
 
@@ -122,9 +117,12 @@ def _refuse_an_unimportable_main(ctx: Any, code: list[Any]) -> None:
     )
 
 
-def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainState | None:
+def _main_state(
+    ctx: Any, spec: WorkerSpec, code: list[Any], named: bool, strict: bool
+) -> MainState | None:
     """What helpers started by ``ctx`` need of the main script's run-time state
     (``main_state`` point 4): None for forked ones, or where the user named the context.
+    ``code``: ``main_state.code_of(spec)``.
 
     Without ``strict`` (``isolation="process"``), such a global is named in a
     ``RuntimeWarning``: the helpers run with its value as the script's import makes it.
@@ -134,7 +132,7 @@ def _main_state(ctx: Any, spec: WorkerSpec, named: bool, strict: bool) -> MainSt
     """
     if named or ctx.get_start_method() == "fork":
         return None
-    changed = zygote.changed_data(_script_code(spec)) if isinstance(ctx, ZygoteContext) else []
+    changed = zygote.changed_data(code) if isinstance(ctx, ZygoteContext) else []
     state = main_state.capture(
         (spec.dataset, spec.collate_fn), init=spec.worker_init_fn, attributes=changed
     )
@@ -296,13 +294,13 @@ class IsolatedDataLoaderIter(DispatchingIter):
     ) -> Links:
         """Start ``count`` helpers for ``spec`` from where ``helper_context`` says; ``warning``:
         a ``RuntimeWarning`` to give once they may start."""
-        code = _script_code(spec)
+        code = main_state.code_of(spec)
         ctx = helper_context(loader.multiprocessing_context, code, use_zygote)
         _refuse_an_unimportable_main(ctx, code)
         if warning is not None:
             warn_user(warning, RuntimeWarning)
         named = loader.multiprocessing_context is not None
-        state = _main_state(ctx, spec, named, options_of(loader).isolation == "auto")
+        state = _main_state(ctx, spec, code, named, options_of(loader).isolation == "auto")
         start_forkserver(ctx)  # if it uses one: preloading the main script, once
         return Links(_start_links(ctx, self, spec, count, state=state))
 
@@ -378,8 +376,9 @@ class IsolatedDataLoaderIter(DispatchingIter):
             links = Links(_start_links(ctx, epoch, spec, count, adopted=epoch._pool.workers))
         else:
             # The zygote or a forkserver that is ready (``mid_epoch``): nothing to start first.
-            ctx = helper_context(code=_script_code(spec))
-            state = _main_state(ctx, spec, named=False, strict=True)
+            code = main_state.code_of(spec)
+            ctx = helper_context(code=code)
+            state = _main_state(ctx, spec, code, named=False, strict=True)
             links = Links(
                 _start_links(ctx, epoch, spec, count, adopted=carried, limit=limit, state=state)
             )

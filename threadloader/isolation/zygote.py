@@ -385,6 +385,13 @@ class StaleScriptCode(RuntimeError):
     """A helper's start pickles, by name, code of the main script that the zygote holds other
     than the training process does (point 5): the helper must come from elsewhere."""
 
+    @classmethod
+    def of(cls, names: Iterable[str]) -> StaleScriptCode:
+        """The error naming the script's classes and functions the zygote lacks."""
+        return cls(
+            f"{', '.join(names)}, defined in __main__, changed since threadloader's zygote forked"
+        )
+
 
 class _DupFd:
     """A descriptor sent beside a helper's start, found again by its index in the helper."""

@@ -50,13 +50,13 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    thread forks a new zygote where the running one's copy differs from the script in anything
    (``ensure_running``; ``isolation="auto"`` only replaces one, starting none); the old one is
    retired: it forks nothing more and exits once the helpers it forked have ended, reporting
-   their exit codes until then. Where no new zygote can fork, helpers come from the forkserver, which imports the
-   script afresh (``helper_source``). What that bounded walk misses (an object nested deeper
-   than it looks), the start's pickle catches: while anything changed, the pickler refuses
-   code of the script that changed (``StaleScriptCode``), and the helpers start elsewhere.
-   A class's data attributes are not code: those changed since the fork travel with the start
-   (``changed_data``, ``main_state`` point 5). Other modules' classes, changed in place after
-   the fork, are not checked.
+   their exit codes until then. Where no new zygote can fork, helpers come from the
+   forkserver, which imports the script afresh (``helper_source``). What that bounded walk
+   misses (an object nested deeper than it looks), the start's pickle catches: while anything
+   changed, the pickler refuses code of the script that changed (``StaleScriptCode``), and the
+   helpers start elsewhere. A class's data attributes are not code: those changed since the
+   fork travel with the start (``changed_data``, ``main_state`` point 5). Other modules'
+   classes, changed in place after the fork, are not checked.
 """
 
 from __future__ import annotations
@@ -147,10 +147,11 @@ def ensure_running(code: Iterable[Any] = (), start: bool = True) -> bool:
     with _lock:
         _reap_retired()
         if _server is not None and _server.alive():
-            lacking = _server.missing(code)
+            now = _Script()
+            lacking = _server.missing(code, now)
             # Also for code this loader does not run: a start would check the pickle of
             # anything that changed (``helper._WatchingPickler``), costing a call per object.
-            if not lacking and not _server.script.changed(_Script()):
+            if not lacking and not _server.script.changed(now):
                 return True
             if not may_fork():
                 return not lacking
@@ -200,7 +201,7 @@ def changed_data(code: Iterable[Any]) -> list[tuple[type, str, bool]]:
     ]
     nested = [  # classes nested in those, which their code reaches through them
         entry[0]
-        for name, entry in script.data.items()
+        for name, entry in script.classes.items()
         if any(name.startswith(k.__qualname__ + ".") for k in named)
     ]
     classes = dict.fromkeys([*named, *nested])  # ordered, each once
@@ -304,9 +305,13 @@ class _Server:
         theirs.close()
         return cls(pid, ours, script)
 
-    def missing(self, code: Iterable[Any]) -> list[str]:
-        """Names of those of ``code`` that ``__main__`` holds other than at the fork (point 5)."""
-        now = _Script()
+    def missing(self, code: Iterable[Any], now: _Script | None = None) -> list[str]:
+        """Names of those of ``code`` that ``__main__`` holds other than at the fork (point 5);
+        ``now``: the script as it stands, where the caller has it."""
+        code = list(code)
+        if not code:
+            return []
+        now = _Script() if now is None else now
         names = []
         for obj in code:
             name = getattr(obj, "__qualname__", None)
@@ -701,81 +706,71 @@ def _gone() -> object:
     return _gone
 
 
-def _data(cls: type) -> dict[str, Any]:
-    """A class's own attributes that are data (not ``_attributes``), but for dunder names
-    Python and ``copyreg`` keep there."""
-    return {
-        name: value
-        for name, value in list(vars(cls).items())
-        if not (name.startswith("__") and name.endswith("__"))
-        and not (callable(value) or hasattr(type(value), "__get__"))
-    }
-
-
-def _attributes(cls: type) -> dict[str, Any]:
-    """A class's own attributes that are code: functions, descriptors (``property``,
-    ``staticmethod``, ``classmethod``), nested classes, anything callable. Plain data (a counter
-    ``__getitem__`` bumps, a cache it rebinds) changes no code a helper runs, and a helper has
-    its own values anyway, as a worker process has."""
-    return {
-        name: value
-        for name, value in list(vars(cls).items())
-        if callable(value) or hasattr(type(value), "__get__")
-    }
+def _split(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A class's own attributes: those that are code (functions, descriptors such as
+    ``property``, ``staticmethod``, ``classmethod``, nested classes, anything callable), and
+    those that are data (a counter ``__getitem__`` bumps, a scale the script sets), but for the
+    dunder names Python and ``copyreg`` keep there."""
+    code, data = {}, {}
+    for name, value in list(vars(cls).items()):
+        if callable(value) or hasattr(type(value), "__get__"):
+            code[name] = value
+        elif not (name.startswith("__") and name.endswith("__")):
+            data[name] = value
+    return code, data
 
 
 class _Script:
     """The main script's code that pickle finds by name, as it stands (point 5): each global
-    that is a class, function or wrapper of the script's, and what each such class holds."""
+    that is a class, function or wrapper of the script's, and what each class holds."""
 
     def __init__(self) -> None:
         main = sys.modules.get("__main__")
         self.module = main.__name__ if main is not None else "__main__"
         space = list(vars(main).items()) if main is not None else []
         self.code = {name: value for name, value in space if by_name_in(value, self.module)}
-        self.classes = {
-            name: _attributes(value) for name, value in self.code.items() if isinstance(value, type)
-        }
-        # Each class of the script, nested ones too, by qualified name: the class, and its data
-        # attributes as they are, held weakly where they can be (a class-level cache rebound
-        # since is not kept alive by this record).
-        self.data: dict[str, tuple[type, dict[str, Callable[[], Any]]]] = {}
+        # Each class of the script, nested ones too, by qualified name: the class, its code
+        # attributes, and its data attributes held weakly where they can be (a class-level
+        # cache rebound since is not kept alive by this record).
+        self.classes: dict[str, tuple[type, dict[str, Any], dict[str, Callable[[], Any]]]] = {}
         pending = [value for value in self.code.values() if isinstance(value, type)]
         while pending:
             cls = pending.pop()
-            if cls.__qualname__ in self.data:
+            if cls.__qualname__ in self.classes:
                 continue
-            self.data[cls.__qualname__] = (cls, {n: _held(v) for n, v in _data(cls).items()})
+            code, data = _split(cls)
+            self.classes[cls.__qualname__] = (cls, code, {n: _held(v) for n, v in data.items()})
             pending.extend(
                 value
-                for value in vars(cls).values()
+                for value in code.values()
                 if isinstance(value, type) and value.__qualname__.startswith(cls.__qualname__ + ".")
             )
 
     def holds(self, top: str, now: _Script) -> bool:
         """Whether ``now`` has the global ``top`` as this one had it: the same object, and for a
-        class, the same attributes (a method replaced on it changes what a helper runs)."""
+        class, the same code attributes (a method replaced on it changes what a helper runs)."""
         value = self.code.get(top)
         if value is None or value is not now.code.get(top):
             return False
-        held = self.classes.get(top)
-        if held is None or not isinstance(value, type):
-            return held is None
-        attributes = _attributes(value)
-        return len(attributes) == len(held) and all(
-            attributes.get(name, held) is item for name, item in held.items()
-        )
+        if not isinstance(value, type):
+            return True
+        if not self.class_named(value):
+            return False  # another class of the same qualified name was recorded: not this
+        held = self.classes[value.__qualname__][1]
+        code = _split(value)[0]
+        return len(code) == len(held) and all(code.get(n, held) is item for n, item in held.items())
 
-    def class_named(self, cls: type) -> bool:
+    def class_named(self, cls: Any) -> bool:
         """Whether ``cls`` is a class of the script this one had, under its qualified name."""
-        entry = self.data.get(cls.__qualname__)
+        name = getattr(cls, "__qualname__", None)
+        entry = self.classes.get(name) if isinstance(name, str) else None
         return entry is not None and entry[0] is cls
 
     def changed_data(self, cls: type) -> list[tuple[str, bool]]:
         """The data attributes of ``cls`` (``class_named``) that it holds now other than this
         one had them, each with whether it is still there (False: deleted since)."""
-        held = self.data[cls.__qualname__][1]
-        now = _data(cls)
+        held = self.classes[cls.__qualname__][2]
+        now = _split(cls)[1]
         changed = [
             (name, True) for name, value in now.items() if held.get(name, _gone)() is not value
         ]

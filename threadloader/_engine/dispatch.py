@@ -525,12 +525,11 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
                 if (
                     self._raised_a_batchs_error
                     and self._discard_by_worker is not None
-                    and self._discard
                     and self._replayed()
                 ):
                     continue
                 raise
-            if not (self._discard and self._replayed()):
+            if not self._replayed():
                 return data
 
     def _next_batch(self) -> Any:
@@ -607,7 +606,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         """Whether the batch just taken is one the loop received before the save (replaying an
         IterableDataset without state, ``_state`` point 4): counted off per worker where the
         state says how many of each worker's batches the loop received, since batches
-        delivered as completed (``in_order=False``) came in no fixed order."""
+        delivered as completed (``in_order=False``) came in no fixed order. False once the
+        replay is done, or where there is none."""
+        if not self._discard:
+            return False
         by_worker = self._discard_by_worker
         if by_worker is not None:
             worker_id = self._delivered_by

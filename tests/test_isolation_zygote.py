@@ -1015,3 +1015,34 @@ def test_class_attributes_changed_since_the_fork_reach_the_zygotes_helpers(tmp_p
     assert out == [
         "threads", "4", "4", "freed", "True", "zygote", "True", "[[1,", "11],", "[21,", "31]]",
     ]  # fmt: skip
+
+
+def test_class_attributes_changed_in_place_since_the_fork_reach_the_zygotes_helpers(
+    tmp_path: Any,
+) -> None:
+    """After the zygote's fork the script filled a class-level dict and list and added to a
+    class-level tensor in place: the same objects, changed. The zygote's helpers read them as
+    the training process has them (torch's fork-started workers do), and a constant attribute
+    left as it was stays the zygote's."""
+    out = _run(
+        tmp_path,
+        """
+        class Vocab(torch.utils.data.Dataset):
+            words, order, weights, name = {}, [], torch.zeros(4), "v"
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return Vocab.words.get(i, -1) + len(Vocab.order) + int(Vocab.weights[i])
+
+        iso = ThreadDataLoader(Vocab(), batch_size=2, num_workers=2, isolation="process")
+        Vocab.words.update({0: 0, 1: 10, 2: 20, 3: 30})
+        Vocab.order.append("x")
+        Vocab.weights += 100
+        with another_thread():
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["zygote", "True", "[[101,", "111],", "[121,", "131]]"]

@@ -35,9 +35,10 @@ the code is wrong.
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
    same rules, and set on the class in the helper where they differ, or deleted there where
    deleted here. One that cannot be pickled stays as the zygote has it, unnamed (a file or
-   lock a dataset opens on first use into a class attribute: the helper opens its own). Only
-   rebinding is seen: a class-level dict changed in place is not. Code attributes are the
-   zygote's concern.
+   lock a dataset opens on first use into a class attribute: the helper opens its own). A
+   value that can change in place (a class-level dict, list or tensor: anything but a number,
+   string, bytes or a tuple of those) counts as changed, and is sent with every start. Code
+   attributes are the zygote's concern.
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ How the zygote behaves; where the code disagrees with this, the code is wrong.
    misses (an object nested deeper than it looks), the start's pickle catches: while anything
    changed, the pickler refuses code of the script that changed (``StaleScriptCode``), and the
    helpers start elsewhere. A class's data attributes are not code: those changed since the
-   fork travel with the start (``changed_data``, ``main_state`` point 5). Other modules'
-   classes, changed in place after the fork, are not checked.
+   fork, and those that can change in place (a dict, a tensor), travel with the start
+   (``changed_data``, ``main_state`` point 5). Other modules' classes, changed in place after
+   the fork, are not checked.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import enum
 import gc
 import math
 import multiprocessing
@@ -82,6 +84,8 @@ from collections.abc import Callable, Iterable
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+import torch
 
 from threadloader.isolation.main_state import by_name_in
 
@@ -701,6 +705,23 @@ def _held(value: Any) -> Callable[[], Any]:
         return lambda: value
 
 
+#: Types whose values never change in place (a tuple or frozenset only when what it holds
+#: does not either).
+_CONSTANTS = (
+    int, float, complex, str, bytes, type(None), range, torch.dtype, torch.device, enum.Enum,
+)  # fmt: skip
+
+
+def _constant(value: Any, depth: int = 3) -> bool:
+    """Whether ``value`` cannot have changed since it was recorded: a number, string, bytes,
+    None, or a tuple or frozenset of such, ``depth`` levels deep at most."""
+    if isinstance(value, _CONSTANTS):
+        return True
+    if isinstance(value, (tuple, frozenset)) and depth > 0 and len(value) <= 64:
+        return all(_constant(item, depth - 1) for item in value)
+    return False
+
+
 def _gone() -> object:
     """What a record of no attribute gives: an object no attribute holds."""
     return _gone
@@ -768,11 +789,14 @@ class _Script:
 
     def changed_data(self, cls: type) -> list[tuple[str, bool]]:
         """The data attributes of ``cls`` (``class_named``) that it holds now other than this
-        one had them, each with whether it is still there (False: deleted since)."""
+        one had them, or that may have changed in place since (a dict, a list, a tensor: any
+        value but a constant), each with whether it is still there (False: deleted since)."""
         held = self.classes[cls.__qualname__][2]
         now = _split(cls)[1]
         changed = [
-            (name, True) for name, value in now.items() if held.get(name, _gone)() is not value
+            (name, True)
+            for name, value in now.items()
+            if held.get(name, _gone)() is not value or not _constant(value)
         ]
         return changed + [(name, False) for name in held.keys() - now.keys()]
 

@@ -1046,3 +1046,66 @@ def test_class_attributes_changed_in_place_since_the_fork_reach_the_zygotes_help
         """,
     )
     assert out == ["zygote", "True", "[[101,", "111],", "[121,", "131]]"]
+
+
+def test_a_library_callable_the_script_set_on_a_class_reaches_the_zygotes_helpers(
+    tmp_path: Any,
+) -> None:
+    """After the zygote's fork the script set a class attribute to a library's callable object
+    (a tokenizer, a module: here an ``itemgetter``), which pickle sends by value: data, not the
+    script's code. With another thread running (no new zygote can fork) the helpers still come
+    from the zygote, with no warning, and call the new object."""
+    out = _run(
+        tmp_path,
+        """
+        import operator, warnings
+
+        class Pick(torch.utils.data.Dataset):
+            pick = operator.itemgetter(0)
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return Pick.pick((i, i * 10))
+
+        iso = ThreadDataLoader(Pick(), batch_size=2, num_workers=2, isolation="process")
+        Pick.pick = operator.itemgetter(1)
+        with another_thread(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["zygote", "True", "[[0,", "10],", "[20,", "30]]"]
+
+
+def test_a_class_attribute_too_large_to_send_is_named_in_the_warning(tmp_path: Any) -> None:
+    """A class-level tensor changed in place beyond what a start may send: the helpers cannot
+    receive it, and ``isolation="process"`` warns naming it, as it does for such a global."""
+    out = _run(
+        tmp_path,
+        """
+        import warnings
+        from threadloader.isolation import main_state
+
+        main_state.LIMIT_BYTES = 4096
+
+        class Table(torch.utils.data.Dataset):
+            table = torch.zeros(4096)
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return int(Table.table[i])
+
+        iso = ThreadDataLoader(Table(), batch_size=2, num_workers=2, isolation="process")
+        Table.table += 1
+        with another_thread(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = [b.tolist() for b in iso]
+        print("warned", any("Table.table" in str(w.message) for w in caught), batches)
+        """,
+    )
+    assert out == ["warned", "True", "[[0,", "0],", "[0,", "0]]"]

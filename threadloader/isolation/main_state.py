@@ -35,10 +35,11 @@ the code is wrong.
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
    same rules, and set on the class in the helper where they differ, or deleted there where
    deleted here. One that cannot be pickled stays as the zygote has it, unnamed (a file or
-   lock a dataset opens on first use into a class attribute: the helper opens its own). A
-   value that can change in place (a class-level dict, list or tensor: anything but a number,
-   string, bytes or a tuple of those) counts as changed, and is sent with every start. Code
-   attributes are the zygote's concern.
+   lock a dataset opens on first use into a class attribute: the helper opens its own); one
+   beyond the limit is named in ``left_out`` (``Dataset.table``). A value that can change in
+   place (a class-level dict, list or tensor: anything but a number, string, bytes or a tuple
+   of those) counts as changed, and is sent with every start. Code attributes are the
+   zygote's concern.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def capture(
         attributes: data attributes of the script's classes to send as they are now (point
             5: those changed since the zygote's fork), as ``(class, name, still there)``. One
             that cannot be pickled is not sent (a file or lock a dataset opens on first use:
-            the helper opens its own), and not named in ``left_out``.
+            the helper opens its own), and not named in ``left_out``; one beyond the limit is
+            named there, as ``Class.name``.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -190,13 +192,13 @@ def capture(
         return MainState((), dtype, (UNSCANNED,))
     total = 0
 
-    def pickled(value: Any) -> bytes | None:
+    def pickled(value: Any) -> bytes | Exception:
         nonlocal total
         buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
             _Pickler(buffer, LIMIT_BYTES - total, module).dump(value)
-        except Exception:  # noqa: BLE001  # a global is named in left_out: "auto" stays in threads
-            return None
+        except Exception as exc:  # noqa: BLE001  # named in left_out: "auto" stays in threads
+            return exc
         data = buffer.getvalue()
         total += len(data)
         return data
@@ -205,15 +207,17 @@ def capture(
     left_out: list[str] = []
     for name in sorted(read - written):
         data = pickled(space[name])
-        if data is None:
-            left_out.append(name)
-        else:
+        if isinstance(data, bytes):
             values.append((name, data))
+        else:
+            left_out.append(name)
     sent: list[tuple[str, str, bytes | None]] = []
     for cls, name, there in attributes:
-        data = pickled(vars(cls)[name]) if there else None
-        if data is not None or not there:
-            sent.append((cls.__qualname__, name, data))
+        sending = pickled(vars(cls)[name]) if there else None
+        if sending is None or isinstance(sending, bytes):
+            sent.append((cls.__qualname__, name, sending))
+        elif isinstance(sending, PayloadTooLarge):  # it may hold what the zygote's copy lacks
+            left_out.append(f"{cls.__qualname__}.{name}")
     return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
 
 

@@ -125,7 +125,7 @@ def _main_state(
     ``code``: ``main_state.code_of(spec)``.
 
     Without ``strict`` (``isolation="process"``), such a global is named in a
-    ``RuntimeWarning``: the helpers run with its value as the script's import makes it.
+    ``RuntimeWarning``: the helpers run with its value as their copy of the script has it.
 
     Raises:
         GlobalsLeftOut: with ``strict``, a global their code reads could not be sent.
@@ -147,7 +147,7 @@ def _main_state(
     if strict:
         raise GlobalsLeftOut(what)
     warn_user(
-        f"threadloader: {what}: they see it as the script's import makes it. Build the "
+        f"threadloader: {what}: they see it as their copy of the script has it. Build the "
         "loader while the script runs one Python thread (helpers are then forked), or pass "
         'isolation="threads"',
         RuntimeWarning,

@@ -727,14 +727,19 @@ def _gone() -> object:
     return _gone
 
 
-def _split(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(cls: type, module: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A class's own attributes: those that are code (functions, descriptors such as
-    ``property``, ``staticmethod``, ``classmethod``, nested classes, anything callable), and
-    those that are data (a counter ``__getitem__`` bumps, a scale the script sets), but for the
-    dunder names Python and ``copyreg`` keep there."""
+    ``property``, ``staticmethod``, ``classmethod``, classes, callable instances of the script
+    ``module``'s classes), and those that are data (a counter ``__getitem__`` bumps, a scale
+    the script sets, a library's tokenizer or module, which pickle sends by value), but for
+    the dunder names Python and ``copyreg`` keep there."""
     code, data = {}, {}
     for name, value in list(vars(cls).items()):
-        if callable(value) or hasattr(type(value), "__get__"):
+        if (
+            isinstance(value, type)
+            or hasattr(type(value), "__get__")
+            or (callable(value) and getattr(type(value), "__module__", None) == module)
+        ):
             code[name] = value
         elif not (name.startswith("__") and name.endswith("__")):
             data[name] = value
@@ -759,7 +764,7 @@ class _Script:
             cls = pending.pop()
             if cls.__qualname__ in self.classes:
                 continue
-            code, data = _split(cls)
+            code, data = _split(cls, self.module)
             self.classes[cls.__qualname__] = (cls, code, {n: _held(v) for n, v in data.items()})
             pending.extend(
                 value
@@ -778,7 +783,7 @@ class _Script:
         if not self.class_named(value):
             return False  # another class of the same qualified name was recorded: not this
         held = self.classes[value.__qualname__][1]
-        code = _split(value)[0]
+        code = _split(value, self.module)[0]
         return len(code) == len(held) and all(code.get(n, held) is item for n, item in held.items())
 
     def class_named(self, cls: Any) -> bool:
@@ -792,7 +797,7 @@ class _Script:
         one had them, or that may have changed in place since (a dict, a list, a tensor: any
         value but a constant), each with whether it is still there (False: deleted since)."""
         held = self.classes[cls.__qualname__][2]
-        now = _split(cls)[1]
+        now = _split(cls, self.module)[1]
         changed = [
             (name, True)
             for name, value in now.items()

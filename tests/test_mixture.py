@@ -336,6 +336,7 @@ def test_bad_states_raise_value_error_naming_the_mismatch() -> None:
         ({**good, "schedule": []}, "non-empty list"),
         ({**good, "start": 60, "end": 50}, "expected 0 <= start <= start \\+ cursor <= end"),
         ({**good, "cursor": 10**6}, "cursor 1000000"),
+        ({**good, "end": 2**64}, "end 18446744073709551616: expected .* < 2\\*\\*62"),
         (_regime_changed(good, position=-5), "position -5 is negative"),
         (_regime_changed(good, weight=float("nan")), "non-finite weight"),
         (_regime_changed(good, weight=-1.0), "negative or non-finite weight"),

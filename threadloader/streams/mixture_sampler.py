@@ -16,6 +16,9 @@ from threadloader.samplers.shuffle import counts_in_current, int_argument
 from threadloader.streams.args import default_world
 from threadloader.streams.mixture import MIXTURE_BLOCK, STATE_VERSION, Mixture
 
+#: Global stream positions a state may name are below this (they are read as int64).
+_POSITIONS = 2**62
+
 
 class _StreamPass:
     """One ``iter()`` of a ``MixtureSampler``: ``count`` local indices from global ``start``.
@@ -365,10 +368,10 @@ class MixtureSampler(Sampler[int]):
                 f"version {STATE_VERSION}"
             )
         start, cursor, end = values["start"], values["cursor"], values["end"]
-        if not 0 <= start <= start + cursor <= end:
+        if not 0 <= start <= start + cursor <= end < _POSITIONS:
             raise ValueError(
                 f"{owner} state has start {start}, cursor {cursor}, end {end}: expected "
-                "0 <= start <= start + cursor <= end"
+                "0 <= start <= start + cursor <= end < 2**62 (positions are int64)"
             )
         self._check_sources(state["sources"], owner)
         self.mixture._load(values["seed"], state["schedule"], start, owner)

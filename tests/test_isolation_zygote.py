@@ -1109,3 +1109,43 @@ def test_a_class_attribute_too_large_to_send_is_named_in_the_warning(tmp_path: A
         """,
     )
     assert out == ["warned", "True", "[[0,", "0],", "[0,", "0]]"]
+
+
+def test_instances_of_script_classes_set_on_a_class_reach_the_zygotes_helpers(
+    tmp_path: Any,
+) -> None:
+    """After the zygote's fork the script set a config object of its own class on the dataset's
+    class, and changed another one in place: the zygote's helpers read both as the training
+    process has them, while a sentinel left as it was stays the very object their code
+    compares with ``is``."""
+    out = _run(
+        tmp_path,
+        """
+        class Config:
+            def __init__(self, scale):
+                self.scale = scale
+
+        class Missing:
+            pass
+
+        MISSING = Missing()
+
+        class Scaled(torch.utils.data.Dataset):
+            config, tuning, cache = Config(1), Config(0), MISSING
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                unset = Scaled.cache is MISSING
+                return i * Scaled.config.scale + Scaled.tuning.scale + (100 if unset else 0)
+
+        iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
+        Scaled.config = Config(10)
+        Scaled.tuning.scale = 1
+        with another_thread():
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["zygote", "True", "[[101,", "111],", "[121,", "131]]"]

@@ -33,8 +33,9 @@ the code is wrong.
 5. Helpers from the zygote also receive the data attributes of the script's classes (nested
    ones and bases too) that changed since its fork (``Dataset.scale = 10``, a counter
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
-   same rules, and set on the class in the helper where they differ, or deleted there where
-   deleted here. One that cannot be pickled stays as the zygote has it, unnamed (a file or
+   same rules but that an instance of a script class is sent too (a config set on the class;
+   a sentinel left as it was pickles as the helper's own and stays that object), and set on
+   the class in the helper where they differ, or deleted there where deleted here. One that cannot be pickled stays as the zygote has it, unnamed (a file or
    lock a dataset opens on first use into a class attribute: the helper opens its own); one
    beyond the limit is named in ``left_out`` (``Dataset.table``). A value that can change in
    place (a class-level dict, list or tensor: anything but a number, string, bytes or a tuple
@@ -192,11 +193,11 @@ def capture(
         return MainState((), dtype, (UNSCANNED,))
     total = 0
 
-    def pickled(value: Any) -> bytes | Exception:
+    def pickled(value: Any, instances: bool = False) -> bytes | Exception:
         nonlocal total
         buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
-            _Pickler(buffer, LIMIT_BYTES - total, module).dump(value)
+            _Pickler(buffer, LIMIT_BYTES - total, module, instances).dump(value)
         except Exception as exc:  # noqa: BLE001  # named in left_out: "auto" stays in threads
             return exc
         data = buffer.getvalue()
@@ -213,7 +214,7 @@ def capture(
             left_out.append(name)
     sent: list[tuple[str, str, bytes | None]] = []
     for cls, name, there in attributes:
-        sending = pickled(vars(cls)[name]) if there else None
+        sending = pickled(vars(cls)[name], instances=True) if there else None
         if sending is None or isinstance(sending, bytes):
             sent.append((cls.__qualname__, name, sending))
         elif isinstance(sending, PayloadTooLarge):  # it may hold what the zygote's copy lacks
@@ -257,18 +258,25 @@ def code_of(runs: Any) -> list[Any]:
 
 class _Pickler(pickle.Pickler):
     """Refuses a tensor beyond ``limit`` bytes, or off the CPU, before torch copies it whole
-    into a buffer of its own (which ``Capped`` would see only afterwards), and an instance of
-    a class of the script ``module``: set again in a helper it would be another object than
-    the one its import made, which a default argument or a class attribute may hold and code
-    may compare with ``is`` (a sentinel)."""
+    into a buffer of its own (which ``Capped`` would see only afterwards), and, without
+    ``instances``, an instance of a class of the script ``module``: set again in a helper it
+    would be another object than the one its import made, which a default argument or a class
+    attribute may hold and code may compare with ``is`` (a sentinel). A class attribute may
+    hold one (point 5: a config the script set on the dataset's class): ``apply`` sets it only
+    where it pickles otherwise than the helper's own, so a sentinel stays the same object."""
 
-    def __init__(self, file: Any, limit: int, module: str) -> None:
+    def __init__(self, file: Any, limit: int, module: str, instances: bool) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._limit = limit
         self._module = module
+        self._instances = instances
 
     def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, type) and _defined_in(type(obj), self._module):
+        if (
+            not self._instances
+            and not isinstance(obj, type)
+            and _defined_in(type(obj), self._module)
+        ):
             raise TypeError(f"a global holds a {type(obj).__name__}, a class of the script")
         if isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":

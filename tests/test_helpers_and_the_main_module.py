@@ -188,7 +188,9 @@ torch.set_default_dtype(torch.float64)
 LOCK = threading.Lock() if "{lock}" == "lock" else None
 stop = threading.Event()
 threading.Thread(target=stop.wait, daemon=True).start()
-loader = ThreadDataLoader(Items(), batch_size=4, num_workers=2, isolation="{isolation}")
+loader = ThreadDataLoader(
+    Items(), batch_size=4, num_workers=2, isolation="{isolation}", multiprocessing_context={context}
+)
 for epoch in range(2):
     print("EPOCH", [(b.tolist(), str(b.dtype)) for b in loader], flush=True)
 print("MODE", loader.stats().mode, "|", loader.stats().mode_reason, flush=True)
@@ -199,11 +201,11 @@ _SCALED = "[([0.0, 3.0, 6.0, 9.0], 'torch.float64'), ([12.0, 15.0, 18.0, 21.0], 
 
 
 def _run_time_state(
-    tmp_path: Path, lock: str, isolation: str
+    tmp_path: Path, lock: str, isolation: str, context: str | None = None
 ) -> tuple[subprocess.CompletedProcess[str], str]:
     """Run the run-time-state script: both epochs give torch's scaled float64 batches; its
     ``MODE`` line."""
-    body = _RUN_TIME_BODY.format(lock=lock, isolation=isolation)
+    body = _RUN_TIME_BODY.format(lock=lock, isolation=isolation, context=repr(context))
     proc = _run(tmp_path, body, guarded=True, prelude=_RUN_TIME_STATE)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -219,6 +221,15 @@ def test_helpers_see_what_the_script_set_at_run_time_as_forked_workers_do(
     torch's forked workers see them; so do helpers from the forkserver, which import the
     script afresh and run only its top level."""
     _, mode = _run_time_state(tmp_path, lock="", isolation=isolation)
+    assert mode.startswith("MODE process"), mode
+
+
+def test_auto_helpers_from_a_named_forkserver_see_what_its_threads_saw(tmp_path: Path) -> None:
+    """With ``multiprocessing_context="forkserver"``, ``isolation="auto"`` runs its first epoch
+    in threads, which see the global and dtype the guarded part set, then moves: its helpers
+    see them too (torch's forkserver workers would not), so the batches do not change with the
+    move."""
+    _, mode = _run_time_state(tmp_path, lock="", isolation="auto", context="forkserver")
     assert mode.startswith("MODE process"), mode
 
 

@@ -28,8 +28,9 @@ the code is wrong.
    ``__main__`` module and in the namespace its functions read (``runpy`` imports a script in
    a namespace of its own), and torch's default dtype is set.
 4. Only for helpers that are not forked from the training process, where the user named no
-   ``multiprocessing_context`` (one that names ``forkserver`` or ``spawn`` gets what torch's
-   workers get then: the script's top level).
+   ``multiprocessing_context`` (with ``isolation="process"``, one that names ``forkserver``
+   or ``spawn`` gets what torch's workers get then: the script's top level; ``"auto"``'s
+   helpers get the state whatever the context, as its threads see it).
 5. Helpers from the zygote also receive the data attributes of the script's classes (nested
    ones and bases too) that changed since its fork (``Dataset.scale = 10``, a counter
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the

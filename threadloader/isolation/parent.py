@@ -299,8 +299,11 @@ class IsolatedDataLoaderIter(DispatchingIter):
         _refuse_an_unimportable_main(ctx, code)
         if warning is not None:
             warn_user(warning, RuntimeWarning)
-        named = loader.multiprocessing_context is not None
-        state = _main_state(ctx, spec, code, named, options_of(loader).isolation == "auto")
+        auto = options_of(loader).isolation == "auto"
+        # "auto"'s batches never depend on where the workers run: its helpers see what its
+        # threads see, whichever context the user named.
+        named = loader.multiprocessing_context is not None and not auto
+        state = _main_state(ctx, spec, code, named, strict=auto)
         start_forkserver(ctx)  # if it uses one: preloading the main script, once
         return Links(_start_links(ctx, self, spec, count, state=state))
 

@@ -344,3 +344,66 @@ Items = module.Items
     assert mode.startswith("MODE threads"), mode
     assert "No module named 'items_from_a_path'" in mode, mode
     assert "could not start helper processes (ModuleNotFoundError" in proc.stderr, proc.stderr
+
+
+#: A dataset whose code the guarded part changes: a method swapped, a base's attribute set, a
+#: global rebound to another function of the script and one to another module's.
+_CHANGED_CODE = """
+import math
+
+class Base(Dataset):
+    scale = 1
+
+class Scaled(Base):
+    def __len__(self):
+        return 4
+    def value(self, i):
+        return i
+    def __getitem__(self, i):
+        return torch.tensor([self.value(i) * self.scale, TRANSFORM(i), ACT(-2.5)])
+
+def tenfold(self, i):
+    return i * 10
+
+def double(x):
+    return 2 * x
+
+def triple(x):
+    return 3 * x
+
+TRANSFORM = double
+ACT = math.floor
+"""
+
+_CHANGED_BODY = """
+monitor.start()
+Scaled.value = tenfold
+Base.scale = 2
+TRANSFORM = triple
+ACT = math.ceil
+loader = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="{isolation}")
+print("EPOCHS", [[b.tolist() for b in loader] for _ in range(2)], flush=True)
+print("MODE", loader.stats().mode, flush=True)
+stop.set()
+"""
+
+
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_forkserver_helpers_run_the_methods_attributes_and_functions_the_script_set(
+    tmp_path: Path, isolation: str
+) -> None:
+    """The guarded part swapped a method, set a base class's attribute and rebound globals the
+    items call: torch's forked workers run them so; helpers from the forkserver, which imports
+    the script afresh (its top level defines the old ones), run them so too, in every epoch."""
+    proc = _run(
+        tmp_path,
+        _CHANGED_BODY.format(isolation=isolation),
+        guarded=True,
+        prelude=_PRELUDE + _CHANGED_CODE,
+    )
+    assert proc.returncode == 0, proc.stderr
+    items = [[i * 20, i * 3, -2] for i in range(4)]
+    epoch = [items[:2], items[2:]]
+    assert f"EPOCHS {[epoch, epoch]}" in proc.stdout.splitlines(), proc.stdout
+    assert "MODE process" in proc.stdout, proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr

@@ -1149,3 +1149,78 @@ def test_instances_of_script_classes_set_on_a_class_reach_the_zygotes_helpers(
         """,
     )
     assert out == ["zygote", "True", "[[101,", "111],", "[121,", "131]]"]
+
+
+def test_a_callable_object_and_a_rebound_function_global_reach_the_zygotes_helpers(
+    tmp_path: Any,
+) -> None:
+    """After the zygote's fork the script changed a transform object of its own class held by
+    the dataset's class in place, and rebound a global the items call to another function:
+    the zygote's helpers run both as the training process has them."""
+    out = _run(
+        tmp_path,
+        """
+        class Times:
+            def __init__(self, k):
+                self.k = k
+
+            def __call__(self, x):
+                return x * self.k
+
+        def same(x):
+            return x
+
+        def negate(x):
+            return -x
+
+        SIGN = same
+
+        class Transformed(torch.utils.data.Dataset):
+            transform = Times(1)
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return SIGN(Transformed.transform(i))
+
+        iso = ThreadDataLoader(Transformed(), batch_size=2, num_workers=2, isolation="process")
+        Transformed.transform.k = 10
+        SIGN = negate
+        with another_thread():
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["zygote", "True", "[[0,", "-10],", "[-20,", "-30]]"]
+
+
+def test_a_class_reached_through_a_default_argument_reaches_the_zygotes_helpers(
+    tmp_path: Any,
+) -> None:
+    """The items call a function whose default argument is a class of the script, whose
+    attribute the script set after the zygote's fork: the helpers read it as set."""
+    out = _run(
+        tmp_path,
+        """
+        class Table:
+            scale = 1
+
+        def scaled(x, table=Table):
+            return x * table.scale
+
+        class ViaDefault(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return scaled(i)
+
+        iso = ThreadDataLoader(ViaDefault(), batch_size=2, num_workers=2, isolation="process")
+        Table.scale = 7
+        with another_thread():
+            it = iter(iso)
+            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        """,
+    )
+    assert out == ["zygote", "True", "[[0,", "7],", "[14,", "21]]"]

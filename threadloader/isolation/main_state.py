@@ -14,8 +14,10 @@ the code is wrong.
    globals of ``__main__`` that code reads (``LOAD_GLOBAL``), other than modules, functions and
    classes (the import makes those) and those ``worker_init_fn``'s own code writes (it runs in
    each helper too and sets them there), are pickled by value, with torch's default dtype: a
-   ``MainState``. Code that cannot be scanned counts as needing what cannot be sent
-   (``UNSCANNED``).
+   ``MainState``. A global holding a function or class under another name than its own
+   (``TRANSFORM = flip``, ``ACT = math.ceil``: the script may have bound it at run time) is
+   pickled by name where pickle can (not a lambda), and never left out. Code that cannot be
+   scanned counts as needing what cannot be sent (``UNSCANNED``).
 2. A value that cannot be pickled, one that takes the total past ``LIMIT_BYTES``, a tensor that
    is not on the CPU, or an instance of a class of the script (set again in a helper, it would
    be another object than the one its import made, which a default argument may hold and code
@@ -31,8 +33,11 @@ the code is wrong.
    ``multiprocessing_context`` (with ``isolation="process"``, one that names ``forkserver``
    or ``spawn`` gets what torch's workers get then: the script's top level; ``"auto"``'s
    helpers get the state whatever the context, as its threads see it).
-5. Helpers from the zygote also receive the data attributes of the script's classes (nested
-   ones and bases too) that changed since its fork (``Dataset.scale = 10``, a counter
+5. Helpers that import the script afresh receive every attribute of the script's classes
+   (``script_classes``: nested ones and bases too) but Python's own (``class_attributes``):
+   the script may have set one (``Dataset.scale = args.scale``) or swapped a method since its
+   top level ran, and a function pickles by name. Helpers from the zygote receive the data
+   attributes of those classes that changed since its fork (``Dataset.scale = 10``, a counter
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
    same rules but that an instance of a script class is sent too (a config set on the class;
    a sentinel left as it was pickles as the helper's own and stays that object), and set on
@@ -55,13 +60,22 @@ import pickle
 import sys
 import types
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from threadloader.isolation.capped import Capped, PayloadTooLarge
 
-__all__ = ["LIMIT_BYTES", "MainState", "by_name_in", "capture", "code_of", "script_code"]
+__all__ = [
+    "LIMIT_BYTES",
+    "MainState",
+    "by_name_in",
+    "capture",
+    "class_attributes",
+    "code_of",
+    "script_classes",
+    "script_code",
+]
 
 #: What ``MainState.left_out`` names when the script's code could not be scanned (point 1).
 UNSCANNED = "(code that could not be scanned)"
@@ -188,8 +202,8 @@ def capture(
         return MainState((), dtype)
     space, module = vars(main), main.__name__
     try:
-        read, _, _ = _scan(_main_code([*roots, init], module), space, module)
-        _, written, _ = _scan(_own_code(init), space, module)
+        scanned = _scan(_main_code([*roots, init], module), space, module)
+        written = _scan(_own_code(init), space, module).written
     except Exception:  # noqa: BLE001  # code that cannot be scanned: assume it needs anything
         return MainState((), dtype, (UNSCANNED,))
     total = 0
@@ -207,12 +221,16 @@ def capture(
 
     values: list[tuple[str, bytes]] = []
     left_out: list[str] = []
-    for name in sorted(read - written):
+    for name in sorted(scanned.read - written):
         data = pickled(space[name])
         if isinstance(data, bytes):
             values.append((name, data))
         else:
             left_out.append(name)
+    for name in sorted(scanned.aliases - written):
+        data = pickled(space[name])
+        if isinstance(data, bytes):  # else a lambda, say: left as the helper's copy has it
+            values.append((name, data))
     sent: list[tuple[str, str, bytes | None]] = []
     for cls, name, there in attributes:
         sending = pickled(vars(cls)[name], instances=True) if there else None
@@ -246,9 +264,51 @@ def script_code(
     module = main.__name__
     found = _main_code([*roots, init], module)
     try:
-        return _scan(found, vars(main), module)[2]
+        return _scan(found, vars(main), module).code
     except Exception:  # noqa: BLE001  # code that cannot be scanned: what the walk found
         return found
+
+
+def script_classes(code: Iterable[Any], module: str) -> list[type]:
+    """The classes of the script ``module`` among ``code``, their bases of the script (a
+    subclass reads what its base holds) and the classes nested in those (their code reaches
+    them through them), transitively, each once."""
+    found: dict[type, None] = {}
+    pending = [k for obj in code if isinstance(obj, type) for k in obj.__mro__]
+    while pending:
+        cls = pending.pop()
+        if cls in found or not _defined_in(cls, module):
+            continue
+        found[cls] = None
+        pending.extend(
+            value
+            for value in list(vars(cls).values())
+            if isinstance(value, type) and value.__qualname__.startswith(cls.__qualname__ + ".")
+        )
+    return list(found)
+
+
+def class_attributes(
+    code: Iterable[Any], main: types.ModuleType | None = None
+) -> list[tuple[type, str, bool]]:
+    """What helpers that import the script afresh receive of its classes (point 5), as
+    ``capture``'s ``attributes``: every attribute of ``script_classes(code)`` but for Python's
+    own (``__dict__``, ``__module__``...) and nested classes; their import makes the class as
+    the script's top level defines it, where the script may have set or replaced some since
+    (``Dataset.scale = args.scale``, a method swapped: sent by name)."""
+    main = sys.modules.get(_MAIN) if main is None else main
+    if main is None:
+        return []
+    return [
+        (cls, name, True)
+        for cls in script_classes(code, main.__name__)
+        for name, value in list(vars(cls).items())
+        if not isinstance(value, type)
+        and (
+            not (name.startswith("__") and name.endswith("__"))
+            or isinstance(value, types.FunctionType)  # a __getitem__ the script replaced
+        )
+    ]
 
 
 def code_of(runs: Any) -> list[Any]:
@@ -368,13 +428,13 @@ def _own_code(function: Any) -> list[Any]:
     return [function] if isinstance(function, types.FunctionType) else []
 
 
-def _codes_of(obj: Any, module: str) -> Iterator[types.CodeType]:
-    """The code of a function (or of the one a wrapper such as ``functools.lru_cache`` wraps),
-    or of every method of a class and of its ``module`` bases."""
+def _functions_of(obj: Any, module: str) -> Iterator[types.FunctionType]:
+    """A function (and the one a wrapper such as ``functools.lru_cache`` wraps), or every
+    method of a class and of its ``module`` bases."""
     if not isinstance(obj, type):
         for function in (obj, getattr(obj, "__wrapped__", None)):
             if isinstance(function, types.FunctionType):
-                yield function.__code__
+                yield function
         return
     for klass in obj.__mro__:
         if not _defined_in(klass, module):
@@ -385,17 +445,29 @@ def _codes_of(obj: Any, module: str) -> Iterator[types.CodeType]:
             functions = [member.fget, member.fset] if isinstance(member, property) else [member]
             for function in functions:
                 if isinstance(function, types.FunctionType):
-                    yield function.__code__
+                    yield function
 
 
-def _scan(
-    owners: list[Any], space: dict[str, Any], module: str
-) -> tuple[set[str], set[str], list[Any]]:
+class _Scanned(NamedTuple):
+    """What ``_scan`` finds."""
+
+    #: Globals the code reads, but for modules, functions and classes.
+    read: set[str]
+    #: Globals the code writes.
+    written: set[str]
+    #: The owners, and the functions and classes of the script the scan followed.
+    code: list[Any]
+    #: Globals the code reads that hold a function or class under another name than its own
+    #: (``TRANSFORM = flip``, ``ACT = math.ceil``): pickled by name where pickle can.
+    aliases: set[str]
+
+
+def _scan(owners: list[Any], space: dict[str, Any], module: str) -> _Scanned:
     """The globals of ``space`` (the main module's) that the code of ``owners`` reads, and
-    those it writes, following the functions and classes of ``module`` it names; not modules,
-    functions, classes. Third: ``owners`` and the functions and classes followed."""
+    those it writes, following the functions and classes of ``module`` it names."""
     read: set[str] = set()
     written: set[str] = set()
+    aliases: set[str] = set()
     done: dict[int, Any] = {}
     pending = list(owners)
     codes: list[types.CodeType] = []
@@ -404,7 +476,18 @@ def _scan(
             owner = pending.pop()
             if id(owner) not in done:
                 done[id(owner)] = owner
-                codes.extend(_codes_of(owner, module))
+                for function in _functions_of(owner, module):
+                    codes.append(function.__code__)
+                    defaults = [
+                        *(function.__defaults__ or ()),
+                        *(function.__kwdefaults__ or {}).values(),
+                    ]
+                    pending.extend(  # def f(x, table=Table): code the script reaches so
+                        value
+                        for value in defaults
+                        if isinstance(value, (types.FunctionType, type))
+                        and _defined_in(value, module)
+                    )
         if not codes:
             break
         code = codes.pop()
@@ -415,11 +498,13 @@ def _scan(
                 written.add(name)
             elif instruction.opname in _READS and name in space and not name.startswith("__"):
                 value = space[name]
-                if isinstance(value, (types.FunctionType, type)):
+                if isinstance(value, (types.FunctionType, type, types.BuiltinFunctionType)):
                     if _defined_in(value, module):
                         pending.append(value)
+                    if by_name_in(value, module) != name:
+                        aliases.add(name)  # the import binds it otherwise, or not at all
                 elif by_name_in(value, module) is not None:
                     pending.append(value)  # a wrapper of the script's: pickled by name too
-                elif not isinstance(value, (types.ModuleType, types.BuiltinFunctionType)):
+                elif not isinstance(value, types.ModuleType):
                     read.add(name)
-    return read, written, list(done.values())
+    return _Scanned(read, written, list(done.values()), aliases)

@@ -132,9 +132,13 @@ def _main_state(
     """
     if named or ctx.get_start_method() == "fork":
         return None
-    changed = zygote.changed_data(code) if isinstance(ctx, ZygoteContext) else []
+    attributes = (  # the zygote has the classes as at its fork; an import, as its top level
+        zygote.changed_data(code)
+        if isinstance(ctx, ZygoteContext)
+        else main_state.class_attributes(code)
+    )
     state = main_state.capture(
-        (spec.dataset, spec.collate_fn), init=spec.worker_init_fn, attributes=changed
+        (spec.dataset, spec.collate_fn), init=spec.worker_init_fn, attributes=attributes
     )
     if not state.left_out:
         return state

@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from threadloader.isolation.main_state import by_name_in
+from threadloader.isolation.main_state import by_name_in, script_classes
 
 #: Environment variable that, set to ``0``, makes helpers come from the forkserver always.
 ENV_SWITCH = "THREADLOADER_ZYGOTE"
@@ -200,16 +200,12 @@ def changed_data(code: Iterable[Any]) -> list[tuple[type, str, bool]]:
     if server is None:
         return []
     script = server.script
-    named = [
-        k for obj in code if isinstance(obj, type) for k in obj.__mro__ if script.class_named(k)
+    return [
+        (klass, *change)
+        for klass in script_classes(code, script.module)
+        if script.class_named(klass)
+        for change in script.changed_data(klass)
     ]
-    nested = [  # classes nested in those, which their code reaches through them
-        entry[0]
-        for name, entry in script.classes.items()
-        if any(name.startswith(k.__qualname__ + ".") for k in named)
-    ]
-    classes = dict.fromkeys([*named, *nested])  # ordered, each once
-    return [(klass, *change) for klass in classes for change in script.changed_data(klass)]
 
 
 def server_pid() -> int | None:
@@ -727,19 +723,15 @@ def _gone() -> object:
     return _gone
 
 
-def _split(cls: type, module: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _split(cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
     """A class's own attributes: those that are code (functions, descriptors such as
-    ``property``, ``staticmethod``, ``classmethod``, classes, callable instances of the script
-    ``module``'s classes), and those that are data (a counter ``__getitem__`` bumps, a scale
-    the script sets, a library's tokenizer or module, which pickle sends by value), but for
-    the dunder names Python and ``copyreg`` keep there."""
+    ``property``, ``staticmethod``, ``classmethod``, classes), and those that are data (a
+    counter ``__getitem__`` bumps, a scale the script sets, a callable object such as a
+    tokenizer or a transform instance, which pickle sends by value), but for the dunder names
+    Python and ``copyreg`` keep there."""
     code, data = {}, {}
     for name, value in list(vars(cls).items()):
-        if (
-            isinstance(value, type)
-            or hasattr(type(value), "__get__")
-            or (callable(value) and getattr(type(value), "__module__", None) == module)
-        ):
+        if isinstance(value, type) or hasattr(type(value), "__get__"):
             code[name] = value
         elif not (name.startswith("__") and name.endswith("__")):
             data[name] = value
@@ -764,7 +756,7 @@ class _Script:
             cls = pending.pop()
             if cls.__qualname__ in self.classes:
                 continue
-            code, data = _split(cls, self.module)
+            code, data = _split(cls)
             self.classes[cls.__qualname__] = (cls, code, {n: _held(v) for n, v in data.items()})
             pending.extend(
                 value
@@ -783,7 +775,7 @@ class _Script:
         if not self.class_named(value):
             return False  # another class of the same qualified name was recorded: not this
         held = self.classes[value.__qualname__][1]
-        code = _split(value, self.module)[0]
+        code = _split(value)[0]
         return len(code) == len(held) and all(code.get(n, held) is item for n, item in held.items())
 
     def class_named(self, cls: Any) -> bool:
@@ -797,7 +789,7 @@ class _Script:
         one had them, or that may have changed in place since (a dict, a list, a tensor: any
         value but a constant), each with whether it is still there (False: deleted since)."""
         held = self.classes[cls.__qualname__][2]
-        now = _split(cls, self.module)[1]
+        now = _split(cls)[1]
         changed = [
             (name, True)
             for name, value in now.items()

@@ -45,6 +45,41 @@ def _drive(
     return seen
 
 
+def test_a_controller_serves_the_transfer_thread_and_the_next_iter_one_at_a_time() -> None:
+    """With ``device=``, an iterator's transfer thread counts batches while the training
+    thread's next ``iter()`` takes the controller's ``next_epoch``: they never run inside it at
+    once (each reads the clock while there; the clock notes how many are in)."""
+    inside, most, lock = 0, 0, threading.Lock()
+    ticks = itertools.count()
+
+    def clock() -> float:
+        nonlocal inside, most
+        with lock:
+            inside += 1
+            most = max(most, inside)
+        time.sleep(0.0002)
+        with lock:
+            inside -= 1
+        return next(ticks) * 1e-3
+
+    ctl = ConcurrencyController(4, minimum=0, clock=clock)
+    stop = threading.Event()
+
+    def transfer() -> None:
+        while not stop.is_set():
+            ctl.on_batch(started=None)
+
+    thread = threading.Thread(target=transfer)
+    thread.start()
+    try:
+        for _ in range(200):
+            ctl.next_epoch()
+    finally:
+        stop.set()
+        thread.join()
+    assert most == 1
+
+
 def test_controller_walks_down_when_threads_do_not_help() -> None:
     """GIL-bound rates (fewer threads faster) take the limit to 0 and keep it there."""
     clock = FakeClock()

@@ -18,6 +18,7 @@ depend on the limit: it only decides *which thread* runs a worker's next task, n
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -112,7 +113,10 @@ def usable_cpus() -> int:
 class ConcurrencyController:
     """Hill-climbs the gate's limit on the rate at which batches reach the training loop.
 
-    Called only from the training thread, so it needs no lock.
+    Called from the thread that takes the batches (the training thread, or the transfer
+    thread of a loader with ``device=``) and from the training thread at the next ``iter()``
+    (``next_epoch``), which may run while an older iterator's transfer thread still takes
+    batches: a lock serialises them.
 
     Args:
         maximum: the number of worker threads.
@@ -163,6 +167,7 @@ class ConcurrencyController:
         self._direction = -1  # probe down first: fewer threads is the cheaper answer
         self._alone_won = False  # the last comparison of limit 0 with 1 favoured 0
         self._last_batch_at: float | None = None  # when the last counted batch arrived
+        self._lock = threading.Lock()
 
     def on_batch(
         self, started: float | None = None, cpu: float | None = None, wall: float | None = None
@@ -181,6 +186,10 @@ class ConcurrencyController:
             wall: ... and the wall time the fetch took: unless it was nearly all CPU time
                 (``BUSY_FETCH``), cheap fetches rather than waiting ones.
         """
+        with self._lock:
+            return self._count(started, cpu, wall)
+
+    def _count(self, started: float | None, cpu: float | None, wall: float | None) -> int | None:
         now = self._clock()
         if started is not None and started < self._changed_at:
             # The window restarts here: a fresh batch is timed from the last stale one, so the
@@ -354,6 +363,10 @@ class ConcurrencyController:
         at a rate ``CHANGED_RATE`` away from the carried one: then the data changed, and it
         starts learning afresh. A copy: two iterators of one loader never share a controller.
         """
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> ConcurrencyController:
         last = self._last_batch_at
         start = self._window_start
         if (

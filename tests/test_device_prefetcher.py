@@ -197,6 +197,34 @@ def test_restart_after_close_raises_and_a_failed_rewind_closes() -> None:
         it.restart(lambda: None)
 
 
+def test_a_close_from_another_thread_while_restart_rewinds_leaves_no_thread() -> None:
+    """``close()`` lands while ``restart()`` runs its rewind on another thread: the restart
+    raises, and no new transfer thread is left pulling from a closed prefetcher."""
+    it = prefetcher(Counting(10_000))
+    next(it)
+    rewinding = threading.Event()
+    errors: list[BaseException] = []
+
+    def rewind() -> None:
+        rewinding.set()
+        time.sleep(0.2)  # close() runs meanwhile
+
+    def restart() -> None:
+        try:
+            it.restart(rewind)
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    rewinding.wait()
+    it.close()
+    thread.join()
+    assert [str(e) for e in errors] == [f"{it.thread.name} was closed while it restarted"]
+    assert not it.thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == it.thread.name]
+
+
 def test_break_then_del_ends_the_thread() -> None:
     """Leaving a for loop early and dropping the prefetcher ends its thread."""
     it = prefetcher(Counting(10_000))

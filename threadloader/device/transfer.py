@@ -213,8 +213,8 @@ class _Transfer:
         the stream instead: the consumer's next ``next()`` raises.
 
         Raises:
-            RuntimeError: the prefetcher was closed, or this is its own thread (it would wait
-                for itself).
+            RuntimeError: the prefetcher was closed (also while it restarted, from another
+                thread), or this is its own thread (it would wait for itself).
         """
         if self.state is not HandoffState.RUNNING:
             raise RuntimeError(f"{self.name} was closed; it cannot start pulling again")
@@ -230,12 +230,15 @@ class _Transfer:
             self.finished.wait()  # as long as its pull takes: the source is not ours until then
             self.thread.join()
             rewind()
-            self.handoff = Handoff(self.handoff.depth)
-            self.finished = threading.Event()
-            self.thread = threading.Thread(
-                target=_transfer_loop, args=(self, self.source), name=self.name, daemon=True
-            )
-            self.thread.start()
+            with self._lock:  # a close() from another thread meanwhile: no new thread
+                if self._closing:
+                    raise RuntimeError(f"{self.name} was closed while it restarted")
+                self.handoff = Handoff(self.handoff.depth)
+                self.finished = threading.Event()
+                self.thread = threading.Thread(
+                    target=_transfer_loop, args=(self, self.source), name=self.name, daemon=True
+                )
+                self.thread.start()
         except BaseException:
             self.abandon()  # a new thread, if it started, sees its hand-off closed and exits
             raise

@@ -129,6 +129,27 @@ def test_an_eviction_never_deletes_an_object_put_again_meanwhile(
     assert cache.usage().stored_bytes == sum(p.stat().st_size for p in _files(tmp_path))
 
 
+def test_a_miss_never_forgets_an_object_put_while_it_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader fails to open "a" just before another thread puts "a": the object stays counted
+    (the miss used to take the fresh entry for one another process had evicted, so the file
+    stayed on disk uncounted and was never evicted)."""
+    from threadloader.remote import cache as _cache
+
+    cache = DiskCache(tmp_path, max_bytes=10_000)
+
+    def open_missing_while_put(path: Any, mode: str) -> Any:
+        cache.put("a", b"a" * 1000)  # lands between the failed open and the miss's bookkeeping
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(_cache, "open", open_missing_while_put, raising=False)
+    assert cache.get("a") is None
+    monkeypatch.delattr(_cache, "open")
+    assert cache.usage().entries == 1
+    assert cache.usage().stored_bytes == sum(p.stat().st_size for p in _files(tmp_path)) == 1000
+
+
 def test_use_order_survives_reopening_the_directory(tmp_path: Path) -> None:
     """A reopened cache evicts by the use order the previous one left in file times."""
     cache = DiskCache(tmp_path, max_bytes=3000)

@@ -172,9 +172,11 @@ class DiskCache:
                 data = f.read()
         except OSError:
             with self._lock:
-                size = self._index.pop(name, None)
+                # Evicted by another process sharing the directory; unless a put() of this
+                # process named the file since the open failed (it renames under this lock).
+                size = None if os.path.exists(path) else self._index.pop(name, None)
                 if size is not None:
-                    self._stored -= size  # evicted by another process sharing the directory
+                    self._stored -= size
             return None
         with self._lock:
             if name in self._index:

@@ -172,6 +172,26 @@ def test_keyboard_interrupt_while_waiting_ends_the_threads() -> None:
         next(it)
 
 
+def test_keyboard_interrupt_stops_the_batches_being_made_after_their_item_in_flight() -> None:
+    """Ctrl-C while both workers are inside batches of 16 slow items: each thread ends after
+    the item it is in (or at most the next, begun before the epoch closed), without making the
+    rest of a batch nobody will take (torch's worker processes are killed)."""
+    started: list[int] = []
+
+    class Counted(Squares):
+        def __getitem__(self, i: int) -> torch.Tensor:
+            started.append(i)
+            time.sleep(0.05)
+            return torch.tensor(i)
+
+    # timeout > 0: the training thread never makes a batch itself, the workers do.
+    it = iter(ThreadDataLoader(Counted(), batch_size=16, num_workers=2, timeout=60))
+    interrupted_next(it, after_s=0.2)
+    at_interrupt = len(started)
+    assert _wait_for_no_threads() == []
+    assert len(started) - at_interrupt <= 4, (at_interrupt, len(started))
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_keyboard_interrupt_does_not_wait_for_a_worker_stuck_in_user_code(monkeypatch) -> None:
     """Ctrl-C is raised while a worker is still inside a slow read (torch raises at once too);

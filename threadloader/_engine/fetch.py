@@ -20,6 +20,30 @@ from threadloader._primitives.worker_globals import library_code
 from threadloader.device.gathered import Gathered, fetch_stacked, parts_getter
 
 
+class Abandoned(Exception):
+    """The batch's epoch was abandoned while its items were fetched: the rest are not."""
+
+
+class _Checked:
+    """A batch's indices, each given only while ``stopped()`` says False (else ``Abandoned``)."""
+
+    __slots__ = ("_indices", "_stopped")
+
+    def __init__(self, indices: Any, stopped: Callable[[], bool]) -> None:
+        self._indices = indices
+        self._stopped = stopped
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __iter__(self) -> Iterator[Any]:
+        stopped = self._stopped
+        for index in self._indices:
+            if stopped():
+                raise Abandoned
+            yield index
+
+
 class Fetcher:
     """Turns one entry of the index stream into a collated batch.
 
@@ -29,6 +53,7 @@ class Fetcher:
         auto_collation: whether indices come in batches (``batch_size`` or ``batch_sampler``).
         collate_fn: the loader's collate function (``default_convert`` without batching).
         drop_last: drop an IterableDataset's short last batch.
+        stopped: asked before each item: True stops the batch there (``Abandoned``). A batch the dataset makes whole (``__getitems__``) runs whole.
 
     Raises:
         Exception: whatever ``iter(dataset)`` raises for an IterableDataset.
@@ -41,8 +66,10 @@ class Fetcher:
         auto_collation: bool,
         collate_fn: Callable[[Any], Any],
         drop_last: bool,
+        stopped: Callable[[], bool] | None = None,
     ) -> None:
         self._dataset = dataset
+        self._stopped = stopped
         self._auto = auto_collation
         self._drop_last = drop_last
         self._iterable = kind == _DatasetKind.Iterable
@@ -112,9 +139,14 @@ class Fetcher:
                 if parts is not None:
                     return Gathered(parts)
             return getitems(index)
+        index = self._checked(index)
         if self._stack_into is not None:
             return fetch_stacked(dataset, index, self._stack_into)
         return [dataset[i] for i in index]
+
+    def _checked(self, index: Any) -> Any:
+        """``index``, stopping between items once ``stopped()`` says so."""
+        return index if self._stopped is None else _Checked(index, self._stopped)
 
     def _next_items(self, index: Any) -> Any:
         assert self._iter is not None
@@ -123,7 +155,7 @@ class Fetcher:
         if not self._auto:
             return next(self._iter)
         data = []
-        for _ in index:
+        for _ in self._checked(index):
             try:
                 data.append(next(self._iter))
             except StopIteration:

@@ -20,7 +20,8 @@ where the code disagrees with this, the code is wrong.
    again. A ``timeout`` expiring ends the epoch instead (torch would let ``next()`` wait again):
    its threads are released at once, since the error's traceback keeps this iterator alive.
 4. Abandoned (``break``, ``del``, garbage collection, ``KeyboardInterrupt``, interpreter exit):
-   nothing new is fetched and every thread is joined. The workers never reference this object,
+   nothing new is fetched, not even the rest of a batch a thread is in (``fetch.Abandoned``),
+   and every thread is joined. The workers never reference this object,
    so dropping it is enough for the finalizer to run.
 5. Lean path: while the fetching limit is 0 (the controller found that the training thread alone
    is fastest: a GIL-bound dataset), nothing is dispatched ahead. Once the batches in flight are
@@ -330,7 +331,7 @@ class ThreadedDataLoaderIter(DispatchingIter):
             with worker.busy:
                 _start_pending_epoch(worker)
         self._threadless = True
-        self._pool.close()
+        self._pool.close(keep=True)
         self._finalizer.detach()  # after the join: a Ctrl-C in it leaves the pool to the finalizer
 
     def carry_workers(self) -> list[CarriedWorker]:

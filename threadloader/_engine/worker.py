@@ -28,7 +28,7 @@ from torch.utils.data._utils.worker import (
 from threadloader._engine import dataset_state, worker_info, worker_threads
 from threadloader._engine.datapipes import reseed
 from threadloader._engine.dataset_copy import worker_copy
-from threadloader._engine.fetch import Fetcher
+from threadloader._engine.fetch import Abandoned, Fetcher
 from threadloader._engine.tasks import NOTHING, NewEpoch, Result, Task, WorkerSpec
 from threadloader._engine.worker_rng import as_plain, load_rng_state, rng_state
 from threadloader._primitives import intra_op, worker_globals
@@ -173,6 +173,9 @@ class Worker:
         self._fetcher: Any = None
         self._pending_error: ExceptionWrapper | None = None
         self._ended = False  # the IterableDataset ran out this epoch
+        # Set when its pool is abandoned (a Ctrl-C, a break): a batch being made stops before
+        # its next item, so the thread ends after the item it is in (``fetch.Abandoned``).
+        self.abandoned = False
         # (batch idx, the generators' state after it), the epoch's start as idx -1: what a
         # rewind goes back to (``start_epoch``).
         self._rng_history: collections.deque[tuple[int, dict[str, Any]]] | None = (
@@ -202,6 +205,7 @@ class Worker:
             spec.auto_collation,
             spec.collate_fn,
             spec.drop_last,
+            stopped=lambda: self.abandoned,
         )
 
     def carried(self) -> CarriedWorker:
@@ -426,6 +430,8 @@ class Worker:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
         try:
             return self._fetcher.fetch(task.index, recorder)
+        except Abandoned:
+            return NOTHING  # nobody waits for this batch any more
         except StopIteration:
             if self.spec.dataset_kind != _DatasetKind.Iterable:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")

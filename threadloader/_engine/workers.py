@@ -234,7 +234,7 @@ class WorkerPool:
         self.results.drop_where(lambda r: r.generation != generation)
         return generation
 
-    def close(self, wait: bool = True, redeliver: bool = False) -> None:
+    def close(self, wait: bool = True, redeliver: bool = False, keep: bool = False) -> None:
         """Stop every worker and join its thread. Idempotent; safe from a finalizer or exit hook.
 
         Args:
@@ -245,12 +245,18 @@ class WorkerPool:
                 joins too).
             redeliver: called from a finalizer, which drops exceptions: a Ctrl-C during the
                 join is sent to the main thread again (``exit_hook.redeliver_interrupt``).
+            keep: the workers go on elsewhere (a move: ``threaded`` point 7), with nothing in
+                flight. Otherwise a batch a thread is making stops before its next item: a
+                Ctrl-C or ``break`` does not wait for the rest of a batch nobody will take.
 
         Raises:
             KeyboardInterrupt: Ctrl-C while joining, unless ``redeliver``.
         """
         with self._lock:
             self._closed = True
+        if not keep:
+            for w in self.workers:
+                w.abandoned = True
         # Every call wakes the threads again (each close is idempotent): a Ctrl-C may have
         # stopped an earlier call halfway (_finalizers point 2).
         for w in self.workers:

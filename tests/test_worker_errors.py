@@ -144,6 +144,7 @@ def test_iterable_error_ends_that_shard_and_others_continue_like_dataloader(
     error = next(o.error for o in ours if o.error is not None)
     _assert_wraps_original(error, "stream of worker 1 broke", "explode_in_iter")
     assert 1 in worker_ids_named(str(error).splitlines()[0])
+    assert "indices" not in str(error).splitlines()[0]  # an iterable's batch has none
 
 
 class RaisesWhenIterCalled(IterableDataset[Any]):

@@ -458,7 +458,11 @@ def leave(previous: Context) -> None:
 
 
 def _indices(task: Task) -> str:
-    if task.index is None:
+    """The batch's indices for an error's message; none for an IterableDataset's batch (its
+    index stream is placeholders, as torch's fetcher's)."""
+    if task.index is None or (
+        isinstance(task.index, list) and all(index is None for index in task.index)
+    ):
         return ""
     text = repr(task.index)
     return f", indices {text if len(text) <= 200 else text[:197] + '...'}"

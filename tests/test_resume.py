@@ -358,7 +358,7 @@ def test_resume_on_another_world_size_sees_each_sample_once(old: int, new: int, 
     assert len(seen) >= n - new - old * 4  # only tails shorter than a batch or a rank are dropped
 
 
-@pytest.mark.parametrize("sampler", ["shuffle", "mixture"])
+@pytest.mark.parametrize("sampler", ["shuffle", "mixture", "torch_distributed"])
 @pytest.mark.parametrize("batch_size", [None, 1, 3])
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 def test_a_finished_epochs_state_with_set_epoch_of_that_epoch_has_an_empty_rest(
@@ -367,12 +367,16 @@ def test_a_finished_epochs_state_with_set_epoch_of_that_epoch_has_an_empty_rest(
     """Saved after the epoch's last batch, loaded, set_epoch of that epoch (a loop that stored
     the epoch it was in): the rest is empty, then the next epoch is read in full. With
     ``batch_size=None`` and workers the sampler itself is the index sampler, whose pass torch's
-    iterator begins twice; the second began the epoch over (11 samples read again)."""
+    iterator begins twice; the second began the epoch over (11 samples read again). torch's
+    ``DistributedSampler`` read the whole epoch again (``StatefulDataLoader`` gives the empty
+    rest)."""
 
     def make() -> tuple[ThreadDataLoader[Any], Any]:
         dataset: Any = list(range(11))
         if sampler == "shuffle":
             sampler_: Any = ShuffleSampler(11, seed=0)
+        elif sampler == "torch_distributed":
+            sampler_ = DistributedSampler(dataset, num_replicas=1, rank=0, seed=3)
         else:
             dataset = Mixture({"a": range(6), "b": range(6, 11)}, {"a": 0.5, "b": 0.5})
             sampler_ = MixtureSampler(dataset, samples_per_epoch=11)
@@ -778,6 +782,8 @@ def test_bad_states_raise_naming_the_mismatch() -> None:
     del it
     with pytest.raises(ValueError, match="same number of workers"):
         ThreadDataLoader(StatefulShards(), batch_size=2, num_workers=3).load_state_dict(mid)
+    with pytest.raises(ValueError, match="2 IterableDataset worker states, this loader has num_wo"):
+        ThreadDataLoader(StatefulShards(), batch_size=2, num_workers=0).load_state_dict(mid)
 
 
 @pytest.mark.parametrize(

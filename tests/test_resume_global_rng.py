@@ -1,6 +1,8 @@
 """A resumed epoch draws nothing from the global RNG, so a checkpoint that restores the global
 RNG (Accelerate's ``save_state``/``load_state``, Trainer's ``rng_state.pth``) seeds the epochs
-after the resumed one as the uninterrupted run did, as torchdata's StatefulDataLoader does."""
+after the resumed one as the uninterrupted run did, as torchdata's StatefulDataLoader does. A
+script that restores none (it seeds at its top, as Lightning's ``ckpt_path=`` resumes) gets the
+global RNG the state saved (``_engine.global_rng``)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,80 @@ def test_epochs_after_a_resume_with_the_global_rng_restored(num_workers: int) ->
     assert [b.tolist() for b in resumed] == rest
     assert [[b.tolist() for b in resumed] for _ in range(2)] == following
     assert sorted(i for b in head + rest for i in b) == list(range(24))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cut", [2, 6])  # mid-epoch, and after the epoch's last batch
+def test_a_script_seeding_at_its_top_resumes_into_the_uninterrupted_epochs(
+    num_workers: int, cut: int
+) -> None:
+    """The script seeds the global RNG at its top and restores no RNG when it resumes: the
+    epochs after the resumed one are the uninterrupted run's (they drew the first epoch's
+    order again, at every resume), as with StatefulDataLoader, and so is what the training
+    draws from the global RNG after the resume."""
+
+    def make() -> ThreadDataLoader[int]:
+        return ThreadDataLoader(
+            list(range(24)), batch_size=4, shuffle=True, num_workers=num_workers
+        )
+
+    def run(state: dict[str, Any] | None) -> tuple[list[list[list[int]]], Any, float]:
+        torch.manual_seed(0)
+        loader = make()
+        if state is not None:
+            loader.load_state_dict(state)
+        epochs, saved = [], None
+        for epoch in range(3):
+            epochs.append([])
+            for k, batch in enumerate(loader):
+                epochs[-1].append(batch.tolist())
+                torch.rand(1)  # the training step draws from the global RNG too
+                if state is None and epoch == 0 and k + 1 == cut:
+                    saved = loader.state_dict()
+        return epochs, saved, torch.rand(1).item()
+
+    full, state, full_draw = run(None)
+    resumed, _, resumed_draw = run(state)
+    if cut < len(full[0]):
+        assert resumed[0] == full[0][cut:]
+        assert resumed[1:] == full[1:] != [full[0]] * 2
+        assert resumed_draw == full_draw  # the steps after the resume drew as uninterrupted
+    else:  # a state after the epoch's last batch starts the next epoch
+        assert resumed[:2] == full[1:] != [full[0]] * 2
+
+
+def test_a_global_rng_standing_elsewhere_is_left_alone() -> None:
+    """A resumed process whose global RNG stands elsewhere than the saving run's did at its
+    first ``iter()`` (seeded otherwise, or restored by a framework): the resumed epoch leaves
+    it as it found it."""
+
+    def make() -> ThreadDataLoader[int]:
+        return ThreadDataLoader(list(range(24)), batch_size=4, shuffle=True, num_workers=2)
+
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    del it
+    torch.manual_seed(1)
+    resumed = make()
+    resumed.load_state_dict(state)
+    before = torch.get_rng_state()
+    assert len(list(resumed)) == 5
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_malformed_global_rng_digest_is_named() -> None:
+    torch.manual_seed(0)
+    loader = ThreadDataLoader(list(range(8)), batch_size=4, shuffle=True)
+    next(iter(loader))
+    state = loader.state_dict()
+    assert len(state["global_rng_mark"]) == 32
+    with pytest.raises(ValueError, match="global_rng_mark 'x' is not a 32-digit hex digest"):
+        ThreadDataLoader(list(range(8)), batch_size=4, shuffle=True).load_state_dict(
+            {**state, "global_rng_mark": "x"}
+        )
 
 
 @pytest.mark.parametrize("cut_epoch", [0, 1])

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, _DatasetKind
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from threadloader._engine import worker_info
+from threadloader._engine import global_rng, worker_info
 from threadloader._engine.dataset_state import settle_dataset
 from threadloader._engine.device_epoch import (
     DeviceEpochIterator,
@@ -266,7 +266,15 @@ class ThreadDataLoader(DataLoader[T_co]):
             in_order=in_order,
         )
         self._epochs_started = 0
+        # Digest of the global RNG at the first iter(), and a loaded state's (digest, RNG) for
+        # the next iter() to restore where nothing else did (``_engine.global_rng``).
+        self._global_rng_mark: str | None = None
+        self._global_rng_restore: tuple[str, torch.Tensor] | None = None
         self._resume: Resume | None = None
+        # A loaded state that ended an epoch of torch's DistributedSampler: that epoch, until
+        # the next iter() (``_engine.state.resumes_a_finished_epoch``), and that iter()'s flag.
+        self._ended_sampler_epoch: int | None = None
+        self._empty_pass = False
         self._pending_state: dict[str, Any] | None = None  # loaded, and no iter() since
         # (generator state, base seed) a new persistent iterator continues from (load_state_dict)
         self._undo_seed_draw: tuple[Any, int] | None = None
@@ -308,6 +316,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         self._recycler = RecyclingAllocator(max_free=RECYCLED_BUFFERS)
 
     def __iter__(self) -> Any:
+        global_rng.at_iter(self)  # before anything of this iter() draws from it
         early, self._end_ran_early = self._end_ran_early, None
         if early is not None:  # a state_dict() ran the last epoch's end; did the loop get there?
             early.undo()
@@ -406,6 +415,8 @@ class ThreadDataLoader(DataLoader[T_co]):
         # this one gives its base-seed draw back, and the next epoch's workers are seeded as
         # that run's were. A persistent one is reset for the next epoch, which draws nothing.
         finished_rest = resumes_a_finished_epoch(self)
+        self._empty_pass = finished_rest and self._ended_sampler_epoch is not None
+        self._ended_sampler_epoch = None  # for this iter() only
         empty_rest = not self.persistent_workers and finished_rest
         give_back = _rng_restorer(self.generator) if empty_rest else None
         # That rest is the pass the iterator's first iter() of the sampler begins: a worker
@@ -676,8 +687,12 @@ class ThreadDataLoader(DataLoader[T_co]):
             return
         state = decode_state(state)  # RNG states are text in a state (JSON-able)
         resume = parse_state(self, state)
+        global_rng.loaded(self, state.get("global_rng_mark"), state.get("global_rng_at_save"))
         self._epochs_started = int(state["epoch"]) - (1 if state["in_progress"] else 0)
         self._resume = resume if state["in_progress"] else None
+        self._ended_sampler_epoch = (
+            None if state["in_progress"] else state.get("ended_sampler_epoch")
+        )
         self._progress = None  # what ran before the load does not carry into the resumed run
         self._sampler_pass_end = None if state["in_progress"] else resume.own_sampler_state
         if not state["in_progress"] and self.num_workers == 0 and resume.worker_states:

@@ -94,7 +94,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, _DatasetKind
 from torch.utils.data.dataloader import _get_distributed_settings
 
-from threadloader._engine import dataset_state
+from threadloader._engine import dataset_state, global_rng
 from threadloader._engine.options import options_of
 from threadloader._engine.state_codec import encode_rng
 from threadloader._engine.worker_rng import as_plain
@@ -345,10 +345,21 @@ def sampler_ranks(loader: Any, default: int) -> int:
 
 
 def resumes_a_finished_epoch(loader: Any) -> bool:
-    """Whether the loader's next ``iter()`` is the empty rest of a loaded finished epoch: its
-    positional sampler's state ended that epoch, and ``set_epoch`` named it again."""
+    """Whether the loader's next ``iter()`` is the empty rest of a loaded finished epoch, which
+    ``set_epoch`` named again (a loop that restarts at its checkpoint's epoch, as
+    ``StatefulDataLoader`` resumes such a state): its positional sampler's state ended that
+    epoch; or torch's ``DistributedSampler``, whose epoch is set only by ``set_epoch``, stands
+    at the epoch the loaded state ended (``ended_sampler_epoch``), which ``begin_pass`` then
+    makes empty (``loader._empty_pass``)."""
     positional = positional_sampler(loader)
-    check = getattr(positional[0], "_resumes_a_finished_epoch", None) if positional else None
+    if positional is None:
+        ended = getattr(loader, "_ended_sampler_epoch", None)
+        return (
+            ended is not None
+            and type(loader.sampler) is DistributedSampler
+            and sampler_epoch(loader) == ended
+        )
+    check = getattr(positional[0], "_resumes_a_finished_epoch", None)
     return bool(check()) if check is not None else False
 
 
@@ -448,6 +459,9 @@ def begin_pass(it: Any, loader: Any, resume: Resume | None) -> Iterator[Any]:
     Called by both iterators right before their first index is drawn (point 2).
     """
     sampler_iter: Iterator[Any] = it._sampler_iter
+    if getattr(loader, "_empty_pass", False):  # the rest of a finished epoch (above)
+        loader._empty_pass = False
+        sampler_iter = iter(())
     progress: Progress = it._progress
     # Point 11: the sampler's previous pass (this loader's latest epoch, possibly this very
     # progress, reused by persistent workers), read before the new pass resets it.
@@ -886,6 +900,12 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         # Mid-epoch, the epoch of the pass the loop is in: a sampler may have moved its own
         # epoch on as workers drew its pass to the end (Accelerate's SeedableRandomSampler).
         "sampler_epoch": progress.pass_epoch if live else sampler_epoch(loader),  # type: ignore[union-attr]
+        # The epoch of the pass a state between epochs ended (``resumes_a_finished_epoch``).
+        "ended_sampler_epoch": (
+            progress.pass_epoch
+            if progress is not None and (progress.exhausted or complete)
+            else None
+        ),
         "dataset_kind": kind,
         "dataset_length": length_of(loader.dataset) if kind == "map" else None,
         "num_workers": loader.num_workers,
@@ -921,6 +941,7 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
             if live and kind == "iterable" and worker_states is None and loader.num_workers > 0
             else None
         ),
+        **global_rng.saved(loader),
     }
 
 

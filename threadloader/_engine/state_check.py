@@ -220,9 +220,10 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
     for key in ("epoch", "batches_yielded", "num_workers", "next_worker"):
         _check_int(state, key)
     _check_int(state, "base_seed", minimum=None)
-    epoch = state["sampler_epoch"]  # an int as the sampler holds it (state.sampler_epoch)
-    if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
-        raise ValueError(f"loader state sampler_epoch must be an int or None, got {epoch!r}")
+    for key in ("sampler_epoch", "ended_sampler_epoch"):  # ints as the sampler holds them
+        epoch = state.get(key)  # ended_sampler_epoch is optional (older states lack it)
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool)):
+            raise ValueError(f"loader state {key} must be an int or None, got {epoch!r}")
     _check_worker_fields(state)
     if type(state["in_progress"]) is not bool:
         raise ValueError(f"loader state in_progress must be a bool, got {state['in_progress']!r}")
@@ -370,16 +371,23 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         if stateful_iterable and state["in_progress"]:
             raise ValueError(
                 f"loader state holds {len(worker_states)} IterableDataset worker states, this "
-                f"loader has {expected} workers: an IterableDataset resumes on the same number "
-                "of workers"
+                f"loader has num_workers={loader.num_workers}: an IterableDataset resumes on "
+                "the same number of workers"
             )
         warnings.warn(
             f"loader state holds the dataset states of {len(worker_states)} workers, this "
-            f"loader has {expected}: each worker's copy of the dataset keeps its own state",
+            f"loader has num_workers={loader.num_workers}: each worker's copy of the dataset "
+            "keeps its own state",
             stacklevel=3,
         )
         worker_states = None
     global_rng_state = _global_rng(state, "global_rng_state")
+    _global_rng(state, "global_rng_at_save")
+    digest = state.get("global_rng_mark")  # optional, as global_rng_at_save
+    if digest is not None and not (
+        isinstance(digest, str) and len(digest) == 32 and all(c in _HEX for c in digest)
+    ):
+        raise ValueError(f"loader state global_rng_mark {digest!r} is not a 32-digit hex digest")
     iter_rng_state = _global_rng(state, "iter_rng_state")
     sampler_rng_state = state.get("sampler_rng_state")  # optional, as global_rng_state
     own = sampler_generator(loader)
@@ -452,6 +460,9 @@ def parse_state(loader: Any, state: Mapping[str, Any]) -> Resume:
         own_sampler_state=own_snapshot,
         own_sampler_ended=own_ended,
     )
+
+
+_HEX = frozenset("0123456789abcdef")
 
 
 def _global_rng(state: Mapping[str, Any], key: str) -> torch.Tensor | None:

@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 #: A loader state's top-level generator states, written as text (``encode_rng``).
-RNG_KEYS = ("rng_state", "global_rng_state", "sampler_rng_state", "iter_rng_state")
+RNG_KEYS = (
+    "rng_state",
+    "global_rng_state",
+    "sampler_rng_state",
+    "iter_rng_state",
+    "global_rng_at_save",
+)
 
 
 def encode_rng(state: torch.Tensor) -> str:

@@ -15,6 +15,7 @@ import itertools
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -550,6 +551,27 @@ def test_unpicklable_dataset_raises_at_iter_and_starts_nothing() -> None:
         iter(IsolatedLoader(Unpicklable(), num_workers=2, multiprocessing_context=PICKLED))
     notes = getattr(raised.value, "__notes__", [])  # Python 3.11+: why it was pickled
     assert sys.version_info < (3, 11) or any('isolation="threads"' in n for n in notes), notes
+
+
+class Redefined(Dataset[int]):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_a_dataset_whose_class_was_defined_again_names_why_it_cannot_reach_helpers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dataset made before its class was defined again (a notebook cell run again): pickle
+    cannot send it by its class's name; the error says that the class changed under it."""
+    dataset = Redefined()
+    monkeypatch.setattr(sys.modules[__name__], "Redefined", type("Redefined", (Redefined,), {}))
+    with pytest.raises(pickle.PicklingError, match="not the same object") as raised:
+        iter(IsolatedLoader(dataset, num_workers=2, multiprocessing_context=PICKLED))
+    notes = getattr(raised.value, "__notes__", [])
+    assert sys.version_info < (3, 11) or any("defined again" in n for n in notes), notes
 
 
 class StateFailsAfterTwo(IterableDataset[int]):

@@ -142,6 +142,12 @@ class HelperSpec:
     main_state: MainState | None = None
 
 
+#: Added first where that is because a class was defined again after its instance was made.
+REDEFINED_NOTE = (
+    "threadloader: the class was defined again after this object was made (a notebook cell "
+    "or exec run again): a helper finds a class by its name, which now names the new one; "
+    "make the dataset (or collate_fn) again from the class as it is now"
+)
 #: Added to the error of a dataset, collate_fn or worker_init_fn that cannot be pickled.
 UNPICKLABLE_NOTE = (
     "threadloader: helper processes that are not forked from the training process (another "
@@ -321,6 +327,8 @@ class PickledOnce:
             # The error keeps pickle's type; the note says why pickling was needed at all
             # (torch's fork-started workers need none).
             if hasattr(exc, "add_note"):
+                if "not the same object as" in str(exc):
+                    exc.add_note(REDEFINED_NOTE)
                 exc.add_note(UNPICKLABLE_NOTE)
             with contextlib.suppress(AttributeError):  # an exception class with __slots__
                 setattr(exc, _PICKLING_FAILED, True)

@@ -1224,3 +1224,43 @@ def test_a_class_reached_through_a_default_argument_reaches_the_zygotes_helpers(
         """,
     )
     assert out == ["zygote", "True", "[[0,", "7],", "[14,", "21]]"]
+
+
+def test_a_large_class_level_table_nobody_changed_is_not_sent_and_one_changed_is_named(
+    tmp_path: Any,
+) -> None:
+    """A class-level table beyond what a start may send without a reason (it may have changed
+    in place, as any dict or tensor may): left as the zygote has it, with no warning, while
+    nothing changed it; once torch changed a class-level tensor in place, the helpers cannot
+    receive it and ``isolation="process"`` names it."""
+    out = _run(
+        tmp_path,
+        """
+        import warnings
+        from threadloader.isolation import main_state
+
+        main_state.LIMIT_BYTES = main_state.MAYBE_CHANGED_BYTES = 4096
+
+        class Table(torch.utils.data.Dataset):
+            names = {i: str(i) for i in range(2000)}
+            weights = torch.zeros(4096)
+
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                return int(Table.names[i]) + int(Table.weights[i])
+
+        iso = ThreadDataLoader(Table(), batch_size=2, num_workers=2, isolation="process")
+        with another_thread(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = [b.tolist() for b in iso]
+        print("quiet", not caught, batches)
+        Table.weights += 1
+        with another_thread(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batches = [b.tolist() for b in iso]
+        print("named", any("Table.weights" in str(w.message) for w in caught))
+        """,
+    )
+    assert out == ["quiet", "True", "[[0,", "1],", "[2,", "3]]", "named", "True"]

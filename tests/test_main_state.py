@@ -242,7 +242,11 @@ def test_changed_class_attributes_are_sent_and_set_and_an_unpicklable_one_is_kep
     main = _script()
     main.Items.limit = 7
     main.Items.lock = threading.Lock()
-    changed = [(main.Items, "limit", True), (main.Items, "lock", True), (main.Items, "gone", False)]
+    changed = [
+        main_state.ClassAttribute(main.Items, "limit"),
+        main_state.ClassAttribute(main.Items, "lock"),
+        main_state.ClassAttribute(main.Items, "gone", there=False),
+    ]
     state = capture([main.Items()], main, attributes=changed)
     assert [(owner, name) for owner, name, _ in state.attributes] == [
         ("Items", "limit"),

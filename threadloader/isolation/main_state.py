@@ -36,7 +36,8 @@ the code is wrong.
 5. Helpers that import the script afresh receive every attribute of the script's classes
    (``script_classes``: nested ones and bases too) but Python's own (``class_attributes``):
    the script may have set one (``Dataset.scale = args.scale``) or swapped a method since its
-   top level ran, and a function pickles by name. Helpers from the zygote receive the data
+   top level ran, and a function pickles by name. Each only may differ from the helper's, so
+   one beyond ``MAYBE_CHANGED_BYTES`` pickled is not sent (the import made it). Helpers from the zygote receive the data
    attributes of those classes that changed since its fork (``Dataset.scale = 10``, a counter
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
    same rules but that an instance of a script class is sent too (a config set on the class;
@@ -45,8 +46,10 @@ the code is wrong.
    lock a dataset opens on first use into a class attribute: the helper opens its own); one
    beyond the limit is named in ``left_out`` (``Dataset.table``). A value that can change in
    place (a class-level dict, list or tensor: anything but a number, string, bytes or a tuple
-   of those) counts as changed, and is sent with every start. Code attributes are the
-   zygote's concern.
+   of those) may have changed: it is sent with every start up to ``MAYBE_CHANGED_BYTES``
+   pickled, and beyond only where known to have changed (rebound, or a tensor whose version
+   torch moved on), so that a large table nobody changed costs no start its pickle. Code
+   attributes are the zygote's concern.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ from threadloader.isolation.capped import Capped, PayloadTooLarge
 
 __all__ = [
     "LIMIT_BYTES",
+    "MAYBE_CHANGED_BYTES",
+    "ClassAttribute",
     "MainState",
     "by_name_in",
     "capture",
@@ -81,6 +86,9 @@ __all__ = [
 UNSCANNED = "(code that could not be scanned)"
 #: The most bytes of globals a helper receives; beyond, the rest is left out (point 2).
 LIMIT_BYTES = 64 * 2**20
+#: The most bytes a class attribute that only may differ from the helper's is sent with
+#: (point 5); a larger one is sent only where known to differ.
+MAYBE_CHANGED_BYTES = 2**20
 #: How many objects the walk from the dataset visits at most, and how deep.
 _MAX_OBJECTS = 2000
 _MAX_DEPTH = 3
@@ -88,6 +96,18 @@ _MAX_DEPTH = 3
 _MAX_ELEMENTS = 16
 
 _MAIN = "__main__"
+
+
+class ClassAttribute(NamedTuple):
+    """An attribute of a class of the script to send as it is now (point 5)."""
+
+    owner: type
+    name: str
+    #: False: deleted since the zygote's fork.
+    there: bool = True
+    #: Known to differ from the helper's (rebound or deleted since the zygote's fork); else it
+    #: only may (changed in place since; set since the script's top level ran).
+    known: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +195,7 @@ def capture(
     roots: Iterable[Any],
     main: types.ModuleType | None = None,
     init: Any = None,
-    attributes: Iterable[tuple[type, str, bool]] = (),
+    attributes: Iterable[ClassAttribute] = (),
 ) -> MainState:
     """The ``MainState`` of ``main`` (this process's ``__main__``) that ``roots`` need (point 1).
 
@@ -187,11 +207,11 @@ def capture(
         main: the main module; by default ``sys.modules["__main__"]``.
         init: ``worker_init_fn``: its code is scanned too, and the globals it writes are left
             to it (it runs in each helper, and sets them there as it did here).
-        attributes: data attributes of the script's classes to send as they are now (point
-            5: those changed since the zygote's fork), as ``(class, name, still there)``. One
-            that cannot be pickled is not sent (a file or lock a dataset opens on first use:
-            the helper opens its own), and not named in ``left_out``; one beyond the limit is
-            named there, as ``Class.name``.
+        attributes: attributes of the script's classes to send as they are now (point 5).
+            One that cannot be pickled is not sent (a file or lock a dataset opens on first
+            use: the helper opens its own), and not named in ``left_out``; one that only may
+            differ is not sent beyond ``MAYBE_CHANGED_BYTES``; one known to differ and beyond
+            the limit is named there, as ``Class.name``.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -208,11 +228,12 @@ def capture(
         return MainState((), dtype, (UNSCANNED,))
     total = 0
 
-    def pickled(value: Any, instances: bool = False) -> bytes | Exception:
+    def pickled(value: Any, instances: bool = False, most: int = LIMIT_BYTES) -> bytes | Exception:
         nonlocal total
-        buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
+        limit = min(most, LIMIT_BYTES - total)
+        buffer = Capped(limit)  # stops a large value before it is copied
         try:
-            _Pickler(buffer, LIMIT_BYTES - total, module, instances).dump(value)
+            _Pickler(buffer, limit, module, instances).dump(value)
         except Exception as exc:  # noqa: BLE001  # named in left_out: "auto" stays in threads
             return exc
         data = buffer.getvalue()
@@ -232,12 +253,14 @@ def capture(
         if isinstance(data, bytes):  # else a lambda, say: left as the helper's copy has it
             values.append((name, data))
     sent: list[tuple[str, str, bytes | None]] = []
-    for cls, name, there in attributes:
-        sending = pickled(vars(cls)[name], instances=True) if there else None
+    for attribute in attributes:
+        owner, name = attribute.owner, attribute.name
+        most = LIMIT_BYTES if attribute.known else MAYBE_CHANGED_BYTES
+        sending = pickled(vars(owner)[name], True, most) if attribute.there else None
         if sending is None or isinstance(sending, bytes):
-            sent.append((cls.__qualname__, name, sending))
-        elif isinstance(sending, PayloadTooLarge):  # it may hold what the zygote's copy lacks
-            left_out.append(f"{cls.__qualname__}.{name}")
+            sent.append((owner.__qualname__, name, sending))
+        elif isinstance(sending, PayloadTooLarge) and attribute.known:
+            left_out.append(f"{owner.__qualname__}.{name}")  # the helper's copy lacks it
     return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
 
 
@@ -290,7 +313,7 @@ def script_classes(code: Iterable[Any], module: str) -> list[type]:
 
 def class_attributes(
     code: Iterable[Any], main: types.ModuleType | None = None
-) -> list[tuple[type, str, bool]]:
+) -> list[ClassAttribute]:
     """What helpers that import the script afresh receive of its classes (point 5), as
     ``capture``'s ``attributes``: every attribute of ``script_classes(code)`` but for Python's
     own (``__dict__``, ``__module__``...) and nested classes; their import makes the class as
@@ -300,7 +323,7 @@ def class_attributes(
     if main is None:
         return []
     return [
-        (cls, name, True)
+        ClassAttribute(cls, name, known=False)
         for cls in script_classes(code, main.__name__)
         for name, value in list(vars(cls).items())
         if not isinstance(value, type)

@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from threadloader.isolation.main_state import by_name_in, script_classes
+from threadloader.isolation.main_state import ClassAttribute, by_name_in, script_classes
 
 #: Environment variable that, set to ``0``, makes helpers come from the forkserver always.
 ENV_SWITCH = "THREADLOADER_ZYGOTE"
@@ -189,7 +189,7 @@ def missing(code: Iterable[Any]) -> list[str]:
         return _server.missing(code) if _server is not None and _server.alive() else []
 
 
-def changed_data(code: Iterable[Any]) -> list[tuple[type, str, bool]]:
+def changed_data(code: Iterable[Any]) -> list[ClassAttribute]:
     """The data attributes of the script's classes among ``code``, of their bases and of the
     classes nested in them (a subclass reads what its base holds), that the running zygote
     holds other than this process does (``main_state`` point 5), each with whether it is still
@@ -201,7 +201,7 @@ def changed_data(code: Iterable[Any]) -> list[tuple[type, str, bool]]:
         return []
     script = server.script
     return [
-        (klass, *change)
+        ClassAttribute(klass, *change)
         for klass in script_classes(code, script.module)
         if script.class_named(klass)
         for change in script.changed_data(klass)
@@ -718,6 +718,11 @@ def _constant(value: Any, depth: int = 3) -> bool:
     return False
 
 
+def _version(value: Any) -> int | None:
+    """How many times torch changed ``value`` in place, for a tensor; else None."""
+    return value._version if isinstance(value, torch.Tensor) else None
+
+
 def _gone() -> object:
     """What a record of no attribute gives: an object no attribute holds."""
     return _gone
@@ -750,14 +755,18 @@ class _Script:
         # Each class of the script, nested ones too, by qualified name: the class, its code
         # attributes, and its data attributes held weakly where they can be (a class-level
         # cache rebound since is not kept alive by this record).
-        self.classes: dict[str, tuple[type, dict[str, Any], dict[str, Callable[[], Any]]]] = {}
+        # A tensor's data attribute also keeps its version (torch counts in-place changes).
+        self.classes: dict[
+            str, tuple[type, dict[str, Any], dict[str, tuple[Callable[[], Any], int | None]]]
+        ] = {}
         pending = [value for value in self.code.values() if isinstance(value, type)]
         while pending:
             cls = pending.pop()
             if cls.__qualname__ in self.classes:
                 continue
             code, data = _split(cls)
-            self.classes[cls.__qualname__] = (cls, code, {n: _held(v) for n, v in data.items()})
+            held = {n: (_held(v), _version(v)) for n, v in data.items()}
+            self.classes[cls.__qualname__] = (cls, code, held)
             pending.extend(
                 value
                 for value in code.values()
@@ -784,18 +793,21 @@ class _Script:
         entry = self.classes.get(name) if isinstance(name, str) else None
         return entry is not None and entry[0] is cls
 
-    def changed_data(self, cls: type) -> list[tuple[str, bool]]:
+    def changed_data(self, cls: type) -> list[tuple[str, bool, bool]]:
         """The data attributes of ``cls`` (``class_named``) that it holds now other than this
         one had them, or that may have changed in place since (a dict, a list, a tensor: any
-        value but a constant), each with whether it is still there (False: deleted since)."""
+        value but a constant), each with whether it is still there (False: deleted since) and
+        whether it is known to differ (rebound, deleted, or a tensor torch changed in place;
+        else it may)."""
         held = self.classes[cls.__qualname__][2]
         now = _split(cls)[1]
-        changed = [
-            (name, True)
-            for name, value in now.items()
-            if held.get(name, _gone)() is not value or not _constant(value)
-        ]
-        return changed + [(name, False) for name in held.keys() - now.keys()]
+        changed = []
+        for name, value in now.items():
+            then, version = held.get(name, (_gone, None))
+            known = then() is not value or (version is not None and _version(value) != version)
+            if known or not _constant(value):
+                changed.append((name, True, known))
+        return changed + [(name, False, True) for name in held.keys() - now.keys()]
 
     def changed(self, now: _Script) -> frozenset[str]:
         """Globals of code that ``now`` has other than this one had: new, gone or changed."""

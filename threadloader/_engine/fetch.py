@@ -8,6 +8,7 @@ and collate are timed apart without wrapping user callables.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,6 +19,10 @@ from threadloader._engine import dataset_state
 from threadloader._primitives.timing import StageRecorder
 from threadloader._primitives.worker_globals import library_code
 from threadloader.device.gathered import Gathered, fetch_stacked, parts_getter
+
+#: A batch whose first item took this long checks before each later item whether its epoch
+#: was abandoned (``Fetcher._each``).
+SLOW_ITEM_S = 0.001
 
 
 class Abandoned(Exception):
@@ -53,7 +58,8 @@ class Fetcher:
         auto_collation: whether indices come in batches (``batch_size`` or ``batch_sampler``).
         collate_fn: the loader's collate function (``default_convert`` without batching).
         drop_last: drop an IterableDataset's short last batch.
-        stopped: asked before each item: True stops the batch there (``Abandoned``). A batch the dataset makes whole (``__getitems__``) runs whole.
+        stopped: asked before each item (where items are slow: ``_each``): True stops the
+            batch there (``Abandoned``). A batch the dataset makes whole (``__getitems__``) runs whole.
 
     Raises:
         Exception: whatever ``iter(dataset)`` raises for an IterableDataset.
@@ -139,10 +145,29 @@ class Fetcher:
                 if parts is not None:
                     return Gathered(parts)
             return getitems(index)
-        index = self._checked(index)
         if self._stack_into is not None:
-            return fetch_stacked(dataset, index, self._stack_into)
-        return [dataset[i] for i in index]
+            return fetch_stacked(dataset, self._checked(index), self._stack_into)
+        if self._stopped is None:
+            return [dataset[i] for i in index]
+        return self._each(dataset, index, self._stopped)
+
+    @staticmethod
+    def _each(dataset: Any, index: Any, stopped: Callable[[], bool]) -> list[Any]:
+        """``[dataset[i] for i in index]``, stopping before an item once ``stopped()`` says so
+        where the first took ``SLOW_ITEM_S`` or more; quick items pay no check (their batch
+        ends soon anyway: a generator between the list and the indices costs ~30 ns an item,
+        as much as a cheap item itself)."""
+        indices = iter(index)
+        start = time.perf_counter()
+        items = [dataset[i] for i in itertools.islice(indices, 1)]
+        if time.perf_counter() - start < SLOW_ITEM_S:
+            items += [dataset[i] for i in indices]
+            return items
+        for i in indices:
+            if stopped():
+                raise Abandoned
+            items.append(dataset[i])
+        return items
 
     def _checked(self, index: Any) -> Any:
         """``index``, stopping between items once ``stopped()`` says so."""

@@ -349,18 +349,28 @@ Items = module.Items
 #: A dataset whose code the guarded part changes: a method swapped, a base's attribute set, a
 #: global rebound to another function of the script and one to another module's.
 _CHANGED_CODE = """
-import math
+import enum, math
 
 class Base(Dataset):
     scale = 1
 
+class Split(enum.Enum):
+    TRAIN = 1
+
+class Missing:
+    pass
+
 class Scaled(Base):
+    split = Split.TRAIN
+    MISSING = Missing()
+    cache = MISSING
     def __len__(self):
         return 4
     def value(self, i):
         return i
     def __getitem__(self, i):
-        return torch.tensor([self.value(i) * self.scale, TRANSFORM(i), ACT(-2.5)])
+        unset = 100 * self.split.value if Scaled.cache is Scaled.MISSING else 0
+        return torch.tensor([self.value(i) * self.scale, TRANSFORM(i), ACT(-2.5), unset])
 
 def tenfold(self, i):
     return i * 10
@@ -394,7 +404,9 @@ def test_forkserver_helpers_run_the_methods_attributes_and_functions_the_script_
 ) -> None:
     """The guarded part swapped a method, set a base class's attribute and rebound globals the
     items call: torch's forked workers run them so; helpers from the forkserver, which imports
-    the script afresh (its top level defines the old ones), run them so too, in every epoch."""
+    the script afresh (its top level defines the old ones), run them so too, in every epoch.
+    What the script left alone stays the helper's own object: an Enum member, and a sentinel
+    the items compare with ``is``."""
     proc = _run(
         tmp_path,
         _CHANGED_BODY.format(isolation=isolation),
@@ -402,7 +414,7 @@ def test_forkserver_helpers_run_the_methods_attributes_and_functions_the_script_
         prelude=_PRELUDE + _CHANGED_CODE,
     )
     assert proc.returncode == 0, proc.stderr
-    items = [[i * 20, i * 3, -2] for i in range(4)]
+    items = [[i * 20, i * 3, -2, 100] for i in range(4)]
     epoch = [items[:2], items[2:]]
     assert f"EPOCHS {[epoch, epoch]}" in proc.stdout.splitlines(), proc.stdout
     assert "MODE process" in proc.stdout, proc.stdout

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import dis
+import enum
 import functools
 import itertools
 import pickle
@@ -138,28 +139,53 @@ class MainState:
         if main is not None and self.values:
             spaces = _namespaces(main)
             for name, data in self.values:
-                if _pickles_to(spaces[-1].get(name, _ABSENT), data):
-                    continue  # as imported: the same object stays (an `is` check still holds)
-                value = pickle.loads(data)
-                for space in spaces:
-                    space[name] = value
+                value = _other(spaces[-1].get(name, _ABSENT), data)
+                if value is not _ABSENT:
+                    for space in spaces:
+                        space[name] = value
         for owner, attribute, pickled in self.attributes:
             cls = functools.reduce(getattr, owner.split("."), main)
             if pickled is None:
                 if attribute in vars(cls):
                     delattr(cls, attribute)
-            elif not _pickles_to(vars(cls).get(attribute, _ABSENT), pickled):
-                try:
-                    setattr(cls, attribute, pickle.loads(pickled))
-                except Exception as exc:
-                    if hasattr(exc, "add_note"):  # Python 3.11+
-                        exc.add_note(f"threadloader: loading {owner}.{attribute} of the script")
-                    raise
+                continue
+            try:
+                value = _other(vars(cls).get(attribute, _ABSENT), pickled)
+                if value is not _ABSENT:
+                    setattr(cls, attribute, value)
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"threadloader: loading {owner}.{attribute} of the script")
+                raise
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
 
 
 _ABSENT = object()
+
+
+def _other(current: Any, data: bytes) -> Any:
+    """``data`` unpickled where it is not ``current`` as this process has it, else ``_ABSENT``:
+    what is the same stays the same object (an ``is`` check, a sentinel, an ``Enum`` member
+    still holds). Compared as pickled here too: a helper that imported the script holds its
+    classes and functions under ``__mp_main__``, which the training process's pickle names
+    ``__main__``."""
+    if _pickles_to(current, data):
+        return _ABSENT  # as imported, or as the zygote has it
+    value = pickle.loads(data)
+    if value is current or (current is not _ABSENT and _same_pickle(value, current)):
+        return _ABSENT
+    return value
+
+
+def _same_pickle(one: Any, other: Any) -> bool:
+    """Whether two objects pickle alike in this process."""
+    try:
+        return pickle.dumps(one, pickle.HIGHEST_PROTOCOL) == pickle.dumps(
+            other, pickle.HIGHEST_PROTOCOL
+        )
+    except Exception:  # noqa: BLE001  # then they differ
+        return False
 
 
 def _pickles_to(value: Any, data: bytes) -> bool:
@@ -295,13 +321,14 @@ def script_code(
 def script_classes(code: Iterable[Any], module: str) -> list[type]:
     """The classes of the script ``module`` among ``code``, their bases of the script (a
     subclass reads what its base holds) and the classes nested in those (their code reaches
-    them through them), transitively, each once."""
+    them through them), transitively, each once; not ``Enum`` classes, whose members are
+    constants a helper's import made (and which refuse to be set again)."""
     found: dict[type, None] = {}
     pending = [k for obj in code if isinstance(obj, type) for k in obj.__mro__]
     while pending:
         cls = pending.pop()
-        if cls in found or not _defined_in(cls, module):
-            continue
+        if cls in found or not _defined_in(cls, module) or issubclass(cls, enum.Enum):
+            continue  # an Enum's members are constants: never set again
         found[cls] = None
         pending.extend(
             value

@@ -401,6 +401,27 @@ def test_a_finished_epochs_state_with_set_epoch_of_that_epoch_has_an_empty_rest(
     assert [torch.as_tensor(b).tolist() for b in loaded] == expected
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_after_a_distributed_samplers_epoch_starts_the_next_in_full_without_set_epoch(
+    num_workers: int,
+) -> None:
+    """A loop that never calls set_epoch (the order stays; shuffle=False): a state taken after
+    the epoch's StopIteration starts the next epoch in full, though the sampler stands at the
+    epoch the state ended (an earlier version made it empty)."""
+
+    def make() -> ThreadDataLoader[Any]:
+        data = list(range(12))
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=False)
+        return ThreadDataLoader(data, batch_size=2, sampler=sampler, num_workers=num_workers)
+
+    loader = make()
+    first = [b.tolist() for b in loader]
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == first == [b.tolist() for b in loader]
+
+
 @pytest.mark.parametrize("sampler", ["distributed", "mixture"])
 @pytest.mark.parametrize(("old", "new"), [(4, 1), (4, 2), (4, 3), (2, 1)])
 @pytest.mark.parametrize("length", [30, 10])

@@ -61,6 +61,7 @@ def saved(loader: Any) -> dict[str, Any]:
 
 def loaded(loader: Any, digest: str | None, state: torch.Tensor | None) -> None:
     """Point 1's digest and RNG of a loaded state (checked): the next ``iter()`` decides."""
+    loader._global_rng_restore = None  # an earlier load's, not this state's
     if digest is None or state is None:
         return
     loader._global_rng_mark = digest

@@ -900,10 +900,12 @@ def build_state(loader: Any, progress: Progress | None, complete: bool = False) 
         # Mid-epoch, the epoch of the pass the loop is in: a sampler may have moved its own
         # epoch on as workers drew its pass to the end (Accelerate's SeedableRandomSampler).
         "sampler_epoch": progress.pass_epoch if live else sampler_epoch(loader),  # type: ignore[union-attr]
-        # The epoch of the pass a state between epochs ended (``resumes_a_finished_epoch``).
+        # The epoch a state taken at its last step, before StopIteration, ended
+        # (``resumes_a_finished_epoch``). A state after the end starts the next epoch however
+        # the sampler stands, as StatefulDataLoader's does.
         "ended_sampler_epoch": (
             progress.pass_epoch
-            if progress is not None and (progress.exhausted or complete)
+            if progress is not None and complete and not progress.exhausted
             else None
         ),
         "dataset_kind": kind,

@@ -26,7 +26,9 @@ the code is wrong.
    forkserver workers would, and warns (``parent._main_state``).
 3. ``MainState.apply`` runs in the helper after it loaded its spec and before any worker
    starts (``worker_init_fn`` sees the globals too): each global whose value differs from the
-   helper's own (by its pickle: one as imported stays the same object) is set in the helper's
+   helper's own (by its pickle, and by the pickle the helper makes of the value unpickled,
+   since a helper that imported the script names its classes ``__mp_main__``: one as
+   imported stays the same object) is set in the helper's
    ``__main__`` module and in the namespace its functions read (``runpy`` imports a script in
    a namespace of its own), and torch's default dtype is set.
 4. Only for helpers that are not forked from the training process, where the user named no

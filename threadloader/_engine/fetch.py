@@ -156,7 +156,10 @@ class Fetcher:
         """``[dataset[i] for i in index]``, stopping before an item once ``stopped()`` says so
         where the first took ``SLOW_ITEM_S`` or more; quick items pay no check (their batch
         ends soon anyway: a generator between the list and the indices costs ~30 ns an item,
-        as much as a cheap item itself)."""
+        as much as a cheap item itself), so a batch whose first item was quick and whose
+        others are slow is made whole."""
+        if stopped():
+            raise Abandoned
         indices = iter(index)
         start = time.perf_counter()
         items = [dataset[i] for i in itertools.islice(indices, 1)]

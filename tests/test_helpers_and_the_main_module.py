@@ -357,6 +357,8 @@ class Base(Dataset):
 class Split(enum.Enum):
     TRAIN = 1
 
+Split.weight = 1  # an attribute, not a member
+
 class Missing:
     pass
 
@@ -369,7 +371,7 @@ class Scaled(Base):
     def value(self, i):
         return i
     def __getitem__(self, i):
-        unset = 100 * self.split.value if Scaled.cache is Scaled.MISSING else 0
+        unset = 100 * self.split.value * Split.weight if Scaled.cache is Scaled.MISSING else 0
         return torch.tensor([self.value(i) * self.scale, TRANSFORM(i), ACT(-2.5), unset])
 
 def tenfold(self, i):
@@ -391,6 +393,7 @@ Scaled.value = tenfold
 Base.scale = 2
 TRANSFORM = triple
 ACT = math.ceil
+Split.weight = 2
 loader = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="{isolation}")
 print("EPOCHS", [[b.tolist() for b in loader] for _ in range(2)], flush=True)
 print("MODE", loader.stats().mode, flush=True)
@@ -406,7 +409,7 @@ def test_forkserver_helpers_run_the_methods_attributes_and_functions_the_script_
     items call: torch's forked workers run them so; helpers from the forkserver, which imports
     the script afresh (its top level defines the old ones), run them so too, in every epoch.
     What the script left alone stays the helper's own object: an Enum member, and a sentinel
-    the items compare with ``is``."""
+    the items compare with ``is``; an attribute set on the Enum class arrives."""
     proc = _run(
         tmp_path,
         _CHANGED_BODY.format(isolation=isolation),
@@ -414,7 +417,7 @@ def test_forkserver_helpers_run_the_methods_attributes_and_functions_the_script_
         prelude=_PRELUDE + _CHANGED_CODE,
     )
     assert proc.returncode == 0, proc.stderr
-    items = [[i * 20, i * 3, -2, 100] for i in range(4)]
+    items = [[i * 20, i * 3, -2, 200] for i in range(4)]
     epoch = [items[:2], items[2:]]
     assert f"EPOCHS {[epoch, epoch]}" in proc.stdout.splitlines(), proc.stdout
     assert "MODE process" in proc.stdout, proc.stdout

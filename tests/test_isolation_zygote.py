@@ -1027,19 +1027,24 @@ def test_class_attributes_changed_in_place_since_the_fork_reach_the_zygotes_help
     out = _run(
         tmp_path,
         """
+        import numpy as np
+
         class Vocab(torch.utils.data.Dataset):
             words, order, weights, name = {}, [], torch.zeros(4), "v"
+            offsets = np.zeros(4)
 
             def __len__(self):
                 return 4
 
             def __getitem__(self, i):
-                return Vocab.words.get(i, -1) + len(Vocab.order) + int(Vocab.weights[i])
+                found = Vocab.words.get(i, -1) + len(Vocab.order) + int(Vocab.offsets[i])
+                return found + int(Vocab.weights[i])
 
         iso = ThreadDataLoader(Vocab(), batch_size=2, num_workers=2, isolation="process")
         Vocab.words.update({0: 0, 1: 10, 2: 20, 3: 30})
         Vocab.order.append("x")
-        Vocab.weights += 100
+        Vocab.weights.data.add_(50)  # torch does not count this change: the bytes tell it
+        Vocab.offsets[:] = 50
         with another_thread():
             it = iter(iso)
             print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
@@ -1229,17 +1234,16 @@ def test_a_class_reached_through_a_default_argument_reaches_the_zygotes_helpers(
 def test_a_large_class_level_table_nobody_changed_is_not_sent_and_one_changed_is_named(
     tmp_path: Any,
 ) -> None:
-    """A class-level table beyond what a start may send without a reason (it may have changed
-    in place, as any dict or tensor may): left as the zygote has it, with no warning, while
-    nothing changed it; once torch changed a class-level tensor in place, the helpers cannot
-    receive it and ``isolation="process"`` names it."""
+    """Class-level tables beyond what a start may send: left as the zygote has them, with no
+    warning, while their checksums say nothing changed them; once one changed in place (a
+    tensor, a dict), the helpers cannot receive it and ``isolation="process"`` names it."""
     out = _run(
         tmp_path,
         """
         import warnings
         from threadloader.isolation import main_state
 
-        main_state.LIMIT_BYTES = main_state.MAYBE_CHANGED_BYTES = 4096
+        main_state.LIMIT_BYTES = 4096
 
         class Table(torch.utils.data.Dataset):
             names = {i: str(i) for i in range(2000)}
@@ -1257,10 +1261,12 @@ def test_a_large_class_level_table_nobody_changed_is_not_sent_and_one_changed_is
             batches = [b.tolist() for b in iso]
         print("quiet", not caught, batches)
         Table.weights += 1
+        Table.names[0] = "5"
         with another_thread(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             batches = [b.tolist() for b in iso]
-        print("named", any("Table.weights" in str(w.message) for w in caught))
+        text = " ".join(str(w.message) for w in caught)
+        print("named", "Table.weights" in text, "Table.names" in text)
         """,
     )
-    assert out == ["quiet", "True", "[[0,", "1],", "[2,", "3]]", "named", "True"]
+    assert out == ["quiet", "True", "[[0,", "1],", "[2,", "3]]", "named", "True", "True"]

@@ -38,20 +38,21 @@ the code is wrong.
 5. Helpers that import the script afresh receive every attribute of the script's classes
    (``script_classes``: nested ones and bases too) but Python's own (``class_attributes``):
    the script may have set one (``Dataset.scale = args.scale``) or swapped a method since its
-   top level ran, and a function pickles by name. Each only may differ from the helper's, so
-   one beyond ``MAYBE_CHANGED_BYTES`` pickled is not sent (the import made it). Helpers from the zygote receive the data
+   top level ran, and a function pickles by name (an ``Enum``'s members and ``_sunder_``
+   names excepted: constants its import made). Helpers from the zygote receive the data
    attributes of those classes that changed since its fork (``Dataset.scale = 10``, a counter
-   ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``), pickled under the
-   same rules but that an instance of a script class is sent too (a config set on the class;
-   a sentinel left as it was pickles as the helper's own and stays that object), and set on
-   the class in the helper where they differ, or deleted there where deleted here. One that cannot be pickled stays as the zygote has it, unnamed (a file or
+   ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``): rebound, deleted,
+   or, for a value that can change in place (a class-level dict, list or tensor: anything but
+   a number, string, bytes or a tuple of those), whose checksum differs from the one taken at
+   the fork (of its bytes, for an array or a tensor; of its pickle otherwise) or could not be
+   taken; a large table nobody changed costs a start its checksum, not its pickle. They are
+   pickled under the same rules but that an instance of a script class is sent too (a config
+   set on the class; a sentinel left as it was pickles as the helper's own and stays that
+   object), and set on the class in the helper where they differ, or deleted there where
+   deleted here. One that cannot be pickled stays as the helper has it, unnamed (a file or
    lock a dataset opens on first use into a class attribute: the helper opens its own); one
-   beyond the limit is named in ``left_out`` (``Dataset.table``). A value that can change in
-   place (a class-level dict, list or tensor: anything but a number, string, bytes or a tuple
-   of those) may have changed: it is sent with every start up to ``MAYBE_CHANGED_BYTES``
-   pickled, and beyond only where known to have changed (rebound, or a tensor whose version
-   torch moved on), so that a large table nobody changed costs no start its pickle. Code
-   attributes are the zygote's concern.
+   beyond the limit is named in ``left_out`` (``Dataset.table``). Code attributes are the
+   zygote's concern.
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ from threadloader.isolation.capped import Capped, PayloadTooLarge
 
 __all__ = [
     "LIMIT_BYTES",
-    "MAYBE_CHANGED_BYTES",
     "ClassAttribute",
     "MainState",
     "by_name_in",
@@ -89,9 +89,6 @@ __all__ = [
 UNSCANNED = "(code that could not be scanned)"
 #: The most bytes of globals a helper receives; beyond, the rest is left out (point 2).
 LIMIT_BYTES = 64 * 2**20
-#: The most bytes a class attribute that only may differ from the helper's is sent with
-#: (point 5); a larger one is sent only where known to differ.
-MAYBE_CHANGED_BYTES = 2**20
 #: How many objects the walk from the dataset visits at most, and how deep.
 _MAX_OBJECTS = 2000
 _MAX_DEPTH = 3
@@ -108,9 +105,6 @@ class ClassAttribute(NamedTuple):
     name: str
     #: False: deleted since the zygote's fork.
     there: bool = True
-    #: Known to differ from the helper's (rebound or deleted since the zygote's fork); else it
-    #: only may (changed in place since; set since the script's top level ran).
-    known: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +169,11 @@ def _other(current: Any, data: bytes) -> Any:
     if _pickles_to(current, data):
         return _ABSENT  # as imported, or as the zygote has it
     value = pickle.loads(data)
-    if value is current or (current is not _ABSENT and _same_pickle(value, current)):
+    if value is current:
+        return _ABSENT
+    main = sys.modules.get(_MAIN)
+    renamed = main is not None and main.__name__ != _MAIN  # an import's: ``__mp_main__``
+    if renamed and current is not _ABSENT and _same_pickle(value, current):
         return _ABSENT
     return value
 
@@ -237,9 +235,8 @@ def capture(
             to it (it runs in each helper, and sets them there as it did here).
         attributes: attributes of the script's classes to send as they are now (point 5).
             One that cannot be pickled is not sent (a file or lock a dataset opens on first
-            use: the helper opens its own), and not named in ``left_out``; one that only may
-            differ is not sent beyond ``MAYBE_CHANGED_BYTES``; one known to differ and beyond
-            the limit is named there, as ``Class.name``.
+            use: the helper opens its own), and not named in ``left_out``; one beyond the
+            limit is named there, as ``Class.name``.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -256,12 +253,11 @@ def capture(
         return MainState((), dtype, (UNSCANNED,))
     total = 0
 
-    def pickled(value: Any, instances: bool = False, most: int = LIMIT_BYTES) -> bytes | Exception:
+    def pickled(value: Any, instances: bool = False) -> bytes | Exception:
         nonlocal total
-        limit = min(most, LIMIT_BYTES - total)
-        buffer = Capped(limit)  # stops a large value before it is copied
+        buffer = Capped(LIMIT_BYTES - total)  # stops a large value before it is copied
         try:
-            _Pickler(buffer, limit, module, instances).dump(value)
+            _Pickler(buffer, LIMIT_BYTES - total, module, instances).dump(value)
         except Exception as exc:  # noqa: BLE001  # named in left_out: "auto" stays in threads
             return exc
         data = buffer.getvalue()
@@ -281,14 +277,12 @@ def capture(
         if isinstance(data, bytes):  # else a lambda, say: left as the helper's copy has it
             values.append((name, data))
     sent: list[tuple[str, str, bytes | None]] = []
-    for attribute in attributes:
-        owner, name = attribute.owner, attribute.name
-        most = LIMIT_BYTES if attribute.known else MAYBE_CHANGED_BYTES
-        sending = pickled(vars(owner)[name], True, most) if attribute.there else None
+    for owner, name, there in attributes:
+        sending = pickled(vars(owner)[name], instances=True) if there else None
         if sending is None or isinstance(sending, bytes):
             sent.append((owner.__qualname__, name, sending))
-        elif isinstance(sending, PayloadTooLarge) and attribute.known:
-            left_out.append(f"{owner.__qualname__}.{name}")  # the helper's copy lacks it
+        elif isinstance(sending, PayloadTooLarge):
+            left_out.append(f"{owner.__qualname__}.{name}")  # the helper's copy may lack it
     return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
 
 
@@ -323,14 +317,13 @@ def script_code(
 def script_classes(code: Iterable[Any], module: str) -> list[type]:
     """The classes of the script ``module`` among ``code``, their bases of the script (a
     subclass reads what its base holds) and the classes nested in those (their code reaches
-    them through them), transitively, each once; not ``Enum`` classes, whose members are
-    constants a helper's import made (and which refuse to be set again)."""
+    them through them), transitively, each once."""
     found: dict[type, None] = {}
     pending = [k for obj in code if isinstance(obj, type) for k in obj.__mro__]
     while pending:
         cls = pending.pop()
-        if cls in found or not _defined_in(cls, module) or issubclass(cls, enum.Enum):
-            continue  # an Enum's members are constants: never set again
+        if cls in found or not _defined_in(cls, module):
+            continue
         found[cls] = None
         pending.extend(
             value
@@ -352,7 +345,7 @@ def class_attributes(
     if main is None:
         return []
     return [
-        ClassAttribute(cls, name, known=False)
+        ClassAttribute(cls, name)
         for cls in script_classes(code, main.__name__)
         for name, value in list(vars(cls).items())
         if not isinstance(value, type)
@@ -360,7 +353,16 @@ def class_attributes(
             not (name.startswith("__") and name.endswith("__"))
             or isinstance(value, types.FunctionType)  # a __getitem__ the script replaced
         )
+        and not _enum_own(cls, name)
     ]
+
+
+def _enum_own(cls: type, name: str) -> bool:
+    """Whether ``name`` is what an ``Enum`` class keeps for itself: a member (a constant its
+    import made, which refuses to be set again) or an ``_sunder_`` name."""
+    if not issubclass(cls, enum.Enum):
+        return False
+    return name in cls.__members__ or (name.startswith("_") and name.endswith("_"))
 
 
 def code_of(runs: Any) -> list[Any]:

@@ -80,11 +80,13 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable
 from multiprocessing.context import set_spawning_popen
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
 
 from threadloader.isolation.main_state import ClassAttribute, by_name_in, script_classes
@@ -291,7 +293,7 @@ class _Server:
 
     @classmethod
     def fork(cls) -> _Server:
-        script = _Script()
+        script = _Script(checksums=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the zygote
@@ -718,9 +720,37 @@ def _constant(value: Any, depth: int = 3) -> bool:
     return False
 
 
-def _version(value: Any) -> int | None:
-    """How many times torch changed ``value`` in place, for a tensor; else None."""
-    return value._version if isinstance(value, torch.Tensor) else None
+class _Crc:
+    """A file that keeps only the CRC-32 of what is written to it."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return len(data)
+
+
+def _checksum(value: Any) -> int | None:
+    """A CRC-32 of what ``value`` holds, to tell whether it changed in place since (point 5):
+    of its bytes, for a CPU tensor or an array; of its pickle otherwise. None where it cannot
+    be taken (a tensor off the CPU, an object pickle refuses)."""
+    try:
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                return None
+            flat = value.detach().contiguous().reshape(-1)
+            return zlib.crc32(flat.view(torch.uint8).numpy().data) ^ hash(
+                (value.dtype, value.shape)
+            )
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            flat_array = np.ascontiguousarray(value).reshape(-1)
+            return zlib.crc32(flat_array.view(np.uint8).data) ^ hash((value.dtype.str, value.shape))
+        sink = _Crc()
+        pickle.Pickler(sink, pickle.HIGHEST_PROTOCOL).dump(value)
+        return sink.crc
+    except Exception:  # noqa: BLE001  # then it counts as changed: it is sent
+        return None
 
 
 def _gone() -> object:
@@ -747,15 +777,18 @@ class _Script:
     """The main script's code that pickle finds by name, as it stands (point 5): each global
     that is a class, function or wrapper of the script's, and what each class holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, checksums: bool = False) -> None:
+        """Args:
+        checksums: take each data attribute's checksum where it can change in place (the
+            record of a zygote's fork, which ``changed_data`` compares with).
+        """
         main = sys.modules.get("__main__")
         self.module = main.__name__ if main is not None else "__main__"
         space = list(vars(main).items()) if main is not None else []
         self.code = {name: value for name, value in space if by_name_in(value, self.module)}
         # Each class of the script, nested ones too, by qualified name: the class, its code
         # attributes, and its data attributes held weakly where they can be (a class-level
-        # cache rebound since is not kept alive by this record).
-        # A tensor's data attribute also keeps its version (torch counts in-place changes).
+        # cache rebound since is not kept alive by this record), each with its checksum.
         self.classes: dict[
             str, tuple[type, dict[str, Any], dict[str, tuple[Callable[[], Any], int | None]]]
         ] = {}
@@ -765,7 +798,10 @@ class _Script:
             if cls.__qualname__ in self.classes:
                 continue
             code, data = _split(cls)
-            held = {n: (_held(v), _version(v)) for n, v in data.items()}
+            held = {
+                n: (_held(v), _checksum(v) if checksums and not _constant(v) else None)
+                for n, v in data.items()
+            }
             self.classes[cls.__qualname__] = (cls, code, held)
             pending.extend(
                 value
@@ -793,21 +829,21 @@ class _Script:
         entry = self.classes.get(name) if isinstance(name, str) else None
         return entry is not None and entry[0] is cls
 
-    def changed_data(self, cls: type) -> list[tuple[str, bool, bool]]:
+    def changed_data(self, cls: type) -> list[tuple[str, bool]]:
         """The data attributes of ``cls`` (``class_named``) that it holds now other than this
-        one had them, or that may have changed in place since (a dict, a list, a tensor: any
-        value but a constant), each with whether it is still there (False: deleted since) and
-        whether it is known to differ (rebound, deleted, or a tensor torch changed in place;
-        else it may)."""
+        one had them: rebound, or changed in place (a dict, a list, a tensor: its checksum
+        differs, or none was taken), each with whether it is still there (False: deleted
+        since)."""
         held = self.classes[cls.__qualname__][2]
         now = _split(cls)[1]
         changed = []
         for name, value in now.items():
-            then, version = held.get(name, (_gone, None))
-            known = then() is not value or (version is not None and _version(value) != version)
-            if known or not _constant(value):
-                changed.append((name, True, known))
-        return changed + [(name, False, True) for name in held.keys() - now.keys()]
+            then, checksum = held.get(name, (_gone, None))
+            if then() is not value or (
+                not _constant(value) and (checksum is None or _checksum(value) != checksum)
+            ):
+                changed.append((name, True))
+        return changed + [(name, False) for name in held.keys() - now.keys()]
 
     def changed(self, now: _Script) -> frozenset[str]:
         """Globals of code that ``now`` has other than this one had: new, gone or changed."""

@@ -71,6 +71,13 @@ def parents(it):
     return {psutil.Process(pid).ppid() for pid in it.helper_pids}
 
 
+def print_zygote_epoch(loader):
+    # An epoch while another thread runs: whether the zygote forked its helpers, the batches.
+    with another_thread():
+        it = iter(loader)
+        print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+
+
 def read_all(dup):
     with os.fdopen(dup.detach(), "rb") as f:
         return f.read()
@@ -1045,9 +1052,7 @@ def test_class_attributes_changed_in_place_since_the_fork_reach_the_zygotes_help
         Vocab.order.append("x")
         Vocab.weights.data.add_(50)  # torch does not count this change: the bytes tell it
         Vocab.offsets[:] = 50
-        with another_thread():
-            it = iter(iso)
-            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        print_zygote_epoch(iso)
         """,
     )
     assert out == ["zygote", "True", "[[101,", "111],", "[121,", "131]]"]
@@ -1148,9 +1153,7 @@ def test_instances_of_script_classes_set_on_a_class_reach_the_zygotes_helpers(
         iso = ThreadDataLoader(Scaled(), batch_size=2, num_workers=2, isolation="process")
         Scaled.config = Config(10)
         Scaled.tuning.scale = 1
-        with another_thread():
-            it = iter(iso)
-            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        print_zygote_epoch(iso)
         """,
     )
     assert out == ["zygote", "True", "[[101,", "111],", "[121,", "131]]"]
@@ -1192,9 +1195,7 @@ def test_a_callable_object_and_a_rebound_function_global_reach_the_zygotes_helpe
         iso = ThreadDataLoader(Transformed(), batch_size=2, num_workers=2, isolation="process")
         Transformed.transform.k = 10
         SIGN = negate
-        with another_thread():
-            it = iter(iso)
-            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        print_zygote_epoch(iso)
         """,
     )
     assert out == ["zygote", "True", "[[0,", "-10],", "[-20,", "-30]]"]
@@ -1223,9 +1224,7 @@ def test_a_class_reached_through_a_default_argument_reaches_the_zygotes_helpers(
 
         iso = ThreadDataLoader(ViaDefault(), batch_size=2, num_workers=2, isolation="process")
         Table.scale = 7
-        with another_thread():
-            it = iter(iso)
-            print("zygote", parents(it) == {zygote.server_pid()}, [b.tolist() for b in it])
+        print_zygote_epoch(iso)
         """,
     )
     assert out == ["zygote", "True", "[[0,", "7],", "[14,", "21]]"]

@@ -422,3 +422,42 @@ def test_forkserver_helpers_run_the_methods_attributes_and_functions_the_script_
     assert f"EPOCHS {[epoch, epoch]}" in proc.stdout.splitlines(), proc.stdout
     assert "MODE process" in proc.stdout, proc.stdout
     assert "Warning" not in proc.stderr, proc.stderr
+
+
+_POSTED = """
+class Posted(Dataset):
+    post = staticmethod(lambda x: x)
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return torch.tensor(Posted.post(i))
+"""
+
+_POSTED_BODY = """
+monitor.start()
+Posted.post = staticmethod(lambda x: x * 2)
+loader = ThreadDataLoader(Posted(), batch_size=2, num_workers=2, isolation="{isolation}")
+print("EPOCHS", [[b.tolist() for b in loader] for _ in range(2)], flush=True)
+print("MODE", loader.stats().mode, "|", loader.stats().mode_reason, flush=True)
+stop.set()
+"""
+
+
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_a_lambda_the_script_set_on_a_class_is_named_where_helpers_cannot_receive_it(
+    tmp_path: Path, isolation: str
+) -> None:
+    """The guarded part set a lambda on the dataset's class: pickle cannot send it by name, and
+    helpers from the forkserver hold the top level's. ``"auto"`` stays in threads, where the
+    batches are the script's, saying why; ``"process"`` warns, naming it."""
+    proc = _run(
+        tmp_path, _POSTED_BODY.format(isolation=isolation), guarded=True, prelude=_PRELUDE + _POSTED
+    )
+    assert proc.returncode == 0, proc.stderr
+    mode = next(line for line in proc.stdout.splitlines() if line.startswith("MODE"))
+    if isolation == "auto":
+        assert "EPOCHS [[[0, 2], [4, 6]], [[0, 2], [4, 6]]]" in proc.stdout, proc.stdout
+        assert mode.startswith("MODE threads") and "Posted.post" in mode, mode
+    else:
+        warning = "RuntimeWarning: threadloader: the main script's class attribute Posted.post"
+        assert warning in proc.stderr, proc.stderr

@@ -235,8 +235,9 @@ def capture(
             to it (it runs in each helper, and sets them there as it did here).
         attributes: attributes of the script's classes to send as they are now (point 5).
             One that cannot be pickled is not sent (a file or lock a dataset opens on first
-            use: the helper opens its own), and not named in ``left_out``; one beyond the
-            limit is named there, as ``Class.name``.
+            use: the helper opens its own), and not named in ``left_out``, unless it is a
+            function made outside the class's body (a lambda set at run time); one beyond
+            the limit is named there too, as ``Class.name``.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -281,9 +282,20 @@ def capture(
         sending = pickled(vars(owner)[name], instances=True) if there else None
         if sending is None or isinstance(sending, bytes):
             sent.append((owner.__qualname__, name, sending))
-        elif isinstance(sending, PayloadTooLarge):
+        elif isinstance(sending, PayloadTooLarge) or _set_from_outside(owner, vars(owner)[name]):
             left_out.append(f"{owner.__qualname__}.{name}")  # the helper's copy may lack it
     return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
+
+
+def _set_from_outside(owner: type, value: Any) -> bool:
+    """Whether ``value``, an attribute of ``owner`` that pickle refused, is a function made
+    outside the class's body (a lambda the script set on it at run time): the helper's copy of
+    the class holds another one, or none."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    return isinstance(value, types.FunctionType) and not value.__qualname__.startswith(
+        owner.__qualname__ + "."
+    )
 
 
 def script_code(

@@ -142,8 +142,10 @@ def _main_state(
     )
     if not state.left_out:
         return state
+    attributes_only = all("." in name for name in state.left_out)  # Class.name
+    kind = "class attribute" if attributes_only else "global"
     what = (
-        f"the main script's global{'s' if len(state.left_out) > 1 else ''} "
+        f"the main script's {kind}{'s' if len(state.left_out) > 1 else ''} "
         f"{', '.join(state.left_out)}, which the dataset's code reads, cannot be sent to "
         "helper processes that are not forked from this process (it cannot be pickled, or it "
         f"is beyond {main_state.LIMIT_BYTES // 2**20} MB)"

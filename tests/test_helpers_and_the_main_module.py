@@ -461,3 +461,48 @@ def test_a_lambda_the_script_set_on_a_class_is_named_where_helpers_cannot_receiv
     else:
         warning = "RuntimeWarning: threadloader: the main script's class attribute Posted.post"
         assert warning in proc.stderr, proc.stderr
+
+
+_VALUED = """
+class Valued(Dataset):
+    def __len__(self):
+        return 4
+    def value(self, i):
+        return i
+    def __getitem__(self, i):
+        return torch.tensor(self.value(i))
+"""
+
+_MAIN_BLOCK_DEF_BODY = """
+monitor.start()
+def tenfold(self, i):
+    return i * 10
+Valued.value = tenfold
+loader = ThreadDataLoader(Valued(), batch_size=2, num_workers=2, isolation="{isolation}")
+try:
+    print("EPOCHS", [[b.tolist() for b in loader] for _ in range(2)], flush=True)
+    print("MODE", loader.stats().mode, flush=True)
+except AttributeError as exc:
+    import traceback
+    print("RAISED", " | ".join(traceback.format_exception_only(exc)).replace("\\n", " "), flush=True)
+stop.set()
+"""
+
+
+@pytest.mark.parametrize("isolation", ["auto", "process"])
+def test_a_method_defined_in_the_main_block_is_not_in_forkserver_helpers_and_says_so(
+    tmp_path: Path, isolation: str
+) -> None:
+    """The guarded part defines a function and sets it as a method: a helper that imports the
+    script cannot find it by name. ``"auto"`` stays in threads, with the script's batches;
+    ``"process"`` raises pickle's error, whose note says why and what to do."""
+    body = _MAIN_BLOCK_DEF_BODY.format(isolation=isolation)
+    proc = _run(tmp_path, body, guarded=True, prelude=_PRELUDE + _VALUED)
+    assert proc.returncode == 0, proc.stderr
+    if isolation == "auto":
+        assert "EPOCHS [[[0, 10], [20, 30]], [[0, 10], [20, 30]]]" in proc.stdout, proc.stdout
+        assert "MODE threads" in proc.stdout, proc.stdout
+    else:
+        raised = next(line for line in proc.stdout.splitlines() if line.startswith("RAISED"))
+        assert "loading Valued.value of the main script in a helper process" in raised, raised
+        assert 'what the `if __name__ == "__main__":` block defines is not there' in raised

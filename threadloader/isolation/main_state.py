@@ -135,7 +135,11 @@ class MainState:
         if main is not None and self.values:
             spaces = _namespaces(main)
             for name, data in self.values:
-                value = _other(spaces[-1].get(name, _ABSENT), data)
+                try:
+                    value = _other(spaces[-1].get(name, _ABSENT), data)
+                except Exception as exc:
+                    _add_note(exc, name)
+                    raise
                 if value is not _ABSENT:
                     for space in spaces:
                         space[name] = value
@@ -150,14 +154,26 @@ class MainState:
                 if value is not _ABSENT:
                     setattr(cls, attribute, value)
             except Exception as exc:
-                if hasattr(exc, "add_note"):  # Python 3.11+
-                    exc.add_note(f"threadloader: loading {owner}.{attribute} of the script")
+                _add_note(exc, f"{owner}.{attribute}")
                 raise
         if torch.get_default_dtype() != self.default_dtype:
             torch.set_default_dtype(self.default_dtype)
 
 
 _ABSENT = object()
+
+
+def _add_note(exc: BaseException, name: str) -> None:
+    """Say on ``exc``, raised loading ``name`` in a helper, what it was doing and why it may fail
+    there: a class or function the script's main part defined is not in the helper's copy."""
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(
+            f"threadloader: loading {name} of the main script in a helper process: one that "
+            "imports the script runs only its top level, so what the `if __name__ == "
+            '"__main__":` block defines is not there; define it at the top level, build the '
+            "loader while the script runs one Python thread (helpers are then forked), or pass "
+            'isolation="threads"'
+        )
 
 
 def _other(current: Any, data: bytes) -> Any:

@@ -506,3 +506,34 @@ def test_a_method_defined_in_the_main_block_is_not_in_forkserver_helpers_and_say
         raised = next(line for line in proc.stdout.splitlines() if line.startswith("RAISED"))
         assert "loading Valued.value of the main script in a helper process" in raised, raised
         assert 'what the `if __name__ == "__main__":` block defines is not there' in raised
+
+
+_DELETED = """
+class Numbered(Dataset):
+    num = 10
+
+class Renumbered(Numbered):
+    num = 1
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        return torch.tensor(self.num)
+"""
+
+_DELETED_BODY = """
+monitor.start()
+del Renumbered.num  # the base's is read
+loader = ThreadDataLoader(Renumbered(), batch_size=2, num_workers=2, isolation="process")
+print("BATCHES", [b.tolist() for b in loader], flush=True)
+stop.set()
+"""
+
+
+def test_a_class_attribute_the_script_deleted_is_deleted_in_forkserver_helpers(
+    tmp_path: Path,
+) -> None:
+    """The guarded part deleted a class attribute, so the base class's is read: helpers that
+    import the script (whose top level sets it) delete it too, as torch's forked workers see."""
+    proc = _run(tmp_path, _DELETED_BODY, guarded=True, prelude=_PRELUDE + _DELETED)
+    assert proc.returncode == 0, proc.stderr
+    assert "BATCHES [[10, 10]]" in proc.stdout, proc.stdout

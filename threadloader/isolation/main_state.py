@@ -39,7 +39,8 @@ the code is wrong.
    (``script_classes``: nested ones and bases too) but Python's own (``class_attributes``):
    the script may have set one (``Dataset.scale = args.scale``) or swapped a method since its
    top level ran, and a function pickles by name (an ``Enum``'s members and ``_sunder_``
-   names excepted: constants its import made). Helpers from the zygote receive the data
+   names excepted: constants its import made), with the names of them all: one of its own
+   the script deleted since (``del Dataset.scale``) it deletes (``MainState.whole``). Helpers from the zygote receive the data
    attributes of those classes that changed since its fork (``Dataset.scale = 10``, a counter
    ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``): rebound, deleted,
    or, for a value that can change in place (a class-level dict, list or tensor: anything but
@@ -81,6 +82,7 @@ __all__ = [
     "capture",
     "class_attributes",
     "code_of",
+    "main_classes",
     "script_classes",
     "script_code",
 ]
@@ -115,15 +117,18 @@ class MainState:
         values: each global's name and its pickled value.
         default_dtype: ``torch.get_default_dtype()`` in the training process.
         left_out: globals that code reads which could not be sent (point 2).
-        attributes: data attributes of the script's classes that changed since the zygote's
-            fork (point 5): each class's qualified name, the attribute's name, its pickled value
-            (None: deleted since).
+        attributes: attributes of the script's classes (point 5): each class's qualified
+            name, the attribute's name, its pickled value (None: deleted since).
+        whole: for a helper that imports the script, each class whose attributes it receives
+            and the names they are under: one of the helper's own not among them was deleted
+            by the script since its top level ran.
     """
 
     values: tuple[tuple[str, bytes], ...]
     default_dtype: torch.dtype
     left_out: tuple[str, ...] = ()
     attributes: tuple[tuple[str, str, bytes | None], ...] = ()
+    whole: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def apply(self) -> None:
         """Set the globals on this process's ``__main__`` and torch's default dtype (point 3).
@@ -143,6 +148,11 @@ class MainState:
                 if value is not _ABSENT:
                     for space in spaces:
                         space[name] = value
+        for owner, names in self.whole:
+            cls: Any = functools.reduce(getattr, owner.split("."), main)
+            for name, value in list(vars(cls).items()):
+                if name not in names and _received(cls, name, value):
+                    delattr(cls, name)  # deleted since the top level ran (``del DS.scale``)
         for owner, attribute, pickled in self.attributes:
             cls = functools.reduce(getattr, owner.split("."), main)
             if pickled is None:
@@ -238,6 +248,7 @@ def capture(
     main: types.ModuleType | None = None,
     init: Any = None,
     attributes: Iterable[ClassAttribute] = (),
+    whole: Iterable[type] = (),
 ) -> MainState:
     """The ``MainState`` of ``main`` (this process's ``__main__``) that ``roots`` need (point 1).
 
@@ -254,6 +265,8 @@ def capture(
             use: the helper opens its own), and not named in ``left_out``, unless it is a
             function made outside the class's body (a lambda set at run time); one beyond
             the limit is named there too, as ``Class.name``.
+        whole: classes whose ``attributes`` are all a helper that imports the script receives
+            of them (``class_attributes``): it deletes those of its own not among them.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -300,7 +313,11 @@ def capture(
             sent.append((owner.__qualname__, name, sending))
         elif isinstance(sending, PayloadTooLarge) or _set_from_outside(owner, vars(owner)[name]):
             left_out.append(f"{owner.__qualname__}.{name}")  # the helper's copy may lack it
-    return MainState(tuple(values), dtype, tuple(left_out), tuple(sent))
+    names = tuple(
+        (cls.__qualname__, tuple(n for n, v in list(vars(cls).items()) if _received(cls, n, v)))
+        for cls in whole
+    )
+    return MainState(tuple(values), dtype, tuple(left_out), tuple(sent), names)
 
 
 def _set_from_outside(owner: type, value: Any) -> bool:
@@ -369,20 +386,30 @@ def class_attributes(
     own (``__dict__``, ``__module__``...) and nested classes; their import makes the class as
     the script's top level defines it, where the script may have set or replaced some since
     (``Dataset.scale = args.scale``, a method swapped: sent by name)."""
-    main = sys.modules.get(_MAIN) if main is None else main
-    if main is None:
-        return []
     return [
         ClassAttribute(cls, name)
-        for cls in script_classes(code, main.__name__)
+        for cls in main_classes(code, main)
         for name, value in list(vars(cls).items())
-        if not isinstance(value, type)
-        and (
-            not (name.startswith("__") and name.endswith("__"))
-            or isinstance(value, types.FunctionType)  # a __getitem__ the script replaced
-        )
-        and not _enum_own(cls, name)
+        if _received(cls, name, value)
     ]
+
+
+def main_classes(code: Iterable[Any], main: types.ModuleType | None = None) -> list[type]:
+    """``script_classes`` of ``main`` (this process's ``__main__`` by default)."""
+    main = sys.modules.get(_MAIN) if main is None else main
+    return [] if main is None else script_classes(code, main.__name__)
+
+
+def _received(cls: type, name: str, value: Any) -> bool:
+    """Whether helpers that import the script receive ``cls``'s attribute ``name``: not a
+    nested class, nor Python's own dunder names (a ``__getitem__`` the script replaced is
+    one), nor what an ``Enum`` keeps for itself."""
+    dunder = name.startswith("__") and name.endswith("__")
+    return (
+        not isinstance(value, type)
+        and (not dunder or isinstance(value, types.FunctionType))
+        and not _enum_own(cls, name)
+    )
 
 
 def _enum_own(cls: type, name: str) -> bool:

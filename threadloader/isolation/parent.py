@@ -132,13 +132,15 @@ def _main_state(
     """
     if named or ctx.get_start_method() == "fork":
         return None
-    attributes = (  # the zygote has the classes as at its fork; an import, as its top level
-        zygote.changed_data(code)
-        if isinstance(ctx, ZygoteContext)
-        else main_state.class_attributes(code)
-    )
+    # The zygote has the classes as at its fork; an import, as its top level.
+    forked = isinstance(ctx, ZygoteContext)
+    attributes = zygote.changed_data(code) if forked else main_state.class_attributes(code)
+    whole = [] if forked else main_state.main_classes(code)
     state = main_state.capture(
-        (spec.dataset, spec.collate_fn), init=spec.worker_init_fn, attributes=attributes
+        (spec.dataset, spec.collate_fn),
+        init=spec.worker_init_fn,
+        attributes=attributes,
+        whole=whole,
     )
     if not state.left_out:
         return state

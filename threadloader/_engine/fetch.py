@@ -160,16 +160,12 @@ class Fetcher:
         others are slow is made whole."""
         if stopped():
             raise Abandoned
-        indices = iter(index)
+        indices: Any = iter(index)
         start = time.perf_counter()
         items = [dataset[i] for i in itertools.islice(indices, 1)]
-        if time.perf_counter() - start < SLOW_ITEM_S:
-            items += [dataset[i] for i in indices]
-            return items
-        for i in indices:
-            if stopped():
-                raise Abandoned
-            items.append(dataset[i])
+        if time.perf_counter() - start >= SLOW_ITEM_S:
+            indices = _Checked(indices, stopped)
+        items += [dataset[i] for i in indices]
         return items
 
     def _checked(self, index: Any) -> Any:

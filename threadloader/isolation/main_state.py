@@ -40,20 +40,20 @@ the code is wrong.
    the script may have set one (``Dataset.scale = args.scale``) or swapped a method since its
    top level ran, and a function pickles by name (an ``Enum``'s members and ``_sunder_``
    names excepted: constants its import made), with the names of them all: one of its own
-   the script deleted since (``del Dataset.scale``) it deletes (``MainState.whole``). Helpers from the zygote receive the data
-   attributes of those classes that changed since its fork (``Dataset.scale = 10``, a counter
-   ``__getitem__`` bumps; the zygote names them, ``zygote.changed_data``): rebound, deleted,
-   or, for a value that can change in place (a class-level dict, list or tensor: anything but
-   a number, string, bytes or a tuple of those), whose checksum differs from the one taken at
-   the fork (of its bytes, for an array or a tensor; of its pickle otherwise) or could not be
-   taken; a large table nobody changed costs a start its checksum, not its pickle. They are
-   pickled under the same rules but that an instance of a script class is sent too (a config
-   set on the class; a sentinel left as it was pickles as the helper's own and stays that
-   object), and set on the class in the helper where they differ, or deleted there where
-   deleted here. One that cannot be pickled stays as the helper has it, unnamed (a file or
-   lock a dataset opens on first use into a class attribute: the helper opens its own); one
-   beyond the limit is named in ``left_out`` (``Dataset.table``). Code attributes are the
-   zygote's concern.
+   the script deleted since (``del Dataset.scale``) it deletes (``MainState.whole``).
+   Helpers from the zygote receive the data attributes of those classes that changed since
+   its fork (``Dataset.scale = 10``, a counter ``__getitem__`` bumps; the zygote names them,
+   ``zygote.changed_data``): rebound, deleted, or, for a value that can change in place (a
+   class-level dict, list or tensor: anything but a number, string, bytes or a tuple of
+   those), whose checksum differs from the one taken at the fork (of its bytes, for an array
+   or a tensor; of its pickle otherwise) or could not be taken; a large table nobody changed
+   costs a start its checksum, not its pickle. They are pickled under the same rules but
+   that an instance of a script class is sent too (a config set on the class; a sentinel
+   left as it was pickles as the helper's own and stays that object), and set on the class
+   in the helper where they differ, or deleted there where deleted here. One that cannot be
+   pickled stays as the helper has it, unnamed (a file or lock a dataset opens on first use
+   into a class attribute: the helper opens its own); one beyond the limit is named in
+   ``left_out`` (``Dataset.table``). Code attributes are the zygote's concern.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ __all__ = [
     "class_attributes",
     "code_of",
     "main_classes",
+    "nested_classes",
     "script_classes",
     "script_code",
 ]
@@ -266,7 +267,7 @@ def capture(
             function made outside the class's body (a lambda set at run time); one beyond
             the limit is named there too, as ``Class.name``.
         whole: classes whose ``attributes`` are all a helper that imports the script receives
-            of them (``class_attributes``): it deletes those of its own not among them.
+            of them (``class_attributes``): it deletes those of its own not named there.
 
     Returns:
         The globals their code reads, pickled, with what could not be.
@@ -307,6 +308,7 @@ def capture(
         if isinstance(data, bytes):  # else a lambda, say: left as the helper's copy has it
             values.append((name, data))
     sent: list[tuple[str, str, bytes | None]] = []
+    attributes = list(attributes)
     for owner, name, there in attributes:
         sending = pickled(vars(owner)[name], instances=True) if there else None
         if sending is None or isinstance(sending, bytes):
@@ -314,8 +316,7 @@ def capture(
         elif isinstance(sending, PayloadTooLarge) or _set_from_outside(owner, vars(owner)[name]):
             left_out.append(f"{owner.__qualname__}.{name}")  # the helper's copy may lack it
     names = tuple(
-        (cls.__qualname__, tuple(n for n, v in list(vars(cls).items()) if _received(cls, n, v)))
-        for cls in whole
+        (cls.__qualname__, tuple(a.name for a in attributes if a.owner is cls)) for cls in whole
     )
     return MainState(tuple(values), dtype, tuple(left_out), tuple(sent), names)
 
@@ -370,25 +371,29 @@ def script_classes(code: Iterable[Any], module: str) -> list[type]:
         if cls in found or not _defined_in(cls, module):
             continue
         found[cls] = None
-        pending.extend(
-            value
-            for value in list(vars(cls).values())
-            if isinstance(value, type) and value.__qualname__.startswith(cls.__qualname__ + ".")
-        )
+        pending.extend(nested_classes(cls))
     return list(found)
 
 
-def class_attributes(
-    code: Iterable[Any], main: types.ModuleType | None = None
-) -> list[ClassAttribute]:
-    """What helpers that import the script afresh receive of its classes (point 5), as
-    ``capture``'s ``attributes``: every attribute of ``script_classes(code)`` but for Python's
-    own (``__dict__``, ``__module__``...) and nested classes; their import makes the class as
-    the script's top level defines it, where the script may have set or replaced some since
+def nested_classes(cls: type) -> list[type]:
+    """The classes defined in ``cls``'s body (by qualified name: not classes it only holds)."""
+    prefix = cls.__qualname__ + "."
+    return [
+        value
+        for value in list(vars(cls).values())
+        if isinstance(value, type) and value.__qualname__.startswith(prefix)
+    ]
+
+
+def class_attributes(classes: Iterable[type]) -> list[ClassAttribute]:
+    """What helpers that import the script afresh receive of its ``classes`` (point 5:
+    ``main_classes``), as ``capture``'s ``attributes``: every attribute but for Python's own
+    (``__dict__``, ``__module__``...) and nested classes; their import makes the class as the
+    script's top level defines it, where the script may have set or replaced some since
     (``Dataset.scale = args.scale``, a method swapped: sent by name)."""
     return [
         ClassAttribute(cls, name)
-        for cls in main_classes(code, main)
+        for cls in classes
         for name, value in list(vars(cls).items())
         if _received(cls, name, value)
     ]

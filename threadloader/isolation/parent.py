@@ -134,8 +134,8 @@ def _main_state(
         return None
     # The zygote has the classes as at its fork; an import, as its top level.
     forked = isinstance(ctx, ZygoteContext)
-    attributes = zygote.changed_data(code) if forked else main_state.class_attributes(code)
     whole = [] if forked else main_state.main_classes(code)
+    attributes = zygote.changed_data(code) if forked else main_state.class_attributes(whole)
     state = main_state.capture(
         (spec.dataset, spec.collate_fn),
         init=spec.worker_init_fn,

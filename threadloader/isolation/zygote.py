@@ -89,7 +89,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from threadloader.isolation.main_state import ClassAttribute, by_name_in, script_classes
+from threadloader.isolation.main_state import (
+    ClassAttribute,
+    by_name_in,
+    nested_classes,
+    script_classes,
+)
 
 #: Environment variable that, set to ``0``, makes helpers come from the forkserver always.
 ENV_SWITCH = "THREADLOADER_ZYGOTE"
@@ -736,16 +741,15 @@ def _checksum(value: Any) -> int | None:
     of its bytes, for a CPU tensor or an array; of its pickle otherwise. None where it cannot
     be taken (a tensor off the CPU, an object pickle refuses)."""
     try:
+        raw: np.ndarray | None = None
         if isinstance(value, torch.Tensor):
             if value.device.type != "cpu":
                 return None
-            flat = value.detach().contiguous().reshape(-1)
-            return zlib.crc32(flat.view(torch.uint8).numpy().data) ^ hash(
-                (value.dtype, value.shape)
-            )
-        if isinstance(value, np.ndarray) and value.dtype != object:
-            flat_array = np.ascontiguousarray(value).reshape(-1)
-            return zlib.crc32(flat_array.view(np.uint8).data) ^ hash((value.dtype.str, value.shape))
+            raw = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        elif isinstance(value, np.ndarray) and value.dtype != object:
+            raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+        if raw is not None:
+            return zlib.crc32(raw.data) ^ hash((str(value.dtype), tuple(value.shape)))
         sink = _Crc()
         pickle.Pickler(sink, pickle.HIGHEST_PROTOCOL).dump(value)
         return sink.crc
@@ -803,11 +807,7 @@ class _Script:
                 for n, v in data.items()
             }
             self.classes[cls.__qualname__] = (cls, code, held)
-            pending.extend(
-                value
-                for value in code.values()
-                if isinstance(value, type) and value.__qualname__.startswith(cls.__qualname__ + ".")
-            )
+            pending.extend(nested_classes(cls))
 
     def holds(self, top: str, now: _Script) -> bool:
         """Whether ``now`` has the global ``top`` as this one had it: the same object, and for a

@@ -132,3 +132,23 @@ def test_getitems_returning_a_generator_fails_as_in_torch() -> None:
     ours = outcomes(iter(ThreadDataLoader(Generating(_mixed_ints), batch_size=4)), limit=2)
     assert_outcomes_match(ours, theirs)
     assert str(ours[0].error) == str(theirs[0].error)
+
+
+@pytest.mark.parametrize("loader_kind", LOADERS)
+def test_default_collate_of_one_tensor_sample_fails_as_in_torch(loader_kind: str) -> None:
+    """``batch_size=None, collate_fn=default_collate`` hands default_collate a sample, not a
+    list: torch.stack refuses a tensor there (TypeError), which no row-wise stack may hide."""
+    num_workers, isolation = LOADERS[loader_kind]
+    kwargs: dict[str, Any] = {
+        "batch_size": None,
+        "collate_fn": torch.utils.data.default_collate,
+        "num_workers": num_workers,
+    }
+    theirs = torch_outcomes(Items(lambda i: torch.arange(3) + i, n=3), limit=3, **kwargs)
+    loader = ThreadDataLoader(
+        Items(lambda i: torch.arange(3) + i, n=3), isolation=isolation, **kwargs
+    )
+    ours = outcomes(iter(loader), limit=3)
+    assert isinstance(theirs[0].error, TypeError), "torch did not raise: the scenario is wrong"
+    assert_outcomes_match(ours, theirs)
+    assert str(ours[0].error).splitlines()[-1] == str(theirs[0].error).splitlines()[-1]

@@ -633,6 +633,17 @@ def test_fork_context_is_refused() -> None:
         helper_source.check_isolation("processes")
 
 
+def test_arguments_torch_refuses_raise_torchs_error_before_ours() -> None:
+    """A combination torch refuses gets torch's error, also with an option of ours refused too:
+    a ``pytest.raises(match=...)`` written against torch still matches."""
+    kwargs = {"batch_size": 2, "batch_sampler": [[0, 1]], "num_workers": 2}
+    with pytest.raises(ValueError) as theirs:
+        torch.utils.data.DataLoader(Numbers(), multiprocessing_context="fork", **kwargs)
+    with pytest.raises(ValueError) as ours:
+        ThreadDataLoader(Numbers(), isolation="process", multiprocessing_context="fork", **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_helper_killed_mid_epoch_raises_naming_its_pid() -> None:
     """A helper that dies (OOM killer, kill -9) makes next() raise RuntimeError with its pid."""
     iterator = iter(IsolatedLoader(SlowItems(delay=0.05), batch_size=2, num_workers=2))

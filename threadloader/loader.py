@@ -226,11 +226,6 @@ class ThreadDataLoader(DataLoader[T_co]):
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
     ) -> None:
-        check_log_every(log_every_s)
-        if not isinstance(save_worker_rng, bool):
-            raise TypeError(f"save_worker_rng must be a bool, got {type(save_worker_rng).__name__}")
-        check_isolation(isolation, multiprocessing_context)
-        check_device_args(device, device_prefetch)
         self._options = Options(
             device=device,
             device_prefetch=device_prefetch,
@@ -265,6 +260,12 @@ class ThreadDataLoader(DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        # After torch's own checks, so that arguments torch refuses raise torch's error first.
+        check_log_every(log_every_s)
+        if not isinstance(save_worker_rng, bool):
+            raise TypeError(f"save_worker_rng must be a bool, got {type(save_worker_rng).__name__}")
+        check_isolation(isolation, multiprocessing_context)
+        check_device_args(device, device_prefetch)
         self._epochs_started = 0
         # Digest of the global RNG at the first iter(), and a loaded state's (digest, RNG) for
         # the next iter() to restore where nothing else did (``_engine.global_rng``).

@@ -355,3 +355,17 @@ def test_a_state_at_the_start_of_the_epoch_after_a_break_resumes_where_each_work
     assert original[0][0][0][0] > head[-1][-1][0] + 1  # the epoch starts past what was read ahead
     reference = _break_then_state_at_the_next_epochs_start(StatefulDataLoader, num_workers)
     assert (head, original, resumed) == reference
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_stateful_dataloader_state_is_refused_naming_it(num_workers: int) -> None:
+    """Switching loaders mid-training with a StatefulDataLoader checkpoint fails at the load,
+    saying the state is not ours, rather than resuming somewhere else."""
+    theirs = StatefulDataLoader(list(range(10)), batch_size=2, num_workers=num_workers)
+    iterator = iter(theirs)
+    next(iterator)
+    state = theirs.state_dict()
+    del iterator
+    loader = ThreadDataLoader(list(range(10)), batch_size=2, num_workers=num_workers)
+    with pytest.raises(ValueError, match="not a ThreadDataLoader state"):
+        loader.load_state_dict(state)

@@ -239,7 +239,7 @@ def _collate_tensors(
             "Batches of sparse tensors are not currently supported by the default collate_fn; "
             "please provide a custom collate_fn to handle them appropriately."
         )
-    tensors = batch  # torch.stack takes a list or tuple and raises torch's TypeError otherwise
+    tensors: Any = batch  # torch.stack takes a list or tuple and raises torch's TypeError otherwise
     if not elem.is_cpu:
         # Device tensors are not ours to pin: collate as torch does, then let pinning decide
         # (torch's pin_memory() raises for device tensors).

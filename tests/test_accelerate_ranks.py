@@ -35,7 +35,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("kind", ["torch", "stateful"])
+@pytest.mark.parametrize("kind", ["torch", "stateful", "dispatch"])
 def test_each_rank_trains_on_its_shard_from_worker_threads(
     logs: list[dict[str, Any]], kind: str
 ) -> None:
@@ -50,7 +50,7 @@ def test_each_rank_trains_on_its_shard_from_worker_threads(
         assert shards[0].isdisjoint(shards[1]) and shards[0] | shards[1] == set(range(N))
 
 
-@pytest.mark.parametrize("kind", ["torch", "stateful"])
+@pytest.mark.parametrize("kind", ["torch", "stateful", "dispatch"])
 def test_resume_gives_each_rank_the_uninterrupted_batches(
     logs: list[dict[str, Any]], kind: str
 ) -> None:
@@ -60,11 +60,14 @@ def test_resume_gives_each_rank_the_uninterrupted_batches(
         assert len(log[kind]["first"]) == 2 * STEPS_PER_EPOCH
         assert log[kind]["resumed"] == log[kind]["first"][SAVED_AFTER:]
         # A ThreadDataLoader is stateful, as a StatefulDataLoader; a DataLoader keeps torch's.
-        assert log[kind]["saved_loader_state"] == (kind == "stateful")
+        assert log[kind]["saved_loader_state"] == (kind != "torch")
 
 
-def test_a_threadloader_resumes_a_later_epoch_on_each_rank(logs: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("kind", ["stateful", "dispatch"])
+def test_a_threadloader_resumes_a_later_epoch_on_each_rank(
+    logs: list[dict[str, Any]], kind: str
+) -> None:
     """From the checkpoint 2 steps into epoch 1: the rest of epoch 1 of the uninterrupted run
     (the order of a later epoch comes from the sampler's generator, saved in the loader state)."""
     for log in logs:
-        assert log["stateful"]["resumed_epoch1"] == log["stateful"]["first"][STEPS_PER_EPOCH + 2 :]
+        assert log[kind]["resumed_epoch1"] == log[kind]["first"][STEPS_PER_EPOCH + 2 :]

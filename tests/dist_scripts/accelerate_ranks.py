@@ -14,6 +14,9 @@ of epoch 1. Twice:
 - ``stateful``: a ``ThreadDataLoader``, resumed as a StatefulDataLoader: ``load_state`` alone,
   from the checkpoint in epoch 0 and from the one in epoch 1 (the sampler's generator, which
   Accelerate seeds at ``prepare``, is in the loader's state).
+- ``dispatch``: the same with ``DataLoaderConfiguration(dispatch_batches=True)``: rank 0's
+  loader reads every step's batches and sends each rank its part. (Every rank writes the one
+  ``dl_state_dict.bin``, and only rank 0's loader moved: rank 0 writes its own again after.)
 
 It writes ``OUT/rank{r}.json``: per trial, the sample ids of every step of both runs, the inner
 loader's class, and the most worker processes seen.
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader, Dataset
 
 from threadloader import ThreadDataLoader
@@ -47,7 +50,8 @@ class Ids(Dataset[torch.Tensor]):
 
 def prepare(kind: str) -> tuple[Accelerator, Any, Any, Any]:
     set_seed(0)  # as a training script does on every start
-    accelerator = Accelerator(cpu=True)
+    config = DataLoaderConfiguration(dispatch_batches=kind == "dispatch")
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     make = DataLoader if kind == "torch" else ThreadDataLoader
@@ -63,15 +67,23 @@ def step(accelerator: Accelerator, model: Any, optimizer: Any, batch: torch.Tens
     return batch[:, 0].long().tolist()
 
 
+def save(accelerator: Accelerator, loader: Any, where: Path, kind: str) -> None:
+    accelerator.save_state(str(where))
+    accelerator.wait_for_everyone()
+    if kind == "dispatch" and accelerator.is_main_process:  # only rank 0's state moved
+        torch.save(loader.state_dict(), where / "dl_state_dict.bin")
+    accelerator.wait_for_everyone()
+
+
 def trial(kind: str, out: Path) -> dict[str, Any]:
     accelerator, model, optimizer, loader = prepare(kind)
     it = iter(loader)
     first = [step(accelerator, model, optimizer, next(it)) for _ in range(2)]
-    accelerator.save_state(str(out / f"ckpt-{kind}-0"))  # mid-epoch 0
+    save(accelerator, loader, out / f"ckpt-{kind}-0", kind)  # mid-epoch 0
     first += [step(accelerator, model, optimizer, b) for b in it]
     it = iter(loader)
     first += [step(accelerator, model, optimizer, next(it)) for _ in range(2)]
-    accelerator.save_state(str(out / f"ckpt-{kind}-1"))  # mid-epoch 1
+    save(accelerator, loader, out / f"ckpt-{kind}-1", kind)  # mid-epoch 1
     first += [step(accelerator, model, optimizer, b) for b in it]
     children = len(multiprocessing.active_children())
     accelerator.wait_for_everyone()
@@ -88,7 +100,7 @@ def trial(kind: str, out: Path) -> dict[str, Any]:
         "first": first,
         "resumed": resumed,
     }
-    if kind == "stateful":  # Accelerate's skip_first_batches cannot resume a later epoch
+    if kind != "torch":  # Accelerate's skip_first_batches cannot resume a later epoch
         accelerator, model, optimizer, loader = prepare(kind)
         accelerator.load_state(str(out / f"ckpt-{kind}-1"))
         log["resumed_epoch1"] = [step(accelerator, model, optimizer, b) for b in loader]
@@ -97,7 +109,7 @@ def trial(kind: str, out: Path) -> dict[str, Any]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    log: dict[str, Any] = {kind: trial(kind, out) for kind in ("torch", "stateful")}
+    log: dict[str, Any] = {kind: trial(kind, out) for kind in ("torch", "stateful", "dispatch")}
     state = PartialState()
     log.update(rank=state.process_index, world=state.num_processes)
     (out / f"rank{state.process_index}.json").write_text(json.dumps(log))

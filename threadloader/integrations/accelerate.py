@@ -24,7 +24,8 @@ prepared adapter is marked ``use_stateful_dataloader = True``, the attribute
 ``Accelerator.save_state`` / ``load_state`` read to save and restore a loader's ``state_dict()``
 (``dl_state_dict.bin`` beside the model). The adapter snapshots the inner loader's
 consumer-aligned state before each batch it yields, so a state saved after N batches resumes at
-batch N+1 of the same epoch, on each process its own shard. A loader ``threadloader.patch()``
+batch N+1 of the same epoch, on each process its own shard; a ``DataLoaderDispatcher``
+(``dispatch_batches=True``) keeps the state of the step boundary (``_keep_step_states``). A loader ``threadloader.patch()``
 built from a ``DataLoader(...)`` call was written for torch's DataLoader and keeps its
 checkpoint semantics: not marked, so ``save_state`` stores no loader state and Accelerate's
 documented ``load_state`` + ``skip_first_batches`` resume skips once, not twice. (With
@@ -41,7 +42,8 @@ import functools
 import threading
 from typing import Any
 
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
+from accelerate.data_loader import DataLoaderDispatcher
 
 from threadloader.integrations._divert import BUILT_BY_PATCH, building_like
 from threadloader.loader import ThreadDataLoader
@@ -65,6 +67,31 @@ def thread_loader_of(loader: Any) -> ThreadDataLoader[Any] | None:
     return base if issubclass(type(base), ThreadDataLoader) else None
 
 
+def _keep_step_states(dispatcher: Any) -> None:
+    """Make a ``DataLoaderDispatcher`` over a ThreadDataLoader save the state of a step boundary.
+
+    The dispatcher fetches the next step's ``num_processes`` inner batches before it yields the
+    current step, taking the inner loader's state before each, and Accelerate corrects the last
+    one by taking ``num_processes - 1`` off StatefulDataLoader's own counters, which a
+    ThreadDataLoader state does not have: it stayed that many batches ahead, and a resume lost
+    them. ``adjust_state_dict_for_prefetch`` is Accelerate's documented place for a loader's own
+    correction: here it keeps the state taken before a step's first inner batch (whose count of
+    delivered batches is a multiple of ``num_processes``): exactly the steps yielded so far.
+    """
+    processes = PartialState().num_processes
+    kept: dict[str, Any] | None = None
+
+    def adjust_state_dict_for_prefetch() -> None:
+        nonlocal kept
+        state = dispatcher.dl_state_dict
+        if kept is None or state.get("batches_yielded", 0) % processes == 0:
+            kept = state
+        else:
+            dispatcher.dl_state_dict = kept
+
+    dispatcher.adjust_state_dict_for_prefetch = adjust_state_dict_for_prefetch
+
+
 def _wrap(method: Any) -> Any:
     @functools.wraps(method)
     def rebuild_with_threads(self: Any, dataloader: Any, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +110,10 @@ def _wrap(method: Any) -> Any:
             and "base_dataloader" in vars(rebuilt)
         ):
             rebuilt.use_stateful_dataloader = True  # save_state/load_state take its state
+        if thread_loader_of(rebuilt) is not None and issubclass(
+            type(rebuilt), DataLoaderDispatcher
+        ):
+            _keep_step_states(rebuilt)
         return rebuilt
 
     rebuild_with_threads.__threadloader_wrapped__ = method  # type: ignore[attr-defined]

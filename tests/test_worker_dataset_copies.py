@@ -5,8 +5,10 @@ Every expected value comes from torch's DataLoader with worker processes on the 
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -145,3 +147,38 @@ def test_out_of_order_batches_come_as_torchs_per_worker_queues_give_them() -> No
     theirs = [b.tolist() for b in DataLoader(WhoMadeIt(slow=0), **kwargs)]
     ours = [b.tolist() for b in ThreadDataLoader(WhoMadeIt(slow=0), **kwargs)]
     assert ours == theirs
+
+
+class _RecordsItsCopies(Dataset[int]):
+    """Each copy that makes an item records a weak reference to itself (an open file, in a real
+    dataset, that should close when the copy goes)."""
+
+    copies: list[Any] = []
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        if not any(ref() is self for ref in self.copies):
+            self.copies.append(weakref.ref(self))
+        return i
+
+
+@pytest.mark.parametrize("isolation", ["threads", "auto"])
+def test_an_epochs_dataset_copies_are_freed_without_the_cyclic_gc(isolation: str) -> None:
+    """Once an epoch without persistent workers ends, its workers' copies go at once, as a worker
+    process's do when it exits: a file a copy opened closes then, not at some later GC pass
+    (``python -X dev`` would warn of it unclosed)."""
+    dataset = _RecordsItsCopies()
+    _RecordsItsCopies.copies = []
+    loader = ThreadDataLoader(dataset, batch_size=4, num_workers=2, isolation=isolation)
+    gc.disable()
+    try:
+        assert sorted(i for batch in loader for i in batch.tolist()) == list(range(16))
+        deadline = time.monotonic() + 10
+        while any(ref() is not None for ref in _RecordsItsCopies.copies):
+            assert time.monotonic() < deadline, "a worker's copy outlived its epoch"
+            time.sleep(0.01)
+    finally:
+        gc.enable()
+    assert _RecordsItsCopies.copies, "no worker made an item: the scenario is wrong"

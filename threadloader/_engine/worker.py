@@ -174,8 +174,10 @@ class Worker:
         self._pending_error: ExceptionWrapper | None = None
         self._ended = False  # the IterableDataset ran out this epoch
         # Set when its pool is abandoned (a Ctrl-C, a break): a batch being made stops before
-        # its next item, so the thread ends after the item it is in (``fetch.Abandoned``).
-        self.abandoned = False
+        # its next item, so the thread ends after the item it is in (``fetch.Abandoned``). An
+        # Event, whose bound is_set the fetcher holds: a closure over the worker would make a
+        # cycle, and the epoch's dataset copy (its open files) would wait for the cyclic GC.
+        self.abandoned = threading.Event()
         # (batch idx, the generators' state after it), the epoch's start as idx -1: what a
         # rewind goes back to (``start_epoch``).
         self._rng_history: collections.deque[tuple[int, dict[str, Any]]] | None = (
@@ -205,7 +207,7 @@ class Worker:
             spec.auto_collation,
             spec.collate_fn,
             spec.drop_last,
-            stopped=lambda: self.abandoned,
+            stopped=self.abandoned.is_set,
         )
 
     def carried(self) -> CarriedWorker:

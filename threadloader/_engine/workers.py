@@ -256,7 +256,7 @@ class WorkerPool:
             self._closed = True
         if not keep:
             for w in self.workers:
-                w.abandoned = True
+                w.abandoned.set()
         # Every call wakes the threads again (each close is idempotent): a Ctrl-C may have
         # stopped an earlier call halfway (_finalizers point 2).
         for w in self.workers:

@@ -369,3 +369,47 @@ def test_ctrl_c_while_the_training_thread_makes_a_batch_is_raised_as_itself(monk
         next(it)
     assert str(info.value) == ""  # raised as it was, not rebuilt from a worker's traceback
     assert info.traceback[-1].name == "__getitem__"
+
+
+class _ExitsOnTheTrainingThread(Dataset[int]):
+    """Item code during which, on the training thread, a signal handler calls ``sys.exit``
+    (a SIGTERM handler at preemption); ``ran_here`` counts the items made there (on the class:
+    each worker has its own copy)."""
+
+    ran_here = 0
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        if threading.current_thread() is threading.main_thread():
+            type(self).ran_here += 1
+            signal.raise_signal(signal.SIGUSR1)  # the handler runs here, in the item code
+        time.sleep(0.002)
+        return i
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1")
+def test_a_signal_handlers_sys_exit_on_the_training_thread_reaches_the_loop() -> None:
+    """A SIGTERM handler's ``sys.exit()`` that lands while the training thread makes a batch
+    itself is the loop's SystemExit, as a Ctrl-C is, not a worker error a loop that skips bad
+    batches (``except Exception``) would swallow: torch's waiting loop gets it as itself."""
+    dataset = _ExitsOnTheTrainingThread()
+    _ExitsOnTheTrainingThread.ran_here = 0
+    previous = signal.signal(signal.SIGUSR1, lambda *_: sys.exit(143))
+    skipped = []
+    try:
+        with pytest.raises(SystemExit) as info:
+            for _ in range(20):
+                try:
+                    for _ in ThreadDataLoader(
+                        dataset, batch_size=8, num_workers=2, isolation="threads"
+                    ):
+                        pass
+                except Exception as error:  # noqa: BLE001  # what a skipping loop does
+                    skipped.append(error)
+        assert info.value.code == 143
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert _ExitsOnTheTrainingThread.ran_here > 0
+    assert not skipped

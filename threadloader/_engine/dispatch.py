@@ -503,9 +503,10 @@ class DispatchingIter(ProfiledNext, ProgressMixin, _BaseDataLoaderIter):
         except StopIteration:
             self._progress.exhausted = ended = True
             raise
-        except KeyboardInterrupt:
-            # Ctrl-C while waiting: the epoch is over and the workers must stop, but the user
-            # must not wait for one stuck in a slow read (torch raises at once too).
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C (or a SIGTERM handler's sys.exit()) while waiting: the epoch is over and the
+            # workers must stop, but the user must not wait for one stuck in a slow read (torch
+            # raises at once too).
             self._abandon()
             raise
         finally:

@@ -439,9 +439,12 @@ class Worker:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
             self._ended = True
             return _IterableDatasetStopIteration(self.id)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit):
             if threading.current_thread() is threading.main_thread():
-                raise  # Ctrl-C while the training thread makes a batch itself: the loop's own
+                # The training thread makes a batch itself: a signal handler runs between any
+                # two of the item code's bytecodes, and what it raises is the loop's: a Ctrl-C,
+                # a SIGTERM handler's sys.exit() (preemption), as torch's waiting loop gets them.
+                raise
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
         except BaseException:  # noqa: BLE001  # a SystemExit must not silently kill the thread
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")

@@ -413,3 +413,32 @@ def test_a_signal_handlers_sys_exit_on_the_training_thread_reaches_the_loop() ->
         signal.signal(signal.SIGUSR1, previous)
     assert _ExitsOnTheTrainingThread.ran_here > 0
     assert not skipped
+
+
+class _CallsSysExitOnTheTrainingThread(Dataset[int]):
+    """Item code that itself calls ``sys.exit``, on the training thread."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        if threading.current_thread() is threading.main_thread():
+            sys.exit(3)
+        time.sleep(0.002)
+        return i
+
+
+def test_item_codes_own_sys_exit_on_the_training_thread_stays_a_worker_error() -> None:
+    """Only what a signal handler raises is the loop's: item code's own ``sys.exit()`` is a
+    worker's RuntimeError wherever the batch was made, as torch's dead worker gives one."""
+    errors = []
+    for _ in range(20):
+        try:
+            for _ in ThreadDataLoader(
+                _CallsSysExitOnTheTrainingThread(), batch_size=8, num_workers=2, isolation="threads"
+            ):
+                pass
+        except RuntimeError as error:
+            errors.append(error)
+    assert errors, "the training thread made no batch: the scenario is wrong"
+    assert all("Caught SystemExit" in str(e) for e in errors)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import random
+import signal
 import threading
 import time
 from typing import Any
@@ -439,15 +440,37 @@ class Worker:
                 return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}")
             self._ended = True
             return _IterableDatasetStopIteration(self.id)
-        except (KeyboardInterrupt, SystemExit):
-            if threading.current_thread() is threading.main_thread():
-                # The training thread makes a batch itself: a signal handler runs between any
-                # two of the item code's bytecodes, and what it raises is the loop's: a Ctrl-C,
-                # a SIGTERM handler's sys.exit() (preemption), as torch's waiting loop gets them.
+        except (KeyboardInterrupt, SystemExit) as error:
+            # The training thread making a batch itself runs signal handlers between any two of
+            # the item code's bytecodes, and what they raise is the loop's, as torch's waiting
+            # loop gets it: a Ctrl-C, a SIGTERM handler's sys.exit() (preemption). Item code's
+            # own SystemExit is a worker's error, as a worker process's death is in torch.
+            if threading.current_thread() is threading.main_thread() and (
+                isinstance(error, KeyboardInterrupt) or raised_by_signal_handler(error)
+            ):
                 raise
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
         except BaseException:  # noqa: BLE001  # a SystemExit must not silently kill the thread
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
+
+
+def raised_by_signal_handler(error: BaseException) -> bool:
+    """Whether ``error`` went through a frame of a Python signal handler installed now."""
+    handlers = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (OSError, ValueError):
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def current_context() -> Context:

@@ -442,3 +442,44 @@ def test_item_codes_own_sys_exit_on_the_training_thread_stays_a_worker_error() -
             errors.append(error)
     assert errors, "the training thread made no batch: the scenario is wrong"
     assert all("Caught SystemExit" in str(e) for e in errors)
+
+
+AFTER_FORK_CTRL_C = """\
+import os, time
+from threadloader import ThreadDataLoader
+
+fired = []
+
+def after_fork_in_parent():
+    if not fired:  # a Ctrl-C landing in an after-fork hook (logging's has one)
+        fired.append(1)
+        raise KeyboardInterrupt
+
+if __name__ == "__main__":
+    os.register_at_fork(after_in_parent=after_fork_in_parent)
+    try:
+        loader = ThreadDataLoader(list(range(8)), batch_size=2, num_workers=2, isolation="process")
+        time.sleep(1)
+        print("lost", fired)
+    except KeyboardInterrupt:
+        print("reached", fired)
+"""
+
+
+def test_a_ctrl_c_in_an_after_fork_hook_while_a_loader_forks_its_zygote_reaches_the_script(
+    tmp_path: Path,
+) -> None:
+    """``isolation="process"`` forks its zygote when built: a Ctrl-C that lands in an after-fork
+    hook then is python's "Exception ignored" unless sent again; it must reach the script."""
+    script = tmp_path / "after_fork.py"
+    script.write_text(AFTER_FORK_CTRL_C)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.stdout.strip() == "reached [1]", done.stdout + done.stderr

@@ -42,6 +42,7 @@ from threadloader._engine.state_check import parse_state
 from threadloader._engine.state_codec import RNG_KEYS, decode_state, encode_rng
 from threadloader._engine.stats import EpochStats, LoaderStats
 from threadloader._engine.threaded import ThreadedDataLoaderIter
+from threadloader._primitives import finalizers
 from threadloader._primitives.concurrency import usable_cpus
 from threadloader._primitives.warn import warn_user
 from threadloader.device.pinned import BufferPool
@@ -226,6 +227,7 @@ class ThreadDataLoader(DataLoader[T_co]):
         log_every_s: float | None = None,
         save_worker_rng: bool = False,
     ) -> None:
+        finalizers.install_hook()  # before any fork of ours (the zygote's, here)
         self._options = Options(
             device=device,
             device_prefetch=device_prefetch,

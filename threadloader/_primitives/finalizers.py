@@ -15,9 +15,10 @@ Ctrl-C that lands while it runs. The rules; where the code disagrees with them, 
    is caught, ``on_interrupt`` finishes what must not be left half done without waiting (wake
    the threads, kill the helper), and the interrupt is sent again to the main thread once the
    finalizer has returned (``exit_hook.redeliver_interrupt``).
-3. What no ``try`` can cover is left to ``sys.unraisablehook``, installed with the first
-   ``Finalizer`` (the first iterator): a ``KeyboardInterrupt`` dropped on the main thread by any
-   finalizer is sent again instead of printed. That covers the bytecode boundary before the
+3. What no ``try`` can cover is left to ``sys.unraisablehook``, installed when the first loader
+   is built (``install_hook``) or with the first ``Finalizer``: a ``KeyboardInterrupt`` dropped
+   on the main thread by any finalizer, or by an after-fork hook when a loader forks its zygote
+   or helpers (``logging``'s), is sent again instead of printed. That covers the bytecode boundary before the
    ``try`` of a ``Finalizer`` (entering the callback; the hook then runs its work as point 2
    would) and the standard library's own finalizers run when our objects die: a thread's
    ``threading._dangling`` entry, a process's ``multiprocessing.util.Finalize``, a
@@ -116,7 +117,7 @@ class Finalizer:
         *args: Any,
         on_interrupt: Callable[[], object] | None = None,
     ) -> None:
-        _install_hook()
+        install_hook()
         self._func: Callable[..., object] | None = func
         self._args = args
         self._on_interrupt = on_interrupt
@@ -183,7 +184,9 @@ def _unraisable(unraisable: Any) -> None:
     previous(unraisable)
 
 
-def _install_hook() -> None:
+def install_hook() -> None:
+    """Route a Ctrl-C that a finalizer or an after-fork hook drops on the main thread to the
+    loop (point 3); idempotent."""
     global _previous_hook
     if sys.unraisablehook is _unraisable:
         return

@@ -20,6 +20,10 @@ from helpers import assert_outcomes_match, outcomes, torch_outcomes
 from threadloader import ThreadDataLoader
 
 
+def _row(i: int) -> torch.Tensor:
+    return torch.arange(3) + i
+
+
 def _mixed_ints(i: int) -> torch.Tensor:
     return torch.arange(3, dtype=torch.int64 if i % 2 else torch.int32) + i
 
@@ -144,10 +148,8 @@ def test_default_collate_of_one_tensor_sample_fails_as_in_torch(loader_kind: str
         "collate_fn": torch.utils.data.default_collate,
         "num_workers": num_workers,
     }
-    theirs = torch_outcomes(Items(lambda i: torch.arange(3) + i, n=3), limit=3, **kwargs)
-    loader = ThreadDataLoader(
-        Items(lambda i: torch.arange(3) + i, n=3), isolation=isolation, **kwargs
-    )
+    theirs = torch_outcomes(Items(_row, n=3), limit=3, **kwargs)
+    loader = ThreadDataLoader(Items(_row, n=3), isolation=isolation, **kwargs)
     ours = outcomes(iter(loader), limit=3)
     assert isinstance(theirs[0].error, TypeError), "torch did not raise: the scenario is wrong"
     assert_outcomes_match(ours, theirs)

@@ -42,7 +42,7 @@ import functools
 import threading
 from typing import Any
 
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher
 
 from threadloader.integrations._divert import BUILT_BY_PATCH, building_like
@@ -70,25 +70,37 @@ def thread_loader_of(loader: Any) -> ThreadDataLoader[Any] | None:
 def _keep_step_states(dispatcher: Any) -> None:
     """Make a ``DataLoaderDispatcher`` over a ThreadDataLoader save the state of a step boundary.
 
-    The dispatcher fetches the next step's ``num_processes`` inner batches before it yields the
-    current step, taking the inner loader's state before each, and Accelerate corrects the last
-    one by taking ``num_processes - 1`` off StatefulDataLoader's own counters, which a
-    ThreadDataLoader state does not have: it stayed that many batches ahead, and a resume lost
-    them. ``adjust_state_dict_for_prefetch`` is Accelerate's documented place for a loader's own
-    correction: here it keeps the state taken before a step's first inner batch (whose count of
-    delivered batches is a multiple of ``num_processes``): exactly the steps yielded so far.
+    The dispatcher fetches the next step's inner batches (``_fetch_batches``: one per process,
+    or one with ``split_batches``) before it yields the current step, taking the inner loader's
+    state before each, and Accelerate corrects the last one by taking ``num_processes - 1`` off
+    StatefulDataLoader's own counters, which a ThreadDataLoader state does not have: it stayed
+    that many batches ahead, and a resume lost them. ``adjust_state_dict_for_prefetch`` is
+    Accelerate's place for a loader's own correction: within each fetch it keeps the state taken
+    before the fetch's first inner batch, exactly the steps yielded so far; a state taken
+    outside a fetch (the epoch's end) stands as it is.
     """
-    processes = PartialState().num_processes
+    fetch = dispatcher._fetch_batches
+    fetching = False
     kept: dict[str, Any] | None = None
+
+    def fetch_batches(iterator: Any) -> Any:
+        nonlocal fetching, kept
+        fetching, kept = True, None
+        try:
+            return fetch(iterator)
+        finally:
+            fetching = False
 
     def adjust_state_dict_for_prefetch() -> None:
         nonlocal kept
-        state = dispatcher.dl_state_dict
-        if kept is None or state.get("batches_yielded", 0) % processes == 0:
-            kept = state
+        if not fetching:
+            return
+        if kept is None:
+            kept = dispatcher.dl_state_dict
         else:
             dispatcher.dl_state_dict = kept
 
+    dispatcher._fetch_batches = fetch_batches
     dispatcher.adjust_state_dict_for_prefetch = adjust_state_dict_for_prefetch
 
 

@@ -89,50 +89,6 @@ if sys.argv[1] == "raise":
 sys.exit(int(sys.argv[2]))
 """
 
-CHILDREN = """\
-import json, os, subprocess, sys
-import multiprocessing as mp
-
-def report(queue=None):
-    import inspect
-    from torch.utils.data import DataLoader
-    before = {
-        "ours_imported": "threadloader" in sys.modules,
-        "signature": str(inspect.signature(DataLoader)).startswith("(dataset"),
-    }
-    loader = DataLoader(list(range(4)), num_workers=1)
-    seen = {
-        **before,
-        "loader": type(loader).__name__,
-        "isolation": getattr(loader, "isolation", None),
-        "other_sitecustomize": os.environ.get("OTHER_SITECUSTOMIZE_RAN"),
-        "folder_on_path": any("_children" in p for p in sys.path),
-    }
-    if queue is None:
-        print(json.dumps(seen))
-    else:
-        queue.put(seen)
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["child"]:
-        report()
-    elif sys.argv[1:] == ["no-torch"]:
-        print(json.dumps(sorted(m for m in ("torch", "threadloader") if m in sys.modules)))
-    else:
-        def child(arg):
-            done = subprocess.run([sys.executable, __file__, arg], capture_output=True, text=True)
-            assert done.returncode == 0, done.stderr
-            return json.loads(done.stdout)
-        context = mp.get_context("spawn")
-        queue = context.Queue()
-        process = context.Process(target=report, args=(queue,))
-        process.start()
-        seen = {"subprocess": child("child"), "no-torch": child("no-torch"), "pid": os.getpid()}
-        seen["spawn"] = queue.get(timeout=120)
-        process.join()
-        print(json.dumps(seen))
-"""
-
 RUN = ("-m", "threadloader", "run")
 #: case -> (arguments after the interpreter, compare with plain python?); all run at once.
 #: (Each pays torch's import, ~2 s of CPU: the cases that need no process of their own run
@@ -241,8 +197,6 @@ def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     """Run ``run.main`` in this process: the scripts in the cwd, sys.argv/path/patch restored."""
     _write_scripts(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # run sets both for
-    monkeypatch.setenv("THREADLOADER_RUN_PATCH", "")  # the script's children: undone after
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     logger = logging.getLogger("threadloader")  # --log-every sets it up
@@ -324,52 +278,6 @@ def test_device_without_cuda_is_a_usage_error(
     err = capfd.readouterr()
     assert err.out == "" and err.err.startswith("python -m threadloader run: error:")
     assert "CUDA" in err.err and err.err.count("\n") == 1
-
-
-def test_processes_the_script_starts_build_thread_dataloaders_too(tmp_path: Path) -> None:
-    """A rank Lightning's launcher starts as ``python SCRIPT``, a spawned process: fresh
-    interpreters get the run's patch and options (else ranks would differ in their loaders and
-    checkpoints); one that never imports torch imports nothing of ours; another
-    ``sitecustomize`` on the path still runs; the script's ``sys.path`` is its own."""
-    (tmp_path / "children.py").write_text(CHILDREN)
-    other = tmp_path / "other_site"
-    other.mkdir()
-    (other / "sitecustomize.py").write_text(
-        "import os\nos.environ['OTHER_SITECUSTOMIZE_RAN'] = str(os.getpid())\n"
-    )
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(other)])
-    done = subprocess.run(
-        [sys.executable, *RUN, "--isolation", "threads", "children.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout)
-    for how in ("subprocess", "spawn"):
-        assert seen[how]["loader"] == "ThreadDataLoader", how
-        assert seen[how]["isolation"] == "threads", how
-        assert not seen[how]["folder_on_path"], how
-        assert not seen[how]["ours_imported"], how  # until the first DataLoader is built
-        assert seen[how]["signature"], how
-        ran_in = seen[how]["other_sitecustomize"]
-        assert ran_in is not None and ran_in != str(seen["pid"]), how  # in the child itself
-    assert seen["no-torch"] == []
-    plain = subprocess.run(
-        [sys.executable, "children.py"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert plain.returncode == 0, plain.stderr
-    assert json.loads(plain.stdout)["subprocess"]["loader"] == "DataLoader"
 
 
 def test_a_ctrl_c_while_a_dropped_loaders_stats_are_kept_reaches_the_script() -> None:

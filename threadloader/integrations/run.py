@@ -16,12 +16,9 @@ Nothing is printed unless asked: ``--report`` prints the ``stats()`` of every lo
 stderr when the script ends, ``--log-every S`` logs each loader's throughput line at most every
 S seconds (to stderr, unless the script configured the ``threadloader`` logger itself).
 
-The Python processes the script starts are patched too: forked ones inherit the patch; fresh
-interpreters (``subprocess``, ``multiprocessing``'s spawn and forkserver, Lightning's launcher
-of the other ranks) apply it at their first ``DataLoader(...)``, through
-``_children/sitecustomize.py``, which this command puts first on ``PYTHONPATH`` (it hands over
-to any other ``sitecustomize``).
-A process started with ``python -S`` or ``-I``, or with an environment of its own, is not.
+What it does not reach: processes the script starts itself (``multiprocessing``, ``mp.spawn``)
+are the script's; those started by ``spawn`` or ``forkserver`` run unpatched (their loaders have
+worker processes), those forked inherit the patch.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import argparse
 import builtins
 import importlib.machinery
 import io
-import json
+import logging
 import os
 import runpy
 import sys
@@ -45,8 +42,6 @@ from threadloader._engine.stats import LoaderStats
 from threadloader._primitives.finalizers import Finalizer
 from threadloader.integrations import _divert
 from threadloader.integrations import patch as _patch
-from threadloader.integrations._children import sitecustomize
-from threadloader.integrations.log_lines import log_to_stderr
 from threadloader.loader import ThreadDataLoader
 
 __all__ = ["main"]
@@ -334,15 +329,7 @@ def main(argv: Sequence[str]) -> int:
     except (ValueError, RuntimeError, TypeError) as e:
         parser.error(str(e))
     if args.log_every is not None:
-        log_to_stderr()
-    _reach_children(
-        {
-            "isolation": args.isolation,
-            "helpers": args.helpers,
-            "device": args.device,
-            "log_every_s": args.log_every,
-        }
-    )
+        _log_to_stderr()
     report = _Report() if args.report else None
     if report is not None:
         _divert.build_listeners.append(report)
@@ -357,13 +344,12 @@ def main(argv: Sequence[str]) -> int:
             sys.stderr.flush()
 
 
-def _reach_children(options: dict[str, Any]) -> None:
-    """Make the Python processes the script starts apply the same patch at their first build:
-    the options in ``THREADLOADER_RUN_PATCH``, and ``_children/sitecustomize.py`` first on
-    ``PYTHONPATH`` (it hands over to any other ``sitecustomize``)."""
-    os.environ[sitecustomize.ENV] = json.dumps({k: v for k, v in options.items() if v is not None})
-    paths = os.environ.get("PYTHONPATH")
-    if not paths:
-        os.environ["PYTHONPATH"] = sitecustomize.FOLDER
-    elif paths.split(os.pathsep)[0] != sitecustomize.FOLDER:
-        os.environ["PYTHONPATH"] = sitecustomize.FOLDER + os.pathsep + paths
+def _log_to_stderr() -> None:
+    """Show the ``threadloader`` logger's INFO lines (``log_every_s``) unless the script set it up."""
+    logger = logging.getLogger("threadloader")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)

@@ -16,16 +16,25 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 
+import threadloader
 from threadloader import ThreadDataLoader
 
 try:  # Lightning as `lightning`, else as `pytorch_lightning`; skip the file without either
     import lightning.pytorch as pl
     from lightning.fabric import Fabric
-    from lightning.fabric.utilities.data import _auto_add_worker_init_fn, _update_dataloader
+    from lightning.fabric.utilities.data import (
+        _auto_add_worker_init_fn,
+        _replace_dunder_methods,
+        _update_dataloader,
+    )
 except ImportError:
     pl = pytest.importorskip("pytorch_lightning", reason="needs Lightning")
     from lightning_fabric import Fabric
-    from lightning_fabric.utilities.data import _auto_add_worker_init_fn, _update_dataloader
+    from lightning_fabric.utilities.data import (
+        _auto_add_worker_init_fn,
+        _replace_dunder_methods,
+        _update_dataloader,
+    )
 
 from threadloader import DistributedShuffleSampler
 from threadloader.lightning import (
@@ -205,6 +214,23 @@ def test_recreating_the_loader_keeps_every_constructor_option() -> None:
             assert getattr(again, name) == getattr(loader, name), name
     batches = sorted(b[0].tolist() for b in again)  # in_order=False: as they complete
     assert batches == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19, 21, 23]]
+
+
+@pytest.mark.parametrize("options", [{}, {"isolation": "threads"}])
+def test_a_patched_dataloader_built_in_a_hook_takes_lightnings_sampler(
+    options: dict[str, Any],
+) -> None:
+    """Lightning records the arguments of a loader built in a ``*_dataloader`` hook by its
+    constructor's signature, to build it again with a DistributedSampler: a ``DataLoader(data,
+    ...)`` that ``run``/``patch()`` made a ThreadDataLoader must keep ``dataset`` named."""
+    data = Ids()
+    with threadloader.patched(**options), _replace_dunder_methods(DataLoader, "dataset"):
+        loader = DataLoader(data, batch_size=4, num_workers=2)
+    assert type(loader) is ThreadDataLoader
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    again = _update_dataloader(loader, sampler)
+    assert type(again) is ThreadDataLoader and again.sampler is sampler
+    assert [b[0].tolist() for b in again] == [[1, 3, 5, 7], [9, 11, 13, 15], [17, 19, 21, 23]]
 
 
 def test_every_option_of_ours_is_an_attribute_of_its_name() -> None:

@@ -146,6 +146,12 @@ class _Diverted(ThreadDataLoader[Any]):
         self.__class__ = ThreadDataLoader  # type: ignore[assignment]
 
 
+# Code that reads the arguments of a loader's construction by the constructor's signature (as
+# Lightning does to build it again with its own sampler) sees ThreadDataLoader's parameters, so
+# that the positional ones (``dataset``) keep their names.
+_Diverted.__init__.__signature__ = _SIGNATURE  # type: ignore[attr-defined]
+
+
 class _NewHook:
     """What ``DataLoader.__new__`` is once hooked: a descriptor, so that
     ``inspect.signature(cls)`` of DataLoader and of subclasses without their own ``__init__``

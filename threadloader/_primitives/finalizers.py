@@ -18,12 +18,11 @@ Ctrl-C that lands while it runs. The rules; where the code disagrees with them, 
 3. What no ``try`` can cover is left to ``sys.unraisablehook``, installed when the first loader
    is built (``install_hook``) or with the first ``Finalizer``: a ``KeyboardInterrupt`` dropped
    on the main thread by any finalizer, or by an after-fork hook when a loader forks its zygote
-   or helpers (``logging``'s), is sent again instead of printed. That covers the bytecode boundary before the
-   ``try`` of a ``Finalizer`` (entering the callback; the hook then runs its work as point 2
-   would) and the standard library's own finalizers run when our objects die: a thread's
-   ``threading._dangling`` entry, a process's ``multiprocessing.util.Finalize``, a
-   ``Connection.__del__``. Any other unraisable exception goes to the hook that was there
-   before.
+   or helpers (``logging``'s), is sent again instead of printed. That covers the bytecode
+   boundary before the ``try`` of a ``Finalizer`` (entering the callback; the hook then runs its
+   work as point 2 would) and the standard library's own finalizers run when our objects die:
+   a thread's ``threading._dangling`` entry, a process's ``multiprocessing.util.Finalize``, a
+   ``Connection.__del__``. Any other unraisable exception goes to the hook that was there before.
 4. A detached or finished ``Finalizer`` drops its weak reference, so the object's death runs
    nothing at all.
 5. Unlike ``weakref.finalize``, nothing runs at interpreter exit: the exit hook

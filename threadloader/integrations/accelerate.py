@@ -25,10 +25,11 @@ prepared adapter is marked ``use_stateful_dataloader = True``, the attribute
 (``dl_state_dict.bin`` beside the model). The adapter snapshots the inner loader's
 consumer-aligned state before each batch it yields, so a state saved after N batches resumes at
 batch N+1 of the same epoch, on each process its own shard; a ``DataLoaderDispatcher``
-(``dispatch_batches=True``) keeps the state of the step boundary (``_keep_step_states``). A loader ``threadloader.patch()``
-built from a ``DataLoader(...)`` call was written for torch's DataLoader and keeps its
-checkpoint semantics: not marked, so ``save_state`` stores no loader state and Accelerate's
-documented ``load_state`` + ``skip_first_batches`` resume skips once, not twice. (With
+(``dispatch_batches=True``) keeps the state of the step boundary (``_keep_step_states``). A
+loader ``threadloader.patch()`` built from a ``DataLoader(...)`` call was written for torch's
+DataLoader and keeps its checkpoint semantics: not marked, so ``save_state`` stores no loader
+state and Accelerate's documented ``load_state`` + ``skip_first_batches`` resume skips once, not
+twice. (With
 ``DataLoaderConfiguration(use_stateful_dataloader=True)`` Accelerate marks every loader itself.)
 
 Installed by ``import threadloader.integrations.accelerate``, by ``threadloader.patch()`` when

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -403,3 +405,50 @@ def test_a_long_first_epoch_moves_into_forkserver_helpers_once_the_server_is_rea
     assert "first epoch" in _line(proc.stdout, "WHY")
     assert _line(proc.stdout, "SAME AS TORCH").startswith("True"), proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+KILLED_BY_SIGTERM = """\
+import sys, time
+import torch
+from torch.utils.data import Dataset
+from threadloader import ThreadDataLoader
+
+class Items(Dataset):
+    def __len__(self):
+        return 10**6
+    def __getitem__(self, i):
+        time.sleep(0.001)
+        return torch.tensor(i)
+
+if __name__ == "__main__":
+    loader = ThreadDataLoader(
+        Items(), batch_size=4, num_workers=2, isolation="process",
+        multiprocessing_context="forkserver",
+    )
+    for i, batch in enumerate(loader):
+        if i == 10:
+            print("running", flush=True)
+"""
+
+
+def test_a_training_process_killed_by_sigterm_leaves_no_ready_mark_folder(tmp_path: Path) -> None:
+    """SIGTERM's default action skips the training process's exit handlers, which remove the
+    folder of its forkserver's ready marks: the forkserver, exiting once its parent is gone,
+    removes it."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_BY_SIGTERM)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(_REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "running\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(p.name.startswith("threadloader-forkserver-") for p in temp.iterdir()):
+        assert time.monotonic() < deadline, sorted(p.name for p in temp.iterdir())
+        time.sleep(0.1)

@@ -6,7 +6,8 @@ for those imports. ``helper_source`` preloads this module after every other one.
 forkserver, it creates an empty file named for its pid in the folder the training process
 passed in the server's arguments (``helper_source.mark_path``), which the training process can
 look for without asking the server (``helper_source.forkserver_is_ready``), and removes it when
-the server exits. Imported in any other process, or in a server given no folder, it does
+the server exits, with the folder where the training process is gone (it removes the folder at
+its own exit, which a SIGTERM skips). Imported in any other process, or in a server given no folder, it does
 nothing.
 
 Nothing else in threadloader imports this module or ``forkserver_exit``: the forkserver imports
@@ -24,11 +25,14 @@ import sys
 from threadloader.isolation.forkserver_process import in_forkserver, ready_mark, server_arguments
 
 
-def _unmark(path: str, pid: int) -> None:
+def _unmark(path: str, pid: int, parent: int) -> None:
     if os.getpid() != pid:  # a process forked from the server, exiting: the server still runs
         return
     with contextlib.suppress(OSError):
         os.unlink(path)
+    if os.getppid() != parent:  # the training process died without its exit handlers (a
+        with contextlib.suppress(OSError):  # SIGTERM, a kill): its folder goes, once empty
+            os.rmdir(os.path.dirname(path))
 
 
 def _mark() -> None:
@@ -43,7 +47,7 @@ def _mark() -> None:
             pass
     except OSError:  # the training process then waits for a helper's start, as without a mark
         return
-    atexit.register(_unmark, path, pid)
+    atexit.register(_unmark, path, pid, os.getppid())
 
 
 if in_forkserver():

@@ -7,8 +7,8 @@ forkserver, it creates an empty file named for its pid in the folder the trainin
 passed in the server's arguments (``helper_source.mark_path``), which the training process can
 look for without asking the server (``helper_source.forkserver_is_ready``), and removes it when
 the server exits, with the folder where the training process is gone (it removes the folder at
-its own exit, which a SIGTERM skips). Imported in any other process, or in a server given no folder, it does
-nothing.
+its own exit, which a SIGTERM skips). Imported in any other process, or in a server given no
+folder, it does nothing.
 
 Nothing else in threadloader imports this module or ``forkserver_exit``: the forkserver imports
 the main script first, and the script's ``import threadloader`` must not mark the server ready

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import multiprocessing.forkserver
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -437,18 +439,21 @@ def test_a_training_process_killed_by_sigterm_leaves_no_ready_mark_folder(tmp_pa
     removes it."""
     script = tmp_path / "killed.py"
     script.write_text(KILLED_BY_SIGTERM)
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    # Short: the forkserver's socket lives there, and a Unix socket's path has ~100 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="tl-", dir="/tmp" if os.path.isdir("/tmp") else None))
     env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": str(_REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
-    )
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == "running\n"
+        proc = subprocess.Popen(
+            [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "running\n"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while any(p.name.startswith("threadloader-forkserver-") for p in temp.iterdir()):
+            assert time.monotonic() < deadline, sorted(p.name for p in temp.iterdir())
+            time.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    deadline = time.monotonic() + 20
-    while any(p.name.startswith("threadloader-forkserver-") for p in temp.iterdir()):
-        assert time.monotonic() < deadline, sorted(p.name for p in temp.iterdir())
-        time.sleep(0.1)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -59,7 +59,8 @@ class Fetcher:
         collate_fn: the loader's collate function (``default_convert`` without batching).
         drop_last: drop an IterableDataset's short last batch.
         stopped: asked before each item (where items are slow: ``_each``): True stops the
-            batch there (``Abandoned``). A batch the dataset makes whole (``__getitems__``) runs whole.
+            batch there (``Abandoned``). A batch the dataset makes whole (``__getitems__``)
+            runs whole.
 
     Raises:
         Exception: whatever ``iter(dataset)`` raises for an IterableDataset.

@@ -320,3 +320,17 @@ def torchrun(
         if proc.returncode == 0 or EXIT_ABORT not in proc.stderr:
             break
     return proc
+
+
+def threadloader_threads() -> list[threading.Thread]:
+    """The live threads threadloader started (workers, transfer, helpers' readers)."""
+    return [t for t in threading.enumerate() if t.name.startswith("threadloader-")]
+
+
+def threadloader_threads_after(within_s: float = 10.0) -> list[threading.Thread]:
+    """``threadloader_threads()`` once none is left or ``within_s`` has passed: ``[]`` where
+    every one ended in time."""
+    deadline = time.monotonic() + within_s
+    while threadloader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threadloader_threads()

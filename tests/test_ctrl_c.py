@@ -30,7 +30,7 @@ import psutil
 import pytest
 import torch
 from ctrl_c_trials import CONFIGS, LIMIT_S
-from helpers import press_ctrl_c_during
+from helpers import press_ctrl_c_during, threadloader_threads_after
 from torch.utils.data import Dataset
 
 from threadloader import ThreadDataLoader
@@ -414,7 +414,7 @@ def test_a_signal_handlers_sys_exit_on_the_training_thread_reaches_the_loop() ->
     assert code == 143
     assert _ExitsOnTheTrainingThread.ran_here > 0
     assert not skipped
-    assert _worker_threads_end()
+    assert threadloader_threads_after() == []
 
 
 class _CallsSysExitOnTheTrainingThread(Dataset[int]):
@@ -444,17 +444,7 @@ def test_item_codes_own_sys_exit_on_the_training_thread_stays_a_worker_error() -
             errors.append(str(error))  # not the error: its frames hold the epoch's iterator
     assert errors, "the training thread made no batch: the scenario is wrong"
     assert all("Caught SystemExit" in e for e in errors)
-    assert _worker_threads_end()
-
-
-def _worker_threads_end(within_s: float = 10.0) -> bool:
-    """Whether every threadloader thread has ended within ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while any(t.name.startswith("threadloader") for t in threading.enumerate()):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    assert threadloader_threads_after() == []
 
 
 AFTER_FORK_CTRL_C = """\

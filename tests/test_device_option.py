@@ -7,12 +7,11 @@ shutdown as CUDA); tests/cuda/ checks the copies themselves on a GPU.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 
 import pytest
 import torch
-from helpers import assert_batches_equal
+from helpers import assert_batches_equal, threadloader_threads, threadloader_threads_after
 from torch.utils.data import DataLoader, Dataset
 
 from threadloader import ThreadDataLoader
@@ -24,17 +23,6 @@ class Pairs(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": torch.full((3,), float(i)), "y": torch.tensor(i)}
-
-
-def _ours() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("threadloader-")]
-
-
-def _settle() -> list[threading.Thread]:
-    deadline = time.monotonic() + 10
-    while _ours() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return _ours()
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -77,7 +65,7 @@ def test_device_batches_equal_torchs(num_workers: int, persistent: bool) -> None
         for a, b in zip(got, want, strict=True):
             assert_batches_equal(a, b)
     del ours, theirs
-    assert _settle() == []
+    assert threadloader_threads_after() == []
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -116,11 +104,11 @@ def test_break_and_del_end_the_transfer_thread_too(num_workers: int) -> None:
     loader = ThreadDataLoader(Pairs(), batch_size=4, num_workers=num_workers, device="cpu")
     for _ in loader:
         break
-    assert _settle() == []
+    assert threadloader_threads_after() == []
     it = iter(loader)
     next(it)
     del it
-    assert _settle() == []
+    assert threadloader_threads_after() == []
 
 
 def test_worker_error_reaches_the_loop_through_the_transfer_stage() -> None:
@@ -137,7 +125,7 @@ def test_worker_error_reaches_the_loop_through_the_transfer_stage() -> None:
     with pytest.raises(KeyError, match="missing sample 6"):
         next(it)
     del it
-    assert _settle() == []
+    assert threadloader_threads_after() == []
 
 
 def test_bad_device_arguments_fail_at_construction() -> None:
@@ -182,8 +170,10 @@ def test_persistent_epoch_started_while_the_last_is_held_loses_nothing(
         it = iter(loader)  # the last epoch's `it` is alive until this assignment
         got = [next(it).tolist() for _ in range(3)]
         assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-        transfer = [t for t in _ours() if t.name.endswith("-transfer") and t.is_alive()]
+        transfer = [
+            t for t in threadloader_threads() if t.name.endswith("-transfer") and t.is_alive()
+        ]
         assert len(transfer) == 1, transfer
     assert len(list(it)) == 100 - 3
     del it, loader
-    assert _settle() == []
+    assert threadloader_threads_after() == []

@@ -446,7 +446,7 @@ class Worker:
             # loop gets it: a Ctrl-C, a SIGTERM handler's sys.exit() (preemption). Item code's
             # own SystemExit is a worker's error, as a worker process's death is in torch.
             if threading.current_thread() is threading.main_thread() and (
-                isinstance(error, KeyboardInterrupt) or raised_by_signal_handler(error)
+                isinstance(error, KeyboardInterrupt) or _raised_by_signal_handler(error)
             ):
                 raise
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
@@ -454,7 +454,7 @@ class Worker:
             return ExceptionWrapper(where=f"{self._where()}, batch {task.idx}{_indices(task)}")
 
 
-def raised_by_signal_handler(error: BaseException) -> bool:
+def _raised_by_signal_handler(error: BaseException) -> bool:
     """Whether ``error`` went through a frame of a Python signal handler installed now."""
     handlers = set()
     for signum in signal.valid_signals():
